@@ -1,0 +1,183 @@
+"""One config tree: nested frozen dataclasses, loaded from a TOML file, then `--a.b=value` overrides.
+
+Owns: every tunable of a run, its default, its validation (one-line ConfigError naming the bad key), and
+the JSON form handed to worker processes. Does not own: what the values do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = 2  # transformer blocks
+    n_head: int = 4
+    n_embd: int = 64  # width; parameters grow with n_layer * 12 * n_embd**2
+    block_size: int = 64  # longest sequence the model takes, tokens
+    vocab_size: int = 256  # byte-level
+    dropout: float = 0.1  # seeded per microbatch (seed, step, i), never per rank
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # text file or uint16 token file (.bin); empty: the Python standard library's source
+    batch_size: int = 4  # sequences per microbatch
+    seq_len: str = "64"  # tokens per sequence; "variable" or "MIN-MAX": lengths from document lengths
+    max_files: int = 400  # default corpus: how many stdlib files to read
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+
+
+@dataclass(frozen=True)
+class CoordConfig:
+    heartbeat_interval: float = 0.1  # s between a member's heartbeats
+    heartbeat_timeout: float = 1.5  # s without a heartbeat before a member is declared dead
+    progress_timeout: float = 20.0  # s in one compute microbatch before a beating member is declared stuck
+    collective_timeout: float = 30.0  # s before gloo gives up on a collective by itself
+    run_timeout: float = 900.0  # s before the launcher gives up on the whole run
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    replicas: int = 4  # data-parallel replica groups (one process each)
+    steps: int = 20
+    microbatches: int = 8  # per step, constant whatever fails
+    seed: int = 0
+    exact: bool = False  # float64 accumulation and reduction: bitwise the failure-free trajectory
+    threads: int = 1  # torch threads per replica, identical on all (exact mode needs that)
+    faults: str = ""  # see faultspec.py
+    out: str = "runs/latest"
+    progress: bool = True  # live progress with rich
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    coord: CoordConfig = field(default_factory=CoordConfig)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Config":
+        return build(json.loads(text))
+
+
+def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Config:
+    """A validated Config from a nested dict plus dotted overrides (values may be strings from the CLI)."""
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override {dotted!r} must look like section.key")
+        tree.setdefault(section, {})[key] = value
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    built = {}
+    for name, sub in tree.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section {name!r} (known: {', '.join(sections)})")
+        if not isinstance(sub, dict):
+            raise ConfigError(f"config section {name!r} must be a table")
+        built[name] = _section(_SECTIONS[name], name, sub)
+    cfg = Config(**built)
+    validate(cfg)
+    return cfg
+
+
+_SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "coord": CoordConfig}
+
+
+def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, raw in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown config key {name}.{key}")
+        kwargs[key] = _coerce(hints[key], raw, f"{name}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, raw: Any, where: str) -> Any:
+    if isinstance(tp, types.UnionType):
+        tp = next(t for t in typing.get_args(tp) if t is not type(None))
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+        return tp(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={raw!r} is not a valid {tp.__name__}") from None
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError with one line for the first impossible value."""
+    r, m = cfg.run, cfg.model
+    checks = [
+        (r.replicas >= 1, f"run.replicas={r.replicas}: need at least 1 replica"),
+        (r.steps >= 1, f"run.steps={r.steps}: need at least 1 step"),
+        (r.microbatches >= 1, f"run.microbatches={r.microbatches}: need at least 1 microbatch"),
+        (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
+        (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
+        (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
+        (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
+        (cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size}: need at least 1"),
+        (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),
+        (cfg.coord.heartbeat_timeout > 2 * cfg.coord.heartbeat_interval,
+         "coord.heartbeat_timeout must exceed two heartbeat intervals"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if cfg.data.path and not Path(cfg.data.path).is_file():
+        raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
+
+
+def load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Config from an optional TOML file plus overrides. Raises ConfigError (one line) on bad input."""
+    tree: dict[str, Any] = {}
+    if path:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path!r}: {e}") from None
+    return build(tree, overrides)
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--a.b=value` arguments into {"a.b": "value"}; raises ConfigError on anything else."""
+    out = {}
+    for a in args:
+        if not a.startswith("--") or "=" not in a or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unrecognized argument {a!r} (overrides look like --section.key=value)")
+        key, value = a[2:].split("=", 1)
+        out[key] = value
+    return out

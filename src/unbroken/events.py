@@ -1,0 +1,78 @@
+"""The event log: one JSON object a line in `RUN_DIR/events.jsonl`, written by every process of a run.
+
+Owns: the record format, appending safely from many processes, and reading a log back.
+Does not own: what to do about an event (policy), or summaries and plots (report.py).
+
+Every record has "event" (its kind) and "t" (wall-clock seconds, time.time()); most have "replica".
+The simulator writes the same kinds with "t" on its virtual clock, so readers serve real and simulated
+runs alike. Kinds and their fields:
+
+  run_start      replicas, steps, microbatches, exact, seed, faults
+  step           step, loss, microbatches, replicas (members of the commit epoch), epoch, tokens, t,
+                 param_digest (sha256 of all float32 params after the optimizer step, fixed order),
+                 owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
+  applied        step, replica, param_digest          (each member after its optimizer step)
+  compute        step, replica, epoch, microbatch, seconds, tokens, sumsq   (one per microbatch)
+  reduce         step, replica, epoch, seconds, ok, wait
+  decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
+  fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
+  member_dead    replica, epoch (the new epoch without it), reason
+  epoch          epoch, members
+  recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)
+  fenced         replica, step, reason                (a zombie that woke up and left)
+  exit           replica, code                        (the launcher saw a worker process end)
+  run_failed     reason, last_committed_step
+  run_end        ok, steps_committed, seconds
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class EventLog:
+    """Append-only JSON-lines writer, safe across processes.
+
+    Each record goes out in a single `os.write` on an O_APPEND descriptor, so records from different
+    processes never interleave inside a line. Open one per process; `emit` may be called from any thread.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **common: Any):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._common = common
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, "t": fields.pop("t", time.time()), **self._common, **fields}
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        return record
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of a log (a torn last line from a killed writer is skipped)."""
+    return list(iter_events(path))
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "events.jsonl"
+    with open(p, encoding="utf-8") as f:
+        for line in f:
+            if line.endswith("\n"):
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+
+
+def steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Committed step records by step number."""
+    return {r["step"]: r for r in records if r["event"] == "step"}

@@ -1,0 +1,125 @@
+"""The `--faults` grammar, parsed into frozen values. No torch, no processes: injecting is runtime's job.
+
+    SPEC   := FAULT (";" FAULT)*
+    FAULT  := KIND ":" KEY "=" VALUE ("," KEY "=" VALUE)*
+    kill:replica=1,step=10,phase=allreduce      SIGKILL the replica's process at that point
+    hang:replica=2,step=14,phase=compute,for=8  SIGSTOP it there, SIGCONT after `for` seconds
+    slow:replica=0,from=5,factor=2[,to=9]       stretch each microbatch's compute by `factor`
+
+Steps count from 0. Owns parsing and validation against the run's size; every error is a FaultSpecError
+whose message names the offending token in one line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PHASES = ("compute", "allreduce", "commit", "optimizer")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    replica: int | None = None
+    step: int | None = None
+    phase: str | None = None
+    seconds: float = 0.0  # hang: how long the process stays stopped
+    factor: float = 1.0  # slow
+    start: int = 0  # slow: first slowed step
+    stop: int | None = None  # slow: first step no longer slowed (None: to the end)
+    node: int | None = None
+
+    def slows(self, replica: int, step: int) -> bool:
+        return (self.kind == "slow" and self.replica == replica and step >= self.start
+                and (self.stop is None or step < self.stop))
+
+
+# kind -> (required keys, optional keys)
+_KEYS: dict[str, tuple[set[str], set[str]]] = {
+    "kill": ({"replica", "step"}, {"phase"}),
+    "hang": ({"replica", "step", "for"}, {"phase"}),
+    "slow": ({"replica", "factor"}, {"from", "to"}),
+}
+
+
+def parse(spec: str, replicas: int, steps: int, extra_kinds: dict[str, tuple[set[str], set[str]]] | None = None) -> tuple[Fault, ...]:
+    """Parse and validate a fault spec for a run of `replicas` replicas and `steps` steps.
+
+    Raises FaultSpecError naming the bad token. An empty spec is no faults.
+    """
+    kinds = {**_KEYS, **(extra_kinds or {})}
+    faults = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        kind, sep, body = part.partition(":")
+        kind = kind.strip()
+        if kind not in kinds:
+            raise FaultSpecError(f"unknown fault kind {kind!r} in {part!r} (known: {', '.join(kinds)})")
+        if not sep or not body.strip():
+            raise FaultSpecError(f"fault {part!r} has no arguments (expected {kind}:key=value,...)")
+        kv: dict[str, str] = {}
+        for item in body.split(","):
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if not eq or not key or not value:
+                raise FaultSpecError(f"malformed argument {item.strip()!r} in {part!r} (expected key=value)")
+            if key in kv:
+                raise FaultSpecError(f"argument {key!r} given twice in {part!r}")
+            kv[key] = value
+        required, optional = kinds[kind]
+        for key in kv:
+            if key not in required | optional:
+                raise FaultSpecError(f"unknown argument {key!r} for {kind} in {part!r}")
+        for key in sorted(required - kv.keys()):
+            raise FaultSpecError(f"{kind} needs {key}= in {part!r}")
+        faults.append(_build(kind, kv, part, replicas, steps))
+    return tuple(faults)
+
+
+def _int(kv: dict[str, str], key: str, part: str, lo: int, hi: int | None) -> int:
+    try:
+        v = int(kv[key])
+    except ValueError:
+        raise FaultSpecError(f"{key}={kv[key]!r} is not an integer in {part!r}") from None
+    if v < lo or (hi is not None and v >= hi):
+        bound = f"0..{hi - 1}" if hi is not None else f">= {lo}"
+        raise FaultSpecError(f"{key}={v} is out of range ({bound}) in {part!r}")
+    return v
+
+
+def _float(kv: dict[str, str], key: str, part: str, lo: float) -> float:
+    try:
+        v = float(kv[key])
+    except ValueError:
+        raise FaultSpecError(f"{key}={kv[key]!r} is not a number in {part!r}") from None
+    if not v >= lo:
+        raise FaultSpecError(f"{key}={v} must be >= {lo} in {part!r}")
+    return v
+
+
+def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int) -> Fault:
+    f: dict = {"kind": kind}
+    if "replica" in kv:
+        f["replica"] = _int(kv, "replica", part, 0, replicas)
+    if "node" in kv:
+        f["node"] = _int(kv, "node", part, 0, None)
+    if "step" in kv:
+        f["step"] = _int(kv, "step", part, 0, steps)
+    if "phase" in kv:
+        if kv["phase"] not in PHASES:
+            raise FaultSpecError(f"unknown phase {kv['phase']!r} in {part!r} (phases: {', '.join(PHASES)})")
+        f["phase"] = kv["phase"]
+    elif kind in ("kill", "hang"):
+        f["phase"] = "compute"
+    if "for" in kv:
+        f["seconds"] = _float(kv, "for", part, 0.0)
+    if "factor" in kv:
+        f["factor"] = _float(kv, "factor", part, 1.0)
+    if "from" in kv:
+        f["start"] = _int(kv, "from", part, 0, steps)
+    if "to" in kv:
+        f["stop"] = _int(kv, "to", part, 0, steps + 1)
+    return Fault(**f)

@@ -1,0 +1,60 @@
+"""Membership epochs and liveness verdicts from heartbeats, as pure values.
+
+Owns: what a membership epoch is (number + sorted member ids), how an epoch follows from the dead set,
+and which members are stale given when each heartbeat was last seen to change.
+Does not own: receiving heartbeats or storing epochs (the coordinator in `runtime/` does), or clocks:
+callers pass times in seconds from their own monotonic clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Membership:
+    epoch: int
+    members: tuple[int, ...]
+
+    @staticmethod
+    def initial(replicas: int) -> "Membership":
+        return Membership(0, tuple(range(replicas)))
+
+    def without(self, dead: Iterable[int]) -> "Membership":
+        """The next epoch with `dead` removed; the same membership if none of them is a member."""
+        gone = set(dead) & set(self.members)
+        if not gone:
+            return self
+        return Membership(self.epoch + 1, tuple(m for m in self.members if m not in gone))
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What a member last said about itself: where it is, and when the coordinator saw it change."""
+    seq: int
+    step: int
+    phase: str
+    microbatch: int
+    seen_at: float  # coordinator's monotonic clock, s, when `seq` last changed
+    progress_at: float  # ... when (step, phase, microbatch) last changed
+
+
+def stale(beats: Mapping[int, Beat], members: Iterable[int], now: float, heartbeat_timeout: float,
+          progress_timeout: float) -> dict[int, str]:
+    """Members to declare dead, each with a one-line reason.
+
+    A member is dead when its heartbeat has not changed for `heartbeat_timeout` s (killed, stopped, node
+    gone), or when it has sat in the same compute microbatch for `progress_timeout` s while beating
+    (alive but stuck). Members that never beat are judged from `now` only once they have beaten once;
+    the launcher reports processes that die before their first beat.
+    """
+    verdicts: dict[int, str] = {}
+    for m in members:
+        b = beats.get(m)
+        if b is None:
+            continue
+        if now - b.seen_at > heartbeat_timeout:
+            verdicts[m] = f"no heartbeat for {now - b.seen_at:.1f} s"
+        elif b.phase == "compute" and now - b.progress_at > progress_timeout:
+            verdicts[m] = f"stuck in step {b.step} microbatch {b.microbatch} for {now - b.progress_at:.1f} s"
+    return verdicts

@@ -1,0 +1,205 @@
+"""In-step recovery as a pure state machine: `on_event(state, event) -> (state, actions)`.
+
+Owns: what one replica does inside one step when the membership changes under it: which microbatches it
+still owes, when it may reduce, when it proposes commit or retry, when it must fence itself.
+Does not own: executing any action (the trainer in `runtime/` and the simulator in `sim/` execute them),
+how decisions are stored (compare-and-set in the coordinator's store), or the optimizer.
+
+Protocol (DESIGN.md, step protocol): compute owned microbatches into the local accumulator -> reduce a copy
+in the epoch's group -> publish done(s, e) -> the last to publish proposes commit@e -> everyone follows the
+single decision. When the epoch moves: propose retry for the old epoch (a no-op if it was decided already),
+follow the decision; on retry replay the membership history into new owners, compute what is still owed,
+and reduce again in the new epoch. The local accumulator is never cleared inside a step, so work already
+done is kept and only the orphaned microbatches are redone.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from unbroken.policy import workload
+
+
+class Phase(StrEnum):
+    COMPUTE = "compute"
+    REDUCE = "reduce"
+    DECIDE = "decide"
+    COMMITTED = "committed"
+    FENCED = "fenced"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.COMMITTED, Phase.FENCED)
+
+
+Chain = tuple[tuple[int, tuple[int, ...]], ...]
+"""Membership epochs after the state's epoch, oldest first: ((epoch, members), ...)."""
+
+
+# ---- actions: what the executor must do next -------------------------------------------------------
+@dataclass(frozen=True)
+class Compute:
+    step: int
+    microbatches: tuple[int, ...]  # run forward+backward of each, add into the local accumulator
+
+
+@dataclass(frozen=True)
+class Reduce:
+    step: int
+    epoch: int  # all-reduce a copy of the accumulator in this epoch's group
+
+
+@dataclass(frozen=True)
+class Publish:
+    step: int
+    epoch: int
+    held: tuple[int, ...]  # microbatches inside the reduced accumulator, for the audit
+
+
+@dataclass(frozen=True)
+class Propose:
+    step: int
+    epoch: int
+    outcome: str  # "commit" or "retry"; compare-and-set, the winner is the decision
+
+
+@dataclass(frozen=True)
+class AwaitDecision:
+    step: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class AwaitEpoch:
+    step: int
+    epoch: int  # wait until the membership moves past this epoch
+
+
+@dataclass(frozen=True)
+class Apply:
+    step: int
+    epoch: int  # the reduced gradient of this epoch is final: optimizer step
+
+
+@dataclass(frozen=True)
+class Fence:
+    step: int
+    reason: str  # this replica is no longer a member: leave without writing anything
+
+
+Action = Compute | Reduce | Publish | Propose | AwaitDecision | AwaitEpoch | Apply | Fence
+
+
+# ---- events: what the executor observed -----------------------------------------------------------
+@dataclass(frozen=True)
+class Computed:
+    microbatches: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Reduced:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ReduceFailed:
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Published:
+    epoch: int
+    count: int  # members of the epoch that have published done, this one included
+
+
+@dataclass(frozen=True)
+class EpochChanged:
+    chain: Chain
+
+
+@dataclass(frozen=True)
+class Decided:
+    epoch: int
+    outcome: str
+    chain: Chain = ()  # epochs after `epoch`; non-empty with "retry"
+
+
+Event = Computed | Reduced | ReduceFailed | Published | EpochChanged | Decided
+
+
+@dataclass(frozen=True)
+class StepState:
+    step: int
+    me: int
+    epoch: int
+    members: tuple[int, ...]
+    owners: tuple[int, ...]
+    held: frozenset[int]
+    phase: Phase
+    weights: tuple[tuple[int, float], ...] = ()
+    attempt: int = 0
+    history: Chain = field(default=())  # every epoch this step went through after its plan
+
+    @property
+    def owed(self) -> frozenset[int]:
+        return workload.mine(self.owners, self.me) - self.held
+
+
+def start(step: int, me: int, epoch: int, members: Sequence[int], num_microbatches: int,
+          weights: Mapping[int, float] | None = None) -> tuple[StepState, tuple[Action, ...]]:
+    """Begin step `step` from its plan (base epoch, members, quota weights). Call once per step."""
+    w = tuple(sorted((weights or {}).items()))
+    owners = workload.assign(num_microbatches, members, dict(w))
+    state = StepState(step, me, epoch, tuple(sorted(members)), owners, frozenset(), Phase.COMPUTE, w)
+    if me not in state.members:
+        return replace(state, phase=Phase.FENCED), (Fence(step, f"replica {me} is not in epoch {epoch}"),)
+    return _work(state)
+
+
+def on_event(state: StepState, event: Event) -> tuple[StepState, tuple[Action, ...]]:
+    """Advance one replica's step by one observed event. Pure; raises ValueError on an impossible event."""
+    if state.phase.terminal:
+        raise ValueError(f"step {state.step} already ended ({state.phase})")
+    match event:
+        case Computed(mbs):
+            return _work(replace(state, held=state.held | frozenset(mbs)))
+        case Reduced(e) if e == state.epoch:
+            return replace(state, phase=Phase.DECIDE), (Publish(state.step, e, tuple(sorted(state.held))),)
+        case ReduceFailed(e) if e == state.epoch:
+            return state, (AwaitEpoch(state.step, e),)
+        case Published(e, count) if e == state.epoch:
+            if count >= len(state.members):
+                return state, (Propose(state.step, e, "commit"),)
+            return state, (AwaitDecision(state.step, e),)
+        case EpochChanged(chain):
+            if chain and state.me not in chain[-1][1]:
+                return _fence(state, chain[-1][0])
+            return state, (Propose(state.step, state.epoch, "retry"),)
+        case Decided(e, "commit") if e == state.epoch:
+            return replace(state, phase=Phase.COMMITTED), (Apply(state.step, e),)
+        case Decided(e, "retry", chain) if e == state.epoch and chain:
+            return _advance(state, chain)
+    raise ValueError(f"unexpected {event!r} in phase {state.phase} of step {state.step}, epoch {state.epoch}")
+
+
+def _work(state: StepState) -> tuple[StepState, tuple[Action, ...]]:
+    owed = state.owed
+    if owed:
+        return replace(state, phase=Phase.COMPUTE), (Compute(state.step, tuple(sorted(owed))),)
+    return replace(state, phase=Phase.REDUCE), (Reduce(state.step, state.epoch),)
+
+
+def _advance(state: StepState, chain: Chain) -> tuple[StepState, tuple[Action, ...]]:
+    epoch, members = chain[-1]
+    if state.me not in members:
+        return _fence(state, epoch)
+    owners = workload.replay(state.owners, [m for _, m in chain], dict(state.weights))
+    moved = replace(state, epoch=epoch, members=tuple(sorted(members)), owners=owners,
+                    attempt=state.attempt + 1, history=state.history + tuple(chain))
+    return _work(moved)
+
+
+def _fence(state: StepState, epoch: int) -> tuple[StepState, tuple[Action, ...]]:
+    return replace(state, phase=Phase.FENCED), (Fence(state.step, f"replica {state.me} was removed in epoch {epoch}"),)

@@ -1,0 +1,96 @@
+"""Microbatch assignment: quotas by weight, redistribution of a lost replica's microbatches, loss weights.
+
+Owns: the mapping microbatch index -> owning replica for one step, as a tuple `owners` of length M
+(`owners[i]` is the replica id computing microbatch `(s, i)`), and how it changes when replicas leave.
+Does not own: which replicas are alive (membership), measuring speeds (detection), or any tensor.
+
+Every function is deterministic in its arguments, so every member that sees the same membership history
+derives the same owners without talking to the others.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def quotas(total: int, members: Sequence[int], weights: Mapping[int, float] | None = None) -> dict[int, int]:
+    """Split `total` items among `members` in proportion to `weights` (largest-remainder rounding).
+
+    Missing or non-positive weights count as the mean weight of the others (1.0 if none is given), so an
+    unmeasured replica gets an equal share. Ties in the remainders go to the lower replica id.
+    Raises ValueError when `members` is empty and `total` > 0.
+    """
+    members = sorted(members)
+    if not members:
+        if total:
+            raise ValueError("no members to take the work")
+        return {}
+    given = [weights[m] for m in members if weights and weights.get(m, 0) > 0]
+    fallback = sum(given) / len(given) if given else 1.0
+    w = {m: (weights[m] if weights and weights.get(m, 0) > 0 else fallback) for m in members}
+    wsum = sum(w.values())
+    exact = {m: total * w[m] / wsum for m in members}
+    q = {m: int(exact[m]) for m in members}
+    left = total - sum(q.values())
+    by_remainder = sorted(members, key=lambda m: (-(exact[m] - q[m]), m))
+    for m in by_remainder[:left]:
+        q[m] += 1
+    return q
+
+
+def assign(num_microbatches: int, members: Sequence[int], weights: Mapping[int, float] | None = None) -> tuple[int, ...]:
+    """Owners at the start of a step: contiguous blocks of microbatches, in replica-id order.
+
+    Call once per step with the step's plan (members and quota weights). Returns `owners`, length M.
+    """
+    q = quotas(num_microbatches, members, weights)
+    owners: list[int] = []
+    for m in sorted(members):
+        owners.extend([m] * q[m])
+    return tuple(owners)
+
+
+def redistribute(owners: Sequence[int], members: Sequence[int], weights: Mapping[int, float] | None = None) -> tuple[int, ...]:
+    """Give the microbatches of replicas no longer in `members` to the survivors, by quota weight.
+
+    Microbatches of surviving replicas keep their owner (their work is already in that survivor's local
+    accumulator); the orphaned ones, in index order, are split in contiguous runs among the survivors.
+    Raises ValueError when `members` is empty and anything is orphaned.
+    """
+    alive = set(members)
+    orphans = [i for i, o in enumerate(owners) if o not in alive]
+    if not orphans:
+        return tuple(owners)
+    q = quotas(len(orphans), sorted(alive), weights)
+    new = list(owners)
+    it = iter(orphans)
+    for m in sorted(alive):
+        for _ in range(q[m]):
+            new[next(it)] = m
+    return tuple(new)
+
+
+def replay(owners: Sequence[int], history: Sequence[Sequence[int]], weights: Mapping[int, float] | None = None) -> tuple[int, ...]:
+    """Owners after a sequence of membership epochs (each a member list), applied in order.
+
+    A member that skipped an intermediate epoch derives the same owners as one that lived through it,
+    because the result depends only on the recorded history.
+    """
+    for members in history:
+        owners = redistribute(owners, members, weights)
+    return tuple(owners)
+
+
+def mine(owners: Sequence[int], replica: int) -> frozenset[int]:
+    """The microbatch indices owned by `replica`."""
+    return frozenset(i for i, o in enumerate(owners) if o == replica)
+
+
+def loss_weight(microbatch_tokens: int, step_tokens: int) -> float:
+    """Weight of one microbatch's mean loss in the step's loss: its share of the step's tokens.
+
+    With these weights the step gradient is sum_i w_i * grad(mean loss_i), whatever the assignment.
+    Raises ValueError for a step with no tokens.
+    """
+    if step_tokens <= 0:
+        raise ValueError("a step needs at least one token")
+    return microbatch_tokens / step_tokens
