@@ -1,0 +1,68 @@
+"""The Python API: `unbroken.train(...)` with a user's own model, data and optimizer factories.
+
+Owns: building the config, validating the fault spec before anything starts, and choosing the role of
+this process: in a worker (UNBROKEN_REPLICA set) it trains as that replica; otherwise it launches the
+coordinator and re-runs the calling script once per replica, as torchrun does. Does not own: training.
+
+    import unbroken
+    if __name__ == "__main__":
+        result = unbroken.train(model=make_model, data=make_data, optimizer=make_opt, replicas=4, steps=50)
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from unbroken.config import Config, ConfigError, build
+from unbroken.faultspec import FaultSpecError, parse
+
+_RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress"}
+
+
+def make_config(config: Config | None = None, **run: Any) -> Config:
+    """A validated Config: `config` (default: all defaults) with run-level keys replaced.
+
+    Dotted keys may be given as section__key (e.g. model__n_layer=4). Raises ConfigError (one line).
+    """
+    import dataclasses
+    tree = dataclasses.asdict(config or Config())
+    for key, value in run.items():
+        if value is None:
+            continue
+        section, _, name = key.partition("__")
+        if not name:
+            section, name = "run", key
+            if key not in _RUN_KEYS:
+                raise ConfigError(f"unknown run option {key!r}")
+        tree.setdefault(section, {})[name] = value
+    cfg = build(tree)
+    try:
+        parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
+    except FaultSpecError as e:
+        raise ConfigError(f"--faults: {e}") from None
+    return cfg
+
+
+def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,
+          optimizer: Callable | None = None, **run: Any):
+    """Train with fault tolerance; returns a `RunResult` in the launching process.
+
+    model(cfg) -> nn.Module with forward(x, y) -> mean loss; data(cfg) -> object with
+    microbatch(step, i) returning (x, y, tokens, sumsq) fields and step_tokens(step, M); optimizer(params,
+    cfg) -> torch Optimizer. Any of them None: the built-in GPT, corpus, AdamW. In a worker process this
+    call trains and then ends the process (it never returns there). Raises ConfigError on bad input.
+    """
+    from unbroken.runtime import launch, worker
+
+    custom = any(f is not None for f in (model, data, optimizer))
+    if worker.in_worker():
+        d = worker.default_factories()
+        factories = type(d)(model or d.model, data or d.data, optimizer or d.optimizer)
+        code = worker.run(factories)
+        sys.stdout.flush()
+        os._exit(code)
+    cfg = make_config(config, **run)
+    cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
+    return launch.launch(cfg, cmd)

@@ -1,0 +1,78 @@
+"""The `unbroken` command: a thin layer over the Python API and the report functions.
+
+Owns: argument parsing, one-line errors with exit code 2 for bad input, and terminal output.
+Does not own: training, simulating or reporting logic.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from unbroken.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="unbroken", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train with fault tolerance; writes OUT/events.jsonl and summary.json",
+                       epilog="Any config key can be set with --section.key=value, e.g. --model.n_layer=4.")
+    t.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
+    t.add_argument("--replicas", type=int)
+    t.add_argument("--steps", type=int)
+    t.add_argument("--microbatches", type=int)
+    t.add_argument("--exact", action="store_true", default=None, help="bitwise the failure-free trajectory")
+    t.add_argument("--faults", help="e.g. 'kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,for=8'")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--data", help="text file or uint16 .bin token file (default: Python's stdlib source)")
+    t.add_argument("--out", help="run directory (default runs/latest)")
+    c = sub.add_parser("compare", help="compare two runs step by step")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--rtol", type=float)
+    d = sub.add_parser("demo", help="a failure-free run and one that loses half its replicas, side by side")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--steps", type=int, default=24)
+    d.add_argument("--replicas", type=int, default=4)
+    a = sub.add_parser("audit", help="check that every committed step reduced each microbatch exactly once")
+    a.add_argument("run")
+    _add_optional_commands(sub)
+    args, rest = ap.parse_known_args(argv)
+    try:
+        if rest and args.command != "train":
+            raise ConfigError(f"unrecognized argument {rest[0]!r}")
+        return _dispatch(args, rest)
+    except ConfigError as e:
+        print(f"unbroken: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_optional_commands(sub) -> None:
+    """Commands that live in their own packages (simulator, detection evaluation), when present."""
+    try:
+        from unbroken.sim import cli as sim_cli
+    except ImportError:
+        return
+    sim_cli.add_parser(sub)
+
+
+def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
+    from unbroken import commands
+
+    match args.command:
+        case "train":
+            return commands.train(args, rest)
+        case "compare":
+            return commands.compare(args.a, args.b, args.rtol)
+        case "demo":
+            return commands.demo(Path(args.out), args.steps, args.replicas)
+        case "audit":
+            return commands.audit(args.run)
+        case "sim":
+            from unbroken.sim import cli as sim_cli
+            return sim_cli.run(args)
+    raise ConfigError(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

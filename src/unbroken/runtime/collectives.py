@@ -1,0 +1,109 @@
+"""Fault-tolerant cross-replica collectives: one real gloo (or NCCL) group per membership epoch.
+
+Owns: forming the epoch's group on a fresh store prefix, running an all-reduce on a *copy* of the caller's
+buffer, and turning a dead peer, a timeout or a membership change into a typed outcome instead of a hang.
+Does not own: deciding membership (coordinator) or what to do after a failure (policy.recovery).
+
+Why this shape (measured, REFERENCE.md): when a peer dies mid-reduction some survivors get "connection
+closed" at once while others stay blocked inside gloo until the group's timeout, and abort()/shutdown() do
+not free a blocked all-reduce. So formation and the collective run asynchronously (formation in a daemon
+thread, which releases the GIL; the collective as async Work), the caller polls them while watching the
+store's epoch, and abandons both when the epoch moves. Abandoned groups keep their threads and sockets;
+we hold references so their destructors never run mid-operation; the process exits with os._exit.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store
+
+
+class CollectiveError(RuntimeError):
+    """The collective failed (peer gone, timeout); the caller's buffer is intact."""
+
+
+class EpochMoved(RuntimeError):
+    """The membership moved past the group's epoch while we waited; the result must not be used."""
+
+
+@dataclass(frozen=True)
+class ReduceResult:
+    tensor: torch.Tensor  # the reduced copy
+    seconds: float  # wall time inside the collective, formation included
+
+
+class EpochGroup:
+    """The cross-replica group of one membership epoch (for one shard index; DP has one).
+
+    Create one per epoch you reduce in; `allreduce` may be called many times while the epoch holds.
+    """
+
+    def __init__(self, store: Store, epoch: int, members: tuple[int, ...], me: int, timeout_s: float,
+                 backend: str = "gloo", shard: int = 0):
+        self.epoch, self.members, self.me = epoch, members, me
+        self.rank = members.index(me)
+        self._pg: dist.ProcessGroup | None = None
+        self._error: BaseException | None = None
+        prefix = PrefixStore(f"pg/{shard}/{epoch}/", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+
+        def form() -> None:
+            try:
+                if backend == "nccl":
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = timeout
+                    self._pg = dist.ProcessGroupNCCL(prefix, self.rank, len(members), opts)
+                else:
+                    self._pg = dist.ProcessGroupGloo(prefix, self.rank, len(members), timeout)
+            except BaseException as e:  # noqa: BLE001 - surfaced to the caller as CollectiveError
+                self._error = e
+
+        self._former = threading.Thread(target=form, name=f"form-epoch-{epoch}", daemon=True)
+        self._former.start()
+
+    def allreduce(self, buffer: torch.Tensor, moved: Callable[[], bool], poll_s: float = 0.0005,
+                  watch_every_s: float = 0.005, on_issued: Callable[[], None] | None = None) -> ReduceResult:
+        """Sum `buffer` across the epoch's members into a copy; `buffer` itself is never written.
+
+        `moved()` is polled every `watch_every_s` (it reads the store's epoch); when it returns True the
+        pending formation or work is abandoned and EpochMoved is raised. A failed collective raises
+        CollectiveError. `on_issued` runs right after the collective is issued (fault injection hook).
+        """
+        t0 = time.perf_counter()
+        last_watch = t0
+        while self._pg is None:
+            if self._error is not None:
+                raise CollectiveError(f"epoch {self.epoch} group did not form: {self._error}")
+            self._former.join(poll_s)
+            now = time.perf_counter()
+            if now - last_watch >= watch_every_s:
+                last_watch = now
+                if moved():
+                    raise EpochMoved(f"epoch {self.epoch} ended while its group formed")
+        copy = buffer.clone()
+        work = self._pg.allreduce([copy])
+        if on_issued is not None:
+            on_issued()
+        while not work.is_completed():
+            time.sleep(poll_s)
+            now = time.perf_counter()
+            if now - last_watch >= watch_every_s:
+                last_watch = now
+                if moved():
+                    _ABANDONED.append((self._pg, work, copy))
+                    raise EpochMoved(f"epoch {self.epoch} ended during the all-reduce")
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise CollectiveError(f"all-reduce in epoch {self.epoch} failed: {str(e).splitlines()[0][:160]}") from None
+        return ReduceResult(copy, time.perf_counter() - t0)
+
+
+# Groups and works we walked away from: kept alive so no destructor blocks on a dead peer.
+_ABANDONED: list[object] = []

@@ -1,0 +1,119 @@
+"""The coordinator's store as members see it: keys, plans, done counts, compare-and-set decisions.
+
+Owns: the key layout of the TCPStore and every read/write a member makes on it. One decision per step and
+epoch (`decision/{s}/{e}`) is a compare_set, so racing proposals resolve to one value that all follow.
+Does not own: liveness verdicts and epoch changes (coordinator.py), or what a member does next (policy).
+
+Keys (all values utf-8):
+  epoch                 current membership epoch (int)          written by the coordinator
+  members/{e}           JSON list of member ids of epoch e       coordinator, before `epoch`
+  dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
+  hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
+  exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
+  plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
+  done/{s}/{e}/{r}      JSON list of microbatches reduced        member, after its all-reduce
+  ndone/{s}/{e}         counter                                  member
+  decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r
+  applied/{s}           counter; the first to apply writes the step record
+  last_commit           last committed step                      first member to apply it
+  failed                JSON {"reason","last_committed_step"}    coordinator: every replica lost
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from torch.distributed import TCPStore
+
+from unbroken.policy.recovery import Chain
+
+
+@dataclass(frozen=True)
+class Plan:
+    epoch: int
+    members: tuple[int, ...]
+    weights: dict[int, float]
+
+
+def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
+    """A client of the coordinator's store at `host:port`. One per thread: clients are not thread-safe."""
+    host, _, port = address.rpartition(":")
+    import datetime
+    return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                    use_libuv=True)
+
+
+class Coordination:
+    """A member's view of the store. Every method is one or a few store round trips (~0.1 ms locally)."""
+
+    def __init__(self, store: TCPStore, me: int):
+        self.store, self.me = store, me
+
+    # membership -------------------------------------------------------------------------------------
+    def epoch(self) -> int:
+        return int(self.store.get("epoch"))
+
+    def members(self, epoch: int) -> tuple[int, ...]:
+        return tuple(json.loads(self.store.get(f"members/{epoch}")))
+
+    def chain_after(self, epoch: int) -> Chain:
+        """Every epoch after `epoch` up to the current one, with its members, oldest first."""
+        return tuple((e, self.members(e)) for e in range(epoch + 1, self.epoch() + 1))
+
+    def is_dead(self) -> bool:
+        return self.store.check([f"dead/{self.me}"])
+
+    # the step ---------------------------------------------------------------------------------------
+    def plan(self, step: int, weights: dict[int, float]) -> Plan:
+        """The step's plan: ours if we are first to propose it, otherwise the one already stored."""
+        e = self.epoch()
+        mine = json.dumps({"epoch": e, "members": list(self.members(e)), "weights": weights})
+        won = json.loads(self.store.compare_set(f"plan/{step}", "", mine))
+        return Plan(won["epoch"], tuple(won["members"]), {int(k): v for k, v in won["weights"].items()})
+
+    def publish(self, step: int, epoch: int, held: tuple[int, ...]) -> int:
+        self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps(held))
+        return self.store.add(f"ndone/{step}/{epoch}", 1)
+
+    def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:
+        return {m: json.loads(self.store.get(f"done/{step}/{epoch}/{m}")) for m in members}
+
+    def propose(self, step: int, epoch: int, outcome: str) -> tuple[str, int]:
+        """Compare-and-set the decision of (step, epoch); returns the winning (outcome, proposer)."""
+        won = self.store.compare_set(f"decision/{step}/{epoch}", "", f"{outcome}:{self.me}").decode()
+        kind, _, who = won.partition(":")
+        return kind, int(who)
+
+    def decision(self, step: int, epoch: int) -> str | None:
+        key = f"decision/{step}/{epoch}"
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode().partition(":")[0]
+
+    def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
+        """Poll until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
+
+        Returns ("decided", outcome) or ("moved", chain). Raises TimeoutError after `timeout_s`.
+        Polls every 0.2 ms at first, backing off to 5 ms, so a fast commit costs little latency.
+        """
+        deadline, pause = time.monotonic() + timeout_s, 0.0002
+        while time.monotonic() < deadline:
+            if want_decision:
+                outcome = self.decision(step, epoch)
+                if outcome is not None:
+                    return "decided", outcome
+            if self.epoch() > epoch:
+                return "moved", self.chain_after(epoch)
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.005)
+        raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
+
+    def first_to_apply(self, step: int) -> bool:
+        first = self.store.add(f"applied/{step}", 1) == 1
+        if first:
+            self.store.set("last_commit", str(step))
+        return first
+
+    def failed(self) -> dict | None:
+        return json.loads(self.store.get("failed")) if self.store.check(["failed"]) else None

@@ -1,0 +1,106 @@
+"""The coordinator process: hosts the TCPStore, keeps membership epochs, watches heartbeats, fences.
+
+Owns: the store server (so a trainer's death never takes the store with it), the membership epoch and its
+member lists, dead verdicts (heartbeat silence, no progress, or an exit the launcher reported), and the
+`failed` record when every replica is gone. Does not own: step decisions (members compare-and-set them),
+or starting processes (launch.py).
+
+Run as `python -m unbroken.runtime.coordinator --replicas R --run-dir DIR [...]`; it prints
+`UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+from torch.distributed import TCPStore
+
+from unbroken.events import EventLog
+from unbroken.policy.membership import Beat, Membership, stale
+
+
+class Coordinator:
+    def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
+                 progress_timeout: float):
+        self.store, self.log = store, log
+        self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
+        self.membership = Membership.initial(replicas)
+        self.beats: dict[int, Beat] = {}
+        self.exits_seen = 0
+        store.set("members/0", json.dumps(list(self.membership.members)))
+        store.set("epoch", "0")
+        log.emit("epoch", epoch=0, members=list(self.membership.members))
+
+    def poll(self, now: float) -> bool:
+        """One round: read beats and exits, declare the dead, publish a new epoch. False once all are gone."""
+        members = self.membership.members
+        for m in members:
+            self._read_beat(m, now)
+        verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout)
+        nexits = self.store.add("nexits", 0)
+        if nexits != self.exits_seen:
+            self.exits_seen = nexits
+            for m in members:
+                if self.store.check([f"exit/{m}"]):
+                    verdicts.setdefault(m, f"process exited with code {self.store.get(f'exit/{m}').decode()}")
+        if verdicts:
+            self._remove(verdicts)
+        return bool(self.membership.members)
+
+    def _read_beat(self, m: int, now: float) -> None:
+        if not self.store.check([f"hb/{m}"]):
+            return
+        hb = json.loads(self.store.get(f"hb/{m}"))
+        old = self.beats.get(m)
+        where = (hb["step"], hb["phase"], hb["mb"])
+        if old is None or old.seq != hb["seq"]:
+            moved = old is None or (old.step, old.phase, old.microbatch) != where
+            self.beats[m] = Beat(hb["seq"], *where, seen_at=now, progress_at=now if moved else old.progress_at)
+
+    def _remove(self, verdicts: dict[int, str]) -> None:
+        new = self.membership.without(verdicts)
+        # members/{e} before epoch: a reader that sees the new epoch always finds its member list
+        self.store.set(f"members/{new.epoch}", json.dumps(list(new.members)))
+        for m, reason in sorted(verdicts.items()):
+            self.store.set(f"dead/{m}", json.dumps({"epoch": new.epoch, "reason": reason}))
+            self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
+        self.store.set("epoch", str(new.epoch))
+        self.log.emit("epoch", epoch=new.epoch, members=list(new.members))
+        self.membership = new
+
+    def fail(self) -> None:
+        last = int(self.store.get("last_commit")) if self.store.check(["last_commit"]) else -1
+        record = {"reason": "every replica was lost", "last_committed_step": last}
+        self.store.set("failed", json.dumps(record))
+        self.log.emit("run_failed", **record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="unbroken-coordinator")
+    ap.add_argument("--replicas", type=int, required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    ap.add_argument("--progress-timeout", type=float, default=20.0)
+    ap.add_argument("--poll", type=float, default=0.02, help="s between liveness rounds")
+    a = ap.parse_args(argv)
+    store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60), use_libuv=True)
+    print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
+    log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
+    coord = Coordinator(store, a.replicas, log, a.heartbeat_timeout, a.progress_timeout)
+    alive = True
+    while not store.check(["shutdown"]):
+        if alive and not coord.poll(time.monotonic()):
+            coord.fail()
+            alive = False
+        time.sleep(a.poll)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

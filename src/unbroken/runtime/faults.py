@@ -1,0 +1,47 @@
+"""Fault injection inside a replica: real signals at exact protocol points, and slowness.
+
+Owns: firing the faults of `faultspec` that target this replica. kill = SIGKILL of this process; hang =
+SIGSTOP of this process, with a detached `sh` that sends SIGCONT after `for` seconds (so the zombie path
+runs for real); slow = stretch each microbatch's compute time by `factor` (sleep for (factor-1) x the
+measured compute, so a 2x slow replica takes twice as long per microbatch). Does not own: detection —
+nothing here is visible to the coordinator or the detector except through time and signals.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from unbroken.events import EventLog
+from unbroken.faultspec import Fault
+
+
+class Injector:
+    def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog):
+        self.me, self.log = me, log
+        self.pending = [f for f in faults if f.replica == me and f.kind in ("kill", "hang")]
+        self.slow = [f for f in faults if f.replica == me and f.kind == "slow"]
+
+    def at(self, step: int, phase: str) -> None:
+        """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
+        for f in [f for f in self.pending if f.step == step and f.phase == phase]:
+            self.pending.remove(f)
+            self.log.emit("fault", kind=f.kind, replica=self.me, step=step, phase=phase,
+                          seconds=f.seconds or None, pid=os.getpid())
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
+                                 start_new_session=True, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                self.log.emit("woke", replica=self.me, step=step, phase=phase)
+
+    def stretch(self, step: int, compute_s: float) -> float:
+        """After a microbatch's compute: sleep to emulate a slow device. Returns the seconds added."""
+        factor = max((f.factor for f in self.slow if f.slows(self.me, step)), default=1.0)
+        extra = compute_s * (factor - 1.0)
+        if extra > 0:
+            time.sleep(extra)
+        return extra

@@ -1,0 +1,61 @@
+"""The local gradient accumulator of one replica, and the parameter digest.
+
+Owns: one flat buffer holding the sum of this replica's weighted microbatch gradients for the current
+step (float64 in exact mode, float32 otherwise) with one extra trailing element for the weighted loss, so
+the loss is reduced with exactly the same exactly-once semantics as the gradient; writing a reduced buffer
+back into `.grad`; the sha256 digest of the parameters. Does not own: reduction (collectives.py).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn as nn
+
+
+def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters in `named_parameters` order, tied weights once: the fixed order of every flat view."""
+    return [p for _, p in model.named_parameters() if p.requires_grad]
+
+
+class Accumulator:
+    """Call `zero()` once at the start of a step, `add(loss)` after each microbatch's backward.
+
+    The buffer is never cleared inside a step: after a failed reduction it still holds this replica's
+    whole partial sum, so a retry only adds the microbatches it newly owns. Shape: (numel + 1,).
+    """
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype):
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype)
+
+    def zero(self) -> None:
+        self.buffer.zero_()
+
+    def add(self, weighted_loss: torch.Tensor) -> None:
+        """Fold the gradients now in `.grad` (from one microbatch's backward) in, then clear `.grad`."""
+        offset = 0
+        for p, n in zip(self.params, self.sizes):
+            if p.grad is not None:
+                # float32 grad added into a float64 slice is exact: every float32 is a float64
+                self.buffer[offset:offset + n].add_(p.grad.reshape(-1))
+                p.grad = None
+            offset += n
+        self.buffer[-1] += weighted_loss.detach().to(self.buffer.dtype)
+
+    def load_grads(self, reduced: torch.Tensor) -> float:
+        """Write a reduced buffer into `.grad` as float32; returns the reduced (step) loss."""
+        offset = 0
+        for p, n in zip(self.params, self.sizes):
+            p.grad = reduced[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+        return float(reduced[-1])
+
+
+def param_digest(params: list[nn.Parameter]) -> str:
+    """sha256 of all float32 parameters, concatenated in the fixed order of `unique_parameters`."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,51 @@
+"""A member's heartbeat thread: says where the replica is, and fences it once it was declared dead.
+
+Owns: a background thread with its own store client (clients are not thread-safe) that writes
+`hb/{r}` every interval with (seq, step, phase, microbatch, epoch), and that ends the process when
+`dead/{r}` appears: a zombie (stopped, then continued after the coordinator gave up on it) learns it is
+no longer a member within one interval of waking and leaves without writing anything into a later step.
+Does not own: judging liveness (coordinator) or the member's own fence checks in the step (trainer).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+
+from unbroken.runtime.coordination import connect
+
+
+class Heartbeat:
+    def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None]):
+        self.me, self.interval = me, interval_s
+        self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
+        self._store = connect(address)
+        self._on_fenced = on_fenced
+        self._stop = threading.Event()
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
+        """Record where the replica is; cheap (a dict update), call at every phase and microbatch."""
+        self.where = {"step": step, "phase": phase, "mb": mb,
+                      "epoch": self.where["epoch"] if epoch is None else epoch}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        self._seq += 1
+        self._store.set(f"hb/{self.me}", json.dumps({"seq": self._seq, **self.where}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self._store.check([f"dead/{self.me}"]):
+                reason = json.loads(self._store.get(f"dead/{self.me}"))["reason"]
+                self._on_fenced(f"declared dead ({reason})")
+                os._exit(3)
+            self._beat()

@@ -1,0 +1,179 @@
+"""One replica's training loop: the step protocol of DESIGN.md, executing `policy.recovery` actions.
+
+Owns: turning each action of the recovery state machine into real work (forward/backward into the local
+accumulator, an all-reduce of a copy, store reads and compare-and-sets, the optimizer step) and each
+outcome into the next event; the per-microbatch RNG; the events of this replica. Does not own: decisions
+(policy), membership (coordinator), process start-up (worker.py, launch.py).
+
+A step, read top to bottom (`train_step`):
+  plan = the step's single plan (base epoch, members, quota weights), compare-and-set in the store
+  policy says Compute(owned microbatches)   -> forward/backward each into the accumulator
+  policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved)
+  policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
+  on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
+  policy says Apply                         -> load reduced grads, optimizer step, digest, events
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from unbroken.config import Config
+from unbroken.events import EventLog
+from unbroken.model.data import mix
+from unbroken.policy import recovery as rec
+from unbroken.policy.workload import loss_weight
+from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
+from unbroken.runtime.coordination import Coordination
+from unbroken.runtime.faults import Injector
+from unbroken.runtime.gradients import Accumulator, param_digest, unique_parameters
+from unbroken.runtime.heartbeat import Heartbeat
+
+
+@dataclass(frozen=True)
+class Factories:
+    """What a user brings. Each is called once per replica process, after the seed is set.
+
+    model(cfg) -> nn.Module whose forward(x, y) returns the mean loss over counted targets;
+    data(cfg) -> object with microbatch(step, i) -> (x, y, tokens, sumsq) and step_tokens(step, M);
+    optimizer(params, cfg) -> torch.optim.Optimizer.
+    """
+    model: Callable[[Config], nn.Module]
+    data: Callable[[Config], object]
+    optimizer: Callable[[list[nn.Parameter], Config], torch.optim.Optimizer]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, me: int, coord: Coordination, factories: Factories, log: EventLog,
+                 heartbeat: Heartbeat, injector: Injector, weights: Callable[[], dict[int, float]] = dict):
+        self.cfg, self.me, self.coord, self.log = cfg, me, coord, log
+        self.hb, self.faults, self.weights = heartbeat, injector, weights
+        torch.set_num_threads(cfg.run.threads)  # the same on every replica: kernels sum in the same order
+        torch.manual_seed(cfg.run.seed)  # identical initial parameters on every replica
+        self.model = factories.model(cfg)
+        self.data = factories.data(cfg)
+        self.params = unique_parameters(self.model)
+        self.optimizer = factories.optimizer(self.params, cfg)
+        self.acc = Accumulator(self.params, torch.float64 if cfg.run.exact else torch.float32)
+        self.groups: dict[int, EpochGroup] = {}
+        self.reduced: torch.Tensor | None = None
+        self.wait_s = 4 * cfg.coord.collective_timeout
+
+    def fit(self, first_step: int = 0) -> None:
+        """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
+        self.model.train()
+        for step in range(first_step, self.cfg.run.steps):
+            self.train_step(step)
+
+    def train_step(self, step: int) -> rec.StepState:
+        self.step_started = time.time()
+        plan = self.coord.plan(step, self.weights())
+        self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
+        self.acc.zero()
+        state, actions = rec.start(step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches, plan.weights)
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            event = self.execute(action)
+            if event is None:
+                continue
+            before = state
+            state, more = rec.on_event(state, event)
+            if state.epoch != before.epoch and not state.phase.terminal:
+                self.log.emit("recovery", step=step, replica=self.me, from_epoch=before.epoch,
+                              to_epoch=state.epoch, redo=sorted(state.owed))
+            queue.extend(more)
+        return state
+
+    def execute(self, action: rec.Action) -> rec.Event | None:
+        match action:
+            case rec.Compute(step, mbs):
+                return self.compute(step, mbs)
+            case rec.Reduce(step, epoch):
+                return self.reduce(step, epoch)
+            case rec.Publish(step, epoch, held):
+                self.hb.at(step, "commit", epoch=epoch)
+                count = self.coord.publish(step, epoch, held)
+                self.faults.at(step, "commit")
+                return rec.Published(epoch, count)
+            case rec.Propose(step, epoch, outcome):
+                won, who = self.coord.propose(step, epoch, outcome)
+                if who == self.me:
+                    self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
+                return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
+            case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
+                kind, value = self.coord.wait_for(step, epoch, isinstance(action, rec.AwaitDecision), self.wait_s)
+                if kind == "decided":
+                    return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
+                return rec.EpochChanged(value)
+            case rec.Apply(step, epoch):
+                self.apply(step, epoch)
+                return None
+            case rec.Fence(step, reason):
+                self.fence(step, reason)
+        raise AssertionError(f"unhandled action {action!r}")
+
+    def compute(self, step: int, microbatches: tuple[int, ...]) -> rec.Event:
+        """Forward/backward each microbatch into the accumulator. Randomness is a function of (seed, step, i)."""
+        for n, i in enumerate(microbatches):
+            self.hb.at(step, "compute", i)
+            mb = self.data.microbatch(step, i)
+            t = time.perf_counter()
+            torch.manual_seed(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
+            loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, self.step_tokens)
+            loss.backward()
+            self.acc.add(loss)
+            seconds = time.perf_counter() - t
+            seconds += self.faults.stretch(step, seconds)
+            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
+                          tokens=mb.tokens, sumsq=mb.sumsq)
+            if n == 0:
+                self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
+        return rec.Computed(microbatches)
+
+    def reduce(self, step: int, epoch: int) -> rec.Event:
+        """All-reduce a copy of the accumulator in the epoch's group; the accumulator stays intact."""
+        self.hb.at(step, "allreduce", epoch=epoch)
+        if self.coord.epoch() > epoch:
+            return rec.EpochChanged(self.coord.chain_after(epoch))
+        if epoch not in self.groups:
+            self.groups[epoch] = EpochGroup(self.coord.store, epoch, self.coord.members(epoch), self.me,
+                                            self.cfg.coord.collective_timeout)
+        try:
+            result = self.groups[epoch].allreduce(self.acc.buffer, lambda: self.coord.epoch() > epoch,
+                                                  on_issued=lambda: self.faults.at(step, "allreduce"))
+        except EpochMoved:
+            return rec.EpochChanged(self.coord.chain_after(epoch))
+        except CollectiveError as e:
+            self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e))
+            return rec.ReduceFailed(epoch, str(e))
+        self.reduced = result.tensor
+        self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True, seconds=round(result.seconds, 6))
+        return rec.Reduced(epoch)
+
+    def apply(self, step: int, epoch: int) -> None:
+        """The committed step: reduced gradient into .grad, optimizer step, digest, step record."""
+        self.hb.at(step, "optimizer", epoch=epoch)
+        self.faults.at(step, "optimizer")
+        loss = self.acc.load_grads(self.reduced)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        digest = param_digest(self.params)
+        self.log.emit("applied", step=step, replica=self.me, epoch=epoch, param_digest=digest)
+        if self.coord.first_to_apply(step):
+            members = self.coord.members(epoch)
+            owners = self.coord.held(step, epoch, members)
+            self.log.emit("step", step=step, loss=loss, microbatches=self.cfg.run.microbatches,
+                          replicas=len(members), members=list(members), epoch=epoch, tokens=self.step_tokens,
+                          param_digest=digest, owners={str(m): v for m, v in owners.items()},
+                          step_time=round(time.time() - self.step_started, 6))
+
+    def fence(self, step: int, reason: str) -> None:
+        self.log.emit("fenced", replica=self.me, step=step, reason=reason)
+        os._exit(3)

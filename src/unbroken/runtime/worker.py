@@ -1,0 +1,81 @@
+"""The worker entry point: one replica process, started by the launcher (or by torchrun on a cluster).
+
+Owns: reading the process environment, connecting to the coordinator, building the trainer from the
+factories, and leaving with a meaningful exit code. Does not own: the step loop (trainer.py).
+
+Environment (set by launch.py; a torchrun job per replica group sets the same names):
+  UNBROKEN_STORE=host:port   the coordinator's TCPStore
+  UNBROKEN_REPLICA=r         this replica group's id
+  UNBROKEN_RUN_DIR=DIR       where events.jsonl and config.json live
+Run with the default GPT and corpus as `python -m unbroken.runtime.worker`; a user's script that calls
+`unbroken.train(...)` is re-run as the worker with its own factories instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from unbroken.config import Config
+from unbroken.events import EventLog
+from unbroken.faultspec import parse
+from unbroken.runtime.coordination import Coordination, connect
+from unbroken.runtime.faults import Injector
+from unbroken.runtime.heartbeat import Heartbeat
+from unbroken.runtime.trainer import Factories, Trainer
+
+
+def in_worker() -> bool:
+    return "UNBROKEN_REPLICA" in os.environ
+
+
+def default_factories() -> Factories:
+    import torch
+
+    from unbroken.model.data import DataSource
+    from unbroken.model.gpt import GPT
+
+    def optimizer(params, cfg: Config) -> torch.optim.Optimizer:
+        o = cfg.optim
+        return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+    return Factories(model=lambda cfg: GPT(cfg.model),
+                     data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed),
+                     optimizer=optimizer)
+
+
+def run(factories: Factories) -> int:
+    """Run this process as replica UNBROKEN_REPLICA until the last step. Returns the exit code."""
+    me = int(os.environ["UNBROKEN_REPLICA"])
+    address = os.environ["UNBROKEN_STORE"]
+    run_dir = Path(os.environ["UNBROKEN_RUN_DIR"])
+    cfg = Config.from_json((run_dir / "config.json").read_text())
+    log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
+    store = connect(address)
+    coord = Coordination(store, me)
+    heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
+                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why))
+    heartbeat.start()
+    injector = Injector(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps), me, log)
+    try:
+        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector)
+        trainer.fit()
+    except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
+        traceback.print_exc()
+        log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300])
+        return 1
+    heartbeat.stop()
+    log.emit("worker_done", replica=me)
+    return 0
+
+
+def main() -> None:
+    code = run(default_factories())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip destructors of abandoned gloo groups, which could block on dead peers
+
+
+if __name__ == "__main__":
+    main()
