@@ -1,0 +1,177 @@
+"""Fail-slow detection: which replicas run slower than their own workload explains, and how much slower.
+
+Owns: the per-replica score (observed / predicted time, from the fleet-wide `Predictor`), common-mode
+rejection (a shift every replica shares is a regime change, not a straggler), a CUSUM sequential test with
+hysteresis giving Healthy / Suspect / Slow verdicts, speed estimates usable as quota weights, and which
+samples may teach the predictor (only those of Healthy replicas).
+Does not own: fail-stop (the coordinator's heartbeats do), measuring time, or moving microbatches: the
+caller passes `speeds()` to `unbroken.policy.workload.quotas(total, members, weights)`.
+
+Scores are in log units: x = log(observed / predicted), so 0 is "as predicted" and log(1.3) = 0.26 is 30%
+slow. Each step a replica's score is the median of its microbatches' log ratios (one outlier microbatch
+does not count), minus the fleet median (common-mode shifts cancel). The CUSUM S <- clamp(S + x - drift)
+adds evidence step by step; a single step adds at most `max_increment`, so one bad step never condemns.
+Pure and O(replicas + samples) per step.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from unbroken.policy.predictor import MicrobatchTiming, Predictor, median
+
+
+class Verdict(StrEnum):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"  # evidence building up; work is not moved yet
+    SLOW = "slow"  # confirmed: speeds() gives it less work until it recovers
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorConfig:
+    """Thresholds of the sequential test, in log units of observed/predicted time."""
+    drift: float = math.log(1.05)  # CUSUM allowance: slowdowns under ~5% are tolerated, never accumulate
+    suspect_at: float = 0.15  # CUSUM level for Suspect (one 1.2x step reaches it)
+    slow_at: float = 0.45  # CUSUM level for Slow: 1.3x sustained gets there in 3 steps, 2x+ in 2
+    max_increment: float = 0.3  # evidence one step may add: one bad step alone is at most Suspect
+    recover_below: float = math.log(1.05)  # a Slow replica's step counts as calm under this score ...
+    recover_steps: int = 3  # ... and this many calm steps in a row make it Healthy again
+    regime_move: float = math.log(1.15)  # a replica "moved" when its raw score is beyond +-15% ...
+    regime_quorum: float = 0.5  # ... and more than this share moving the same way is a regime change
+    min_fleet: int = 3  # fleet-median normalization needs at least this many replicas of a class
+    speed_window: int = 5  # recent steps whose median gives a Slow replica's speed estimate
+    min_speed: float = 0.1  # lowest speed reported, so a slow replica keeps some work and can show recovery
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictChange:
+    """A replica's verdict changed at `step`; `speed` is its estimate after the change (1.0 unless Slow)."""
+    step: int
+    replica: int
+    old: Verdict
+    new: Verdict
+    speed: float
+    score: float  # this step's normalized log(observed/predicted)
+
+
+@dataclass(frozen=True, slots=True)
+class RegimeChange:
+    """Most replicas of `device_class` moved together at `step` by `factor`: the predictor was rescaled."""
+    step: int
+    device_class: str
+    factor: float
+    moved: int  # replicas beyond `regime_move`
+    replicas: int
+
+
+@dataclass(slots=True)
+class _Track:
+    device_class: str
+    verdict: Verdict = Verdict.HEALTHY
+    cusum: float = 0.0
+    calm: int = 0
+    run: int = 0  # steps since the CUSUM was last 0: how far back the current episode goes
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # step-sum log ratios
+
+
+class Detector:
+    """Fleet-wide fail-slow detector.
+
+    Calling contract: once per committed step, `observe(step, timings)` with every replica's microbatch
+    timings of that step (a replica with no microbatches this step may be left out; it keeps its state).
+    Then `take_events()` for the verdict and regime changes to log, and `speeds()` for the next quotas.
+    `forget(replica)` when the coordinator declares a replica dead.
+    """
+
+    def __init__(self, config: DetectorConfig | None = None, predictor: Predictor | None = None,
+                 device_classes: Mapping[int, str] | None = None):
+        self.config = config or DetectorConfig()
+        self.predictor = predictor or Predictor()
+        self._classes = dict(device_classes or {})
+        self._tracks: dict[int, _Track] = {}
+        self._events: list[VerdictChange | RegimeChange] = []
+
+    def observe(self, step: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> dict[int, Verdict]:
+        """Score one step and update verdicts. Returns the verdict of every replica tracked."""
+        by_class: dict[str, dict[int, Sequence[MicrobatchTiming]]] = {}
+        for r, mbs in timings.items():
+            if mbs:
+                by_class.setdefault(self._classes.get(r, "default"), {})[r] = mbs
+        for cls, group in sorted(by_class.items()):
+            for r in group:
+                self._tracks.setdefault(r, _Track(cls))
+            if self.predictor.ready(cls):
+                self._score(step, cls, group)
+            # Only replicas believed healthy teach the predictor: slowness must not become the norm.
+            self.predictor.observe([m for r, mbs in sorted(group.items())
+                                    if self._tracks[r].verdict is Verdict.HEALTHY for m in mbs], cls)
+        return {r: t.verdict for r, t in sorted(self._tracks.items())}
+
+    def _score(self, step: int, cls: str, group: Mapping[int, Sequence[MicrobatchTiming]]) -> None:
+        cfg, model = self.config, self.predictor.model(cls)
+        med: dict[int, float] = {}  # median microbatch log ratio: robust to one outlier microbatch
+        tot: dict[int, float] = {}  # log(step time / predicted step time): what quotas care about
+        for r, mbs in group.items():
+            preds = [model.predict(m.tokens, m.sumsq) for m in mbs]
+            med[r] = median([math.log(m.seconds / p) for m, p in zip(mbs, preds)])
+            tot[r] = math.log(sum(m.seconds for m in mbs) / sum(preds))
+        n = len(med)
+        up = sum(1 for x in med.values() if x > cfg.regime_move)
+        down = sum(1 for x in med.values() if x < -cfg.regime_move)
+        if max(up, down) > cfg.regime_quorum * n:
+            shift = median(list(med.values()))
+            self.predictor.rescale(math.exp(shift), cls)
+            self._events.append(RegimeChange(step, cls, math.exp(shift), max(up, down), n))
+        else:
+            shift = 0.0
+        if n >= cfg.min_fleet:  # common mode: what the whole fleet shares is nobody's fault
+            shift += median([x - shift for x in med.values()])
+        for r in sorted(group):
+            self._update(step, r, med[r] - shift, tot[r] - shift)
+
+    def _update(self, step: int, replica: int, x: float, total: float) -> None:
+        cfg, t = self.config, self._tracks[replica]
+        t.recent.append(total)
+        t.cusum = min(max(0.0, t.cusum + min(x - cfg.drift, cfg.max_increment)), 2 * cfg.slow_at)
+        t.run = t.run + 1 if t.cusum > 0 else 0
+        old = t.verdict
+        if old is Verdict.SLOW:
+            t.calm = t.calm + 1 if x < cfg.recover_below else 0
+            if t.calm >= cfg.recover_steps:
+                t.verdict, t.cusum, t.calm = Verdict.HEALTHY, 0.0, 0
+        elif t.cusum >= cfg.slow_at:
+            t.verdict, t.calm = Verdict.SLOW, 0
+        elif t.cusum >= cfg.suspect_at:
+            t.verdict = Verdict.SUSPECT
+        elif old is Verdict.SUSPECT and t.cusum == 0.0:
+            t.verdict = Verdict.HEALTHY
+        if t.verdict is not old:
+            self._events.append(VerdictChange(step, replica, old, t.verdict, self._speed(t), x))
+
+    def _speed(self, t: _Track) -> float:
+        if t.verdict is not Verdict.SLOW:
+            return 1.0
+        # Only steps of the current episode: a 3x slowdown confirmed after 2 steps must not be averaged
+        # with the healthy steps before its onset.
+        recent = list(t.recent)[-max(1, min(self.config.speed_window, t.run)):]
+        return min(1.0, max(self.config.min_speed, math.exp(-median(recent))))
+
+    def speeds(self) -> dict[int, float]:
+        """Relative speed of every tracked replica (1.0 = as predicted, 0.5 = half speed): quota weights.
+        Only Slow replicas get an estimate below 1, so noise never moves work."""
+        return {r: self._speed(t) for r, t in sorted(self._tracks.items())}
+
+    def verdicts(self) -> dict[int, Verdict]:
+        return {r: t.verdict for r, t in sorted(self._tracks.items())}
+
+    def take_events(self) -> list[VerdictChange | RegimeChange]:
+        """Verdict and regime changes since the last call, oldest first (the caller logs them)."""
+        out, self._events = self._events, []
+        return out
+
+    def forget(self, replica: int) -> None:
+        """Drop a replica's state (declared dead, or replaced by a fresh one). Unknown replicas are ignored."""
+        self._tracks.pop(replica, None)
