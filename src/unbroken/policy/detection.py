@@ -41,7 +41,7 @@ class DetectorConfig:
     recover_steps: int = 3  # ... and this many calm steps in a row make it Healthy again
     regime_move: float = math.log(1.15)  # a replica "moved" when its raw score is beyond +-15% ...
     regime_quorum: float = 0.5  # ... and more than this share moving the same way is a regime change
-    min_fleet: int = 3  # fleet-median normalization needs at least this many replicas of a class
+    min_fleet: int = 3  # replicas of a class needed to normalize by the fleet median (else: shared move)
     speed_window: int = 5  # recent steps whose median gives a Slow replica's speed estimate
     min_speed: float = 0.1  # lowest speed reported, so a slow replica keeps some work and can show recovery
 
@@ -127,8 +127,13 @@ class Detector:
             self._events.append(RegimeChange(step, cls, math.exp(shift), max(up, down), n))
         else:
             shift = 0.0
-        if n >= cfg.min_fleet:  # common mode: what the whole fleet shares is nobody's fault
-            shift += median([x - shift for x in med.values()])
+        # Common mode: what the whole fleet shares is nobody's fault. A fleet of min_fleet or more has a
+        # robust centre, its median; a smaller one subtracts only the move all its replicas made in the
+        # same direction (a lone replica therefore is never flagged: with nothing to compare it to, a
+        # slower device and a heavier model look alike).
+        rest = [x - shift for x in med.values()]
+        lo, hi = min(rest), max(rest)
+        shift += median(rest) if n >= cfg.min_fleet else lo if lo > 0 else hi if hi < 0 else 0.0
         for r in sorted(group):
             self._update(step, r, med[r] - shift, tot[r] - shift)
 
