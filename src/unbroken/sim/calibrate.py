@@ -1,0 +1,106 @@
+"""Calibration against reality: a scenario built from a real run's events.jsonl, and the simulator's
+prediction of that same run's wall time and committed tokens.
+
+Owns: reading costs off a real log (step time from `step` records' step_time, per-microbatch time from
+`compute` records, detection from fault -> member_dead, re-forming from member_dead -> recovery, start-up
+from run_start -> first step), turning its injected faults into a trace, and the comparison.
+Does not own: running the real trainer (runtime/) or the simulator's strategies; a real run is predicted
+with `unbroken_live`, the strategy the trainer implements.
+
+Approximations, stated: each replica is one process (tp = pp = 1, one GPU a node); a hang is a fail-stop
+declared after the measured detection time; a killed replica never comes back.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unbroken.events import read_events
+from unbroken.sim.runner import simulate
+from unbroken.sim.scenario import Scenario, from_tree
+
+DEFAULT_DETECT = 1.5  # s: CoordConfig.heartbeat_timeout, used when the log shows no detection
+
+
+@dataclass(frozen=True)
+class Calibration:
+    scenario: Scenario
+    startup: float  # s from run_start to the first step's start (spawn, imports, group formation)
+    steps: int  # steps the real run committed
+    measured_wall: float  # s from run_start to the last committed step
+    measured_tokens: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    measured_wall: float
+    predicted_wall: float
+    measured_tokens: int
+    predicted_tokens: int
+
+    @property
+    def wall_error(self) -> float:
+        """Relative error of the predicted wall time (0.1 = 10%)."""
+        return abs(self.predicted_wall - self.measured_wall) / self.measured_wall
+
+
+def scenario_from_run(run_dir: str | Path) -> Calibration:
+    """Build a scenario from a real run directory. Raises ValueError if the log has no committed step."""
+    recs = read_events(Path(run_dir) / "events.jsonl")
+    start = next(r for r in recs if r["event"] == "run_start")
+    steps = sorted((r for r in recs if r["event"] == "step"), key=lambda r: r["step"])
+    if not steps:
+        raise ValueError(f"{run_dir}: no committed step in events.jsonl")
+    faults = [r for r in recs if r["event"] == "fault"]
+    fault_steps = {r.get("step") for r in faults}
+    clean = [r["step_time"] for r in steps if r["step"] not in fault_steps and r.get("attempts", 1) <= 1] or \
+        [r["step_time"] for r in steps]
+    step_time = statistics.median(clean)
+    R, M = int(start["replicas"]), int(start["microbatches"])
+    compute = [r["seconds"] for r in recs if r["event"] == "compute" and r.get("step") not in fault_steps]
+    per_replica = -(-M // R)
+    t_mb = statistics.median(compute) if compute else step_time / per_replica
+    t_mb = min(t_mb, step_time / per_replica)
+    t0 = steps[0]["t"] - steps[0]["step_time"]  # the simulated clock starts when step 0 starts
+    dead = [r for r in recs if r["event"] == "member_dead"]
+    detect = [d["t"] - f["t"] for f in faults for d in dead[:1] if d["t"] >= f["t"]]
+    redo = [r for r in recs if r["event"] == "recovery"]
+    reform = [redo[0]["t"] - dead[0]["t"]] if redo and dead and redo[0]["t"] >= dead[0]["t"] else []
+    wall = steps[-1]["t"] - start["t"]
+    trace = [_trace(f, t0) for f in faults if f["t"] >= t0]
+    tree: dict[str, Any] = {
+        "name": f"calibrated-{Path(run_dir).name}", "source": str(run_dir),
+        "cluster": {"dp": R, "tp": 1, "pp": 1, "gpus_per_node": 1},
+        "workload": {"microbatches": M, "tokens_per_microbatch": max(1, steps[0]["tokens"] // M),
+                     "microbatch_seconds": t_mb, "sync_seconds": max(0.0, step_time - per_replica * t_mb),
+                     "duration_hours": 3 * wall / 3600 + 1 / 3600},
+        "costs": {"detect_seconds": statistics.median(detect) if detect else DEFAULT_DETECT,
+                  "reform_seconds": max(0.0, reform[0]) if reform else 0.0, "restart_seconds": t0 - start["t"],
+                  "reload_seconds": 0.0, "checkpoint_seconds": 0.0, "snapshot_seconds": 0.0,
+                  "memory_restore_seconds": 0.0, "rejoin_seconds": 0.0, "replace_seconds": float("inf")},
+        "trace": [e for e in trace if e["at_hours"] < 3 * wall / 3600],
+    }
+    return Calibration(from_tree(tree, tree["name"]), t0 - start["t"], len(steps), wall,
+                       sum(r["tokens"] for r in steps))
+
+
+def _trace(fault: dict[str, Any], t0: float) -> dict[str, Any]:
+    at = (fault["t"] - t0) / 3600
+    if fault.get("kind") == "slow":
+        return {"at_hours": at, "cause": "slow", "scope": "slow", "factor": float(fault.get("factor", 2.0)),
+                "duration_seconds": 1e9}
+    return {"at_hours": at, "cause": str(fault.get("kind", "fault")), "scope": "gpu"}
+
+
+def predict(run_dir: str | Path) -> Prediction:
+    """Simulate the real run described by `run_dir` and compare wall time and committed tokens."""
+    cal = scenario_from_run(run_dir)
+    res = simulate(cal.scenario, "unbroken_live", seed=0, log_steps=True, keep=True)
+    steps = [r for r in res.records if r["event"] == "step"]
+    done = [r["t"] for r in steps if r["step"] == cal.steps - 1]
+    predicted_wall = cal.startup + (done[0] if done else res.end["seconds"])
+    horizon = cal.measured_wall - cal.startup
+    tokens = sum(r["tokens"] for r in steps if r["t"] <= horizon + 1e-9)
+    return Prediction(cal.measured_wall, predicted_wall, cal.measured_tokens, tokens)
