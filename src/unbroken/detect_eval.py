@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from unbroken.policy.detection import Detector, Verdict
 from unbroken.policy.predictor import MicrobatchTiming, median
 
-# Slowdown-factor buckets for recall: the first one sits near the noise floor on purpose.
-BUCKETS: tuple[tuple[float, float], ...] = ((1.1, 1.2), (1.2, 1.5), (1.5, 2.0), (2.0, 3.0))
+# Slowdown-factor buckets for recall. Below 1.1x a slowdown sits within the detector's 5% drift allowance
+# plus timing noise: traces draw from there only when asked (TraceConfig.factor), and count it honestly.
+BUCKETS: tuple[tuple[float, float], ...] = ((1.0, 1.1), (1.1, 1.2), (1.2, 1.5), (1.5, 2.0), (2.0, 3.0))
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,9 @@ def relative_baseline(threshold: float = 0.75, window: int = 5) -> Method:
 
 METHODS: dict[str, Callable[[], Method]] = {
     "unbroken": unbroken_method,
-    "threshold 1.25x median": threshold_baseline,
+    "threshold 1.25x med": threshold_baseline,
     "z-score > 3": zscore_baseline,
-    "relative (NVIDIA) < 0.75": relative_baseline,
+    "NVIDIA rel. < 0.75": relative_baseline,
 }
 
 
