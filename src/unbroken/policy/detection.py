@@ -9,7 +9,9 @@ caller passes `speeds()` to `unbroken.policy.workload.quotas(total, members, wei
 
 Scores are in log units: x = log(observed / predicted), so 0 is "as predicted" and log(1.3) = 0.26 is 30%
 slow. Each step a replica's score is the median of its microbatches' log ratios (one outlier microbatch
-does not count), minus the fleet median (common-mode shifts cancel). The CUSUM S <- clamp(S + x - drift)
+does not count), minus the fleet median (common-mode shifts cancel; fleets under `min_fleet` replicas
+subtract only the move all of them share). A move of most replicas beyond `regime_move` is a regime change
+(a new model size): the predictor is rescaled and restarts its window instead of anyone being flagged. The CUSUM S <- clamp(S + x - drift)
 adds evidence step by step; a single step adds at most `max_increment`, so one bad step never condemns.
 Pure and O(replicas + samples) per step.
 """

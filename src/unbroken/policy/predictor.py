@@ -194,8 +194,9 @@ class Predictor:
         self._pending: set[str] = set()  # classes rescaled and not refit since
 
     def observe(self, samples: Iterable[MicrobatchTiming], device_class: str = "default") -> None:
-        """Add samples of `device_class` to its window; refit when `refit_every` new ones arrived (or at
-        once while no fit exists and at least `min_samples` are held)."""
+        """Add samples of `device_class` to its window. Call once per step with the healthy replicas'
+        samples. Refits when `refit_every` new ones arrived, or as soon as `min_samples` are held while the
+        class has no fit for its current regime (first samples, or after `rescale`). O(samples + window)."""
         win = self._samples.setdefault(device_class, deque(maxlen=self.window))
         new = list(samples)
         win.extend(new)
