@@ -102,5 +102,5 @@ def predict(run_dir: str | Path) -> Prediction:
     done = [r["t"] for r in steps if r["step"] == cal.steps - 1]
     predicted_wall = cal.startup + (done[0] if done else res.end["seconds"])
     horizon = cal.measured_wall - cal.startup
-    tokens = sum(r["tokens"] for r in steps if r["t"] <= horizon + 1e-9)
+    tokens = sum(r["tokens"] for r in steps if r["t"] <= horizon + 1e-9 and r["step"] < cal.steps)
     return Prediction(cal.measured_wall, predicted_wall, cal.measured_tokens, tokens)
