@@ -1,0 +1,210 @@
+"""The snapshot agent: one process per node that owns the node's snapshot memory.
+
+Owns: the node's slot files in /dev/shm (two per local trainer rank, two parity files per layer),
+checksumming and committing copies the trainers finished, publishing what it holds, and running
+the command queue (parity encode, rebuild) with its peer agents. Does not own the trainers'
+copies (client.py) or the coding math (parity.py, erasure.py).
+
+Started before the trainers (`start_agent` in control.py, or
+`python -m unbroken.runtime.snapshot.agent --store HOST:PORT --run-id ID --node N ...`) and outlives
+them: SIGKILL of every trainer leaves the agent, its files and its commits intact. SIGTERM stops it
+and leaves the files (remove_run deletes them at the end of a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch.distributed as dist
+
+from . import commands
+from .checksum import checksum, state_digest
+from .control import Keys, Topology, connect_store, get_json, post_command, topology_dict
+from .shm import Kind, SlotFile, State, data_path, parity_path
+
+POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few ms of a copy
+POLL_STORE_S = 0.02  # store round trips: alloc requests and commands
+
+
+def doc_crc(doc: dict) -> int:
+    """Identity of a snapshot's layout and meta (all replicas hold the same state)."""
+    return zlib.crc32(json.dumps([doc.get("layout"), doc.get("meta")], sort_keys=True).encode())
+
+
+class SnapshotAgent:
+    """Call `serve()` (blocks) or `poll()` repeatedly. One per (run, node)."""
+
+    def __init__(self, store: dist.Store, run_id: str, node: int, topo: Topology, shm_dir: str,
+                 timeout_s: float = 60.0, nonce: str = "") -> None:
+        self.store, self.run_id, self.node, self.topo = store, run_id, node, topo
+        self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, Keys(run_id)
+        self.ranks = topo.ranks_of(node)
+        self.data = {r: [self._adopt(data_path(shm_dir, run_id, r, b), r) for b in (0, 1)]
+                     for r in self.ranks}
+        self.parity = {i: [self._adopt(parity_path(shm_dir, run_id, i, b), i) for b in (0, 1)]
+                       for i in range(topo.ranks_per_node)}
+        self._alloc_nonce: dict[int, str] = {}
+        self._req_seen = -1
+        self._cmd_seen = store.add(self.keys.cmd("n"), 0)  # commands before we came up are not ours
+        self._stop = threading.Event()
+        self._scan()  # commit copies a previous agent left COPIED
+        self.publish()
+        store.set(self.keys.agent(node), json.dumps(
+            {"topology": topology_dict(topo), "nonce": nonce, "pid": os.getpid()}))
+
+    # -- slot files -------------------------------------------------------------------------
+    def _adopt(self, path: Path, rank: int) -> SlotFile | None:
+        try:
+            slot = SlotFile.open(path)
+        except (FileNotFoundError, ValueError, RuntimeError):
+            return None
+        h = slot.header()
+        if h.run_id != self.run_id or h.world != self.topo.world or h.rank != rank:
+            slot.close()  # not ours: recreated on the next alloc request
+            return None
+        return slot
+
+    def find(self, slots: list[SlotFile | None], step: int) -> SlotFile | None:
+        """The committed slot holding `step`, if any."""
+        for s in slots:
+            if s and s.get("state") == State.COMMITTED and s.get("step") == step:
+                return s
+        return None
+
+    def writable(self, slots: list[SlotFile | None], path_of, capacity: int, rank: int,
+                 kind: Kind, keep_step: int | None = None) -> SlotFile:
+        """A slot to overwrite: the one holding `keep_step` if given, else not the newest commit;
+        created or grown to `capacity` payload bytes."""
+        steps = [s.get("step") if s and s.get("state") == State.COMMITTED else -2 for s in slots]
+        b = steps.index(keep_step) if keep_step in steps else (0 if steps[0] <= steps[1] else 1)
+        if slots[b] is None or slots[b].get("capacity") < capacity:
+            if slots[b]:
+                slots[b].close()
+            slots[b] = SlotFile.create(path_of(b), capacity, kind=kind, run_id=self.run_id,
+                                       rank=rank, world=self.topo.world, node=self.node)
+        return slots[b]
+
+    def publish(self) -> None:
+        held = {r: sorted(s.get("step") for s in sl if s and s.get("state") == State.COMMITTED)
+                for r, sl in self.data.items()}
+        par = [set(s.get("step") for s in sl if s and s.get("state") == State.COMMITTED)
+               for sl in self.parity.values()]
+        self.store.set(self.keys.held(self.node), json.dumps(held))
+        self.store.set(self.keys.parity(self.node), json.dumps(sorted(set.intersection(*par))))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run until stop() or SIGTERM/SIGINT."""
+        last = 0.0
+        while not self._stop.is_set():
+            self._scan()
+            if time.monotonic() - last > POLL_STORE_S:
+                self._requests()
+                self._commands()
+                last = time.monotonic()
+            time.sleep(POLL_SHM_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _scan(self) -> None:
+        for r, slots in self.data.items():
+            for s in slots:
+                if s and s.get("state") == State.COPIED:
+                    self._commit(r, s)
+
+    def _commit(self, rank: int, slot: SlotFile) -> None:
+        # The checksum runs here, off the trainer's critical path. Only the agent moves
+        # COPIED -> COMMITTED and the trainer never writes a COPIED slot, so no race.
+        h = slot.header()
+        crc = checksum(slot.payload()[: h.length])
+        slot.set(checksum=crc)
+        slot.set(state=int(State.COMMITTED))
+        doc = slot.doc()
+        rec = {"length": h.length, "checksum": crc, "offset": doc["offset"], "total": doc["total"],
+               "doc_crc": doc_crc(doc)}
+        self.store.set(self.keys.commit(h.step, rank), json.dumps(rec))
+        self.publish()
+        first = self.store.add(self.keys.first(h.step, rank), 1) == 1
+        if first and self.store.add(self.keys.ncommit(h.step), 1) == self.topo.world:
+            self._all_committed(h.step, rec["total"])
+
+    def _all_committed(self, step: int, total: int) -> None:
+        # The last rank to commit seals the step: whole-state digest, then parity across nodes.
+        recs = [json.loads(self.store.get(self.keys.commit(step, r))) for r in range(self.topo.world)]
+        self.store.set(self.keys.digest(step), str(state_digest([r["checksum"] for r in recs], total)))
+        if self.topo.parity != "none":
+            post_command(self.store, self.run_id, {"op": "parity", "step": step})
+
+    def _requests(self) -> None:
+        n = self.store.add(self.keys.req(self.node), 0)
+        if n == self._req_seen:
+            return
+        self._req_seen = n
+        for r in self.ranks:
+            req = get_json(self.store, self.keys.alloc(r))
+            if not req or self._alloc_nonce.get(r) == req["nonce"]:
+                continue
+            for b in (0, 1):
+                s = self.data[r][b]
+                if s is None or s.get("capacity") < req["capacity"]:
+                    if s:
+                        s.close()
+                    self.data[r][b] = SlotFile.create(
+                        data_path(self.shm_dir, self.run_id, r, b), req["capacity"], kind=Kind.DATA,
+                        run_id=self.run_id, rank=r, world=self.topo.world, node=self.node)
+            self._alloc_nonce[r] = req["nonce"]
+            self.publish()
+            self.store.set(self.keys.alloc_done(r, req["nonce"]), str(req["capacity"]))
+
+    def _commands(self) -> None:
+        n = self.store.add(self.keys.cmd("n"), 0)
+        while self._cmd_seen < n:
+            self._cmd_seen += 1
+            i = self._cmd_seen
+            cmd = json.loads(self.store.get(self.keys.cmd(i)))
+            try:
+                step = commands.run(self, i, cmd)
+                answer = f"ok {step}"
+            except Exception as e:  # noqa: BLE001 - reported to the requester, agent keeps serving
+                answer = f"error {type(e).__name__} {' '.join(str(e).split())}"
+                print(f"[agent {self.node}] command {i} {cmd['op']}: {answer}", file=sys.stderr,
+                      flush=True)
+            if cmd["op"] == "parity":  # trainers may now overwrite the older slots (see client.py)
+                self.store.set(self.keys.pdone(self.node), str(cmd["step"]))
+            self.store.set(self.keys.cmd(i, "done", self.node), answer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m unbroken.runtime.snapshot.agent",
+                                description="unbroken snapshot agent (one per node)")
+    p.add_argument("--store", default=os.environ.get("UNBROKEN_STORE"), help="host:port")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--parity", choices=["none", "xor", "rs"], default="none")
+    p.add_argument("--k", type=int, default=0)
+    p.add_argument("--m", type=int, default=0)
+    p.add_argument("--shm-dir", default="/dev/shm/unbroken")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds, collectives among agents")
+    p.add_argument("--nonce", default="")
+    a = p.parse_args(argv)
+    topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
+    agent = SnapshotAgent(connect_store(a.store), a.run_id, a.node, topo, a.shm_dir, a.timeout,
+                          a.nonce)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    agent.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""The trainer's side of in-memory snapshots: asynchronous save into the node agent's slots, and
+restore (local shards from shm, other nodes' shards over the trainers' own process group).
+
+Owns the trainer half of the slot protocol (EMPTY/COMMITTED -> WRITING -> COPIED) and restore
+verification. Does not own checksumming at save time or parity (the agent does both, off the
+trainer's critical path) nor the decision when to save (the trainer calls every K steps).
+
+Saving: replica r of R copies only bytes shard_bounds(T, R, r) of the flat state (REFT sharding).
+Consistency contract of save_async: the caller must not modify the passed tensors until wait()
+returns (e.g. call save_async right after optimizer.step() and wait() before the next one; forward
+and backward only read parameters and optimizer state). Use save() to copy synchronously.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .checksum import checksum, state_digest
+from .control import DEFAULT_SHM_DIR, Keys, Topology, get_json, read_topology, request_rebuild
+from .layout import Layout, check_out, copy_range_in, copy_range_out, shard_bounds, unflatten
+from .shm import Kind, SlotFile, State, check_run_id, data_path
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    tensors: dict[str, torch.Tensor]  # the `out` tensors when given, else views of one buffer
+    meta: dict
+
+
+class SnapshotClient:
+    """One per trainer rank. `store` is a client of the coordinator's TCPStore; the node's agent
+    must be running (start_agent) and publishes the topology: rank r lives on node
+    r // ranks_per_node."""
+
+    def __init__(self, store: dist.Store, *, run_id: str, rank: int, world: int,
+                 shm_dir: str = DEFAULT_SHM_DIR, timeout_s: float = 60.0) -> None:
+        self.store, self.run_id, self.rank, self.world = store, check_run_id(run_id), rank, world
+        self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, Keys(run_id)
+        self.topo: Topology | None = None
+        self._slots: list[SlotFile] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._layout: Layout | None = None
+        self._pdone = -1
+
+    @property
+    def node(self) -> int:
+        return self.rank // self._topology().ranks_per_node
+
+    def _topology(self) -> Topology:
+        if self.topo is None:
+            self.topo = read_topology(self.store, self.run_id, 0, self.timeout_s)
+            if self.topo.world != self.world:
+                raise errors.WorldSizeMismatch(f"trainer world {self.world} but the snapshot "
+                                               f"agents serve {self.topo.world} ranks")
+        return self.topo
+
+    # -- save -------------------------------------------------------------------------------
+    def save_async(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
+        """Start copying this rank's share of `tensors` (and `meta`, JSON-able) for `step`; returns
+        once the copy runs on a background thread. Waits for the previous save first. Blocks only
+        when the agent is two snapshots behind (backpressure) or on the first call (slot setup)."""
+        self.wait()
+        layout = self._layout if self._layout and _same(self._layout, tensors) else Layout.of(tensors)
+        self._layout = layout
+        lo, hi = shard_bounds(layout.total, self.world, self.rank)
+        slot = self._pick_slot(hi - lo)
+        slot.set(state=int(State.WRITING))  # from here on the slot is torn until COPIED
+        slot.set(gen=slot.get("gen") + 1, step=step, length=hi - lo, checksum=0)
+        slot.set_doc({"layout": layout.to_json(), "meta": meta, "offset": lo,
+                      "total": layout.total, "world": self.world})
+
+        def copy() -> None:
+            try:
+                copy_range_out(tensors, layout, lo, hi, slot.payload())
+                slot.set(state=int(State.COPIED))  # the agent checksums and commits it
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=copy, name="unbroken-snapshot", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the pending copy is in shared memory (not yet verified: see
+        wait_committed); re-raises an error of the copy thread."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def save(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
+        """save_async + wait."""
+        self.save_async(step, tensors, meta)
+        self.wait()
+
+    def wait_committed(self, step: int, timeout_s: float | None = None) -> None:
+        """Block until the agent verified and committed this rank's snapshot of `step`."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not any(s.get("state") == State.COMMITTED and s.get("step") == step
+                      for s in self._open_slots(need=0)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot of step {step} not committed by the agent")
+            time.sleep(0.002)
+
+    def _open_slots(self, need: int) -> list[SlotFile]:
+        if self._slots is None or any(s.get("capacity") < need for s in self._slots):
+            self._close_slots()
+            paths = [data_path(self.shm_dir, self.run_id, self.rank, b) for b in (0, 1)]
+            ok = all(p.exists() for p in paths)
+            slots = [SlotFile.open(p) for p in paths] if ok else []
+            if not ok or any(s.get("capacity") < need or s.header().run_id != self.run_id
+                             or s.get("world") != self.world for s in slots):
+                for s in slots:
+                    s.close()
+                slots = self._allocate(paths, need)
+            self._slots = slots
+        return self._slots
+
+    def _allocate(self, paths: list[Path], need: int) -> list[SlotFile]:
+        # The agent owns the files: ask it to create (and pre-fault) both slots, then map them.
+        nonce = secrets.token_hex(6)
+        cap = max(need, 1)
+        self.store.set(self.keys.alloc(self.rank), json.dumps({"capacity": cap, "nonce": nonce}))
+        self.store.add(self.keys.req(self.node), 1)
+        done = self.keys.alloc_done(self.rank, nonce)
+        try:
+            self.store.wait([done], _td(self.timeout_s))
+        except Exception:  # noqa: BLE001
+            raise RuntimeError(f"snapshot agent of node {self.node} did not create slots for rank "
+                               f"{self.rank} within {self.timeout_s:g} s") from None
+        return [SlotFile.open(p) for p in paths]
+
+    def _pick_slot(self, need: int) -> SlotFile:
+        slots = self._open_slots(need)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            st = [(s.get("state"), s.get("step")) for s in slots]
+            live = [b for b in (0, 1) if st[b][0] in (State.COPIED, State.COMMITTED)]
+            newest = max(live, key=lambda b: st[b][1]) if live else 1
+            b = 1 - newest
+            if st[b][0] != State.COPIED and self._released(st[b]):
+                return slots[b]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot agent of node {self.node} is two snapshots behind")
+            time.sleep(0.002)
+
+    def _released(self, st: tuple[int, int]) -> bool:
+        # A committed step may still be read by a queued parity command; the agent announces
+        # pdone = last step it encoded. Steps that never completed on all ranks get no parity.
+        state, step = st
+        if state != State.COMMITTED or self._topology().parity == "none" or step <= self._pdone:
+            return True
+        if not self.store.check([self.keys.digest(step)]):
+            return True
+        self._pdone = int(get_json(self.store, self.keys.pdone(self.node), -1))
+        return step <= self._pdone
+
+    # -- restore ----------------------------------------------------------------------------
+    def latest_committed(self) -> int | None:
+        """Newest step committed by every rank and still held in the agents' slots, else None."""
+        topo = self._topology()
+        common: set[int] | None = None
+        for n in range(topo.nodes):
+            held = get_json(self.store, self.keys.held(n), {})
+            for r in topo.ranks_of(n):
+                steps = set(held.get(str(r), []))
+                common = steps if common is None else common & steps
+        ok = [s for s in (common or ()) if self.store.check([self.keys.digest(s)])]
+        return max(ok, default=None)
+
+    def restore(self, step: int | None = None, *, group: dist.ProcessGroup | None = None,
+                out: Mapping[str, torch.Tensor] | None = None) -> Restored:
+        """Load the snapshot of `step` (default: latest_committed()).
+
+        group=None: every rank must live on this node (single node); the shards are read from
+        this node's slots. Otherwise pass the trainers' group whose rank i is trainer rank i;
+        this is a collective over it. With `out`, bytes land in those tensors (same names,
+        dtypes, shapes) and nothing else is allocated. Every shard is verified against its
+        checksum (a corrupt one is rebuilt from parity by the agents, never loaded) and the whole
+        reassembled state against the digest recorded at snapshot time. Raises a StateLoadError
+        subclass and loads nothing on failure.
+        """
+        self.wait()
+        self._check_files()  # missing / foreign / other world: fail before touching the store
+        topo = self._topology()
+        step = self.latest_committed() if step is None else step
+        if step is None:
+            raise errors.SnapshotNotFound(f"no snapshot committed by all {self.world} ranks of run "
+                                          f"{self.run_id}")
+        if group is None and topo.nodes > 1:
+            raise ValueError("ranks live on several nodes: pass the trainers' process group")
+        mine = topo.ranks_of(self.node) if group is None else [self.rank]
+        shards = {r: self._verified_shard(r, step) for r in mine}
+        doc = next(iter(shards.values()))[1]
+        layout, total = Layout.from_json(doc["layout"]), doc["total"]
+        digest = int(self.store.get(self.keys.digest(step)))
+        if group is None:
+            # Every shard was just checksummed in shm: fold them into the whole-state digest.
+            got = state_digest([shards[r][2] for r in range(self.world)], total)
+            _expect(got, digest, f"state of step {step}")
+            if out is not None:
+                check_out(out, layout)
+            for r, (data, _, _) in shards.items():
+                lo, hi = shard_bounds(total, self.world, r)
+                if out is not None:
+                    copy_range_in(data, layout, lo, hi, out)
+            flat = None if out is not None else torch.cat([shards[r][0] for r in range(self.world)])
+        else:
+            flat = self._allgather(group, shards[self.rank][0], total)
+            per = [checksum(flat[slice(*shard_bounds(total, self.world, r))]) for r in range(self.world)]
+            _expect(state_digest(per, total), digest, f"reassembled state of step {step}")
+            if out is not None:
+                check_out(out, layout)
+                copy_range_in(flat, layout, 0, total, out)
+        tensors = dict(out) if out is not None else unflatten(flat, layout)
+        return Restored(step, tensors, doc["meta"])
+
+    def _verified_shard(self, rank: int, step: int) -> tuple[torch.Tensor, dict, int]:
+        rec = get_json(self.store, self.keys.commit(step, rank))
+        for attempt in (0, 1):
+            slot = self._find_committed(rank, step)
+            data = slot.payload()[: slot.get("length")]
+            crc = checksum(data)
+            if rec and crc == slot.get("checksum") == rec["checksum"]:
+                return data, slot.doc(), crc
+            if attempt == 0:  # corrupt in memory: the agents rebuild this node from parity
+                request_rebuild(self.store, self.run_id, [self.node], step=step,
+                                timeout_s=self.timeout_s)
+        raise errors.ChecksumMismatch(f"shard of rank {rank} step {step} fails its checksum "
+                                      f"after a rebuild")
+
+    def _check_files(self) -> None:
+        d = Path(self.shm_dir) / self.run_id
+        if not d.is_dir():
+            raise errors.SnapshotNotFound(f"no snapshot directory {d}")
+        for b in (0, 1):
+            p = data_path(self.shm_dir, self.run_id, self.rank, b)
+            if p.exists():
+                self._open_checked(p).close()
+
+    def _open_checked(self, p: Path) -> SlotFile:
+        s = SlotFile.open(p)
+        h = s.header()
+        if h.run_id != self.run_id or h.kind != Kind.DATA:
+            s.close()
+            raise errors.ForeignSnapshot(f"{p} belongs to run {h.run_id!r}, not {self.run_id!r}")
+        if h.world != self.world:
+            s.close()
+            raise errors.WorldSizeMismatch(f"{p} was written by a world of {h.world} ranks, "
+                                           f"this trainer has {self.world}")
+        return s
+
+    def _find_committed(self, rank: int, step: int) -> SlotFile:
+        d = Path(self.shm_dir) / self.run_id
+        for b in (0, 1):
+            p = data_path(self.shm_dir, self.run_id, rank, b)
+            if not p.exists():
+                continue
+            s = self._open_checked(p)
+            if s.get("state") == State.COMMITTED and s.get("step") == step:
+                return s
+            s.close()
+        raise errors.SnapshotNotFound(f"rank {rank} holds no committed snapshot of step {step} "
+                                      f"in {d}")
+
+    def _allgather(self, group: dist.ProcessGroup, mine: torch.Tensor, total: int) -> torch.Tensor:
+        if group.size() != self.world:
+            raise errors.WorldSizeMismatch(f"restore group has {group.size()} ranks, snapshot "
+                                           f"{self.world}")
+        per = shard_bounds(total, self.world, 0)[1]  # padded shard length
+        flat = torch.zeros(per * self.world, dtype=torch.uint8)
+        send = torch.zeros(per, dtype=torch.uint8)
+        send[: mine.numel()] = mine
+        group.allgather([list(flat.split(per))], [send]).wait()
+        return flat[:total]
+
+    def _close_slots(self) -> None:
+        for s in self._slots or []:
+            s.close()
+        self._slots = None
+
+    def close(self) -> None:
+        """Finish a pending copy and unmap the slots (files stay with the agent)."""
+        self.wait()
+        self._close_slots()
+
+
+def _same(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> bool:
+    if len(layout.specs) != len(tensors):
+        return False
+    return all(s.name == n and tuple(t.shape) == s.shape
+               and str(t.dtype).removeprefix("torch.") == s.dtype
+               for s, (n, t) in zip(layout.specs, tensors.items()))
+
+
+def _expect(got: int, want: int, what: str) -> None:
+    if got != want:
+        raise errors.ChecksumMismatch(f"{what}: digest {got:#010x} != recorded {want:#010x}")
+
+
+def _td(s: float):
+    import datetime
+    return datetime.timedelta(seconds=s)

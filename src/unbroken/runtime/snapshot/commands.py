@@ -1,0 +1,168 @@
+"""Commands the agents run together: encode parity for a step, rebuild lost nodes' snapshots.
+
+Owns the agent side of each command: gathering its inputs from slot files and the store, a ready
+barrier (so one member's missing input fails the command everywhere instead of hanging the others
+in a collective), a fresh gloo group per command on its own store prefix, and writing results into
+slot files. Does not own the stripe math (parity.py) or the queue (control.py, agent.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import errors
+from .checksum import checksum
+from .erasure import RSCodec, gloo_group
+from .layout import shard_bounds
+from .parity import Member, StripePlan, encode, rebuild
+from .shm import Kind, State, data_path, parity_path
+
+if TYPE_CHECKING:
+    from .agent import SnapshotAgent
+
+
+def run(agent: SnapshotAgent, i: int, cmd: dict) -> int:
+    """Execute command i; returns the step it acted on (-1: this node's group is not involved)."""
+    if cmd["op"] == "parity":
+        return _parity(agent, i, cmd["step"])
+    if cmd["op"] == "rebuild":
+        return _rebuild(agent, i, cmd["lost"], cmd.get("step"))
+    raise ValueError(f"unknown snapshot command {cmd['op']!r}")
+
+
+def _barrier(a: SnapshotAgent, i: int, members: list[int], name: str, value: str) -> list[str]:
+    """Post `value` for this node and wait for every member's; returns them in member order."""
+    a.store.set(a.keys.cmd(i, name, a.node), value)
+    keys = [a.keys.cmd(i, name, n) for n in members]
+    try:
+        a.store.wait(keys, datetime.timedelta(seconds=a.timeout_s))
+    except Exception:  # noqa: BLE001
+        raise errors.Unrecoverable(f"peer agents of nodes {members} did not all answer "
+                                   f"within {a.timeout_s:g} s") from None
+    return [a.store.get(k).decode() for k in keys]
+
+
+def _ready(a: SnapshotAgent, i: int, members: list[int], err: Exception | None) -> None:
+    vals = _barrier(a, i, members, "ready", "ok" if err is None else f"{type(err).__name__} {err}")
+    bad = [f"node {n}: {v}" for n, v in zip(members, vals) if v != "ok"]
+    if err is not None:
+        raise err
+    if bad:
+        raise errors.Unrecoverable("; ".join(bad))
+
+
+def _setup(a: SnapshotAgent):
+    t = a.topo
+    members = t.group_of(a.node)
+    codec = RSCodec(t.k, t.m) if t.parity == "rs" else None
+    return members, members.index(a.node), StripePlan(t.k, t.m), codec
+
+
+def _parity(a: SnapshotAgent, i: int, step: int) -> int:
+    members, j, plan, codec = _setup(a)
+    P = a.topo.ranks_per_node
+    err, shards, manifest = None, {}, {}
+    try:
+        ranks = [r for n in members for r in a.topo.ranks_of(n)]
+        recs = {r: json.loads(a.store.get(a.keys.commit(step, r))) for r in ranks}
+        for layer, r in enumerate(a.ranks):
+            s = a.find(a.data[r], step)
+            if s is None:
+                raise errors.SnapshotNotFound(f"rank {r} holds no committed step {step}")
+            shards[layer] = s
+        doc = shards[0].doc()
+        manifest = {"step": step, "records": recs, "digest": int(a.store.get(a.keys.digest(step))),
+                    "doc": {"layout": doc["layout"], "meta": doc["meta"]},
+                    "c": plan.chunk_bytes(max(r["length"] for r in recs.values()))}
+    except Exception as e:  # noqa: BLE001 - reported through the ready barrier
+        err = e
+    _ready(a, i, members, err)
+    c = manifest["c"]
+    pg = gloo_group(a.store, a.keys.cmd(i, "pg"), j, plan.size, a.timeout_s)
+    for layer in range(P):
+        ps = a.writable(a.parity[layer], lambda b, l=layer: parity_path(a.shm_dir, a.run_id, l, b),
+                        plan.m * c, layer, Kind.PARITY)
+        ps.set(state=int(State.WRITING))
+        ps.set(step=step, length=plan.m * c, gen=ps.get("gen") + 1)
+        shard = shards[layer].payload()[: shards[layer].get("length")]
+        encode(pg, Member(plan, j, c, shard, ps.payload()[: plan.m * c], codec), layer * 1000)
+        ps.set_doc(manifest)
+        ps.set(state=int(State.COMMITTED))
+    a.publish()
+    return step
+
+
+def _avail(a: SnapshotAgent) -> set[int]:
+    """Steps this node can serve a rebuild from: data of every local rank and parity, committed."""
+    sets = [{s.get("step") for s in sl if s and s.get("state") == State.COMMITTED}
+            for sl in [*a.data.values(), *a.parity.values()]]
+    return set.intersection(*sets)
+
+
+def _rebuild(a: SnapshotAgent, i: int, lost: list[int], step: int | None) -> int:
+    members, j, plan, codec = _setup(a)
+    if not set(lost) & set(members):
+        return -1
+    lost_j = sorted(members.index(n) for n in lost if n in members)
+    me_lost = a.node in lost
+    avails = _barrier(a, i, members, "avail", json.dumps([] if me_lost else sorted(_avail(a))))
+    common = set.intersection(*(set(json.loads(v)) for n, v in zip(members, avails) if n not in lost))
+    if step is None:
+        step = max(common, default=None)
+        if step is None:
+            raise errors.Unrecoverable(f"no step has data and parity on every survivor of {members}")
+    err = None if step in common else errors.Unrecoverable(
+        f"step {step} is not held with parity by every survivor of group {members}")
+    helper = next(n for n in members if n not in lost)
+    if a.node == helper and err is None:
+        a.store.set(a.keys.cmd(i, "manifest"), json.dumps(a.find(a.parity[0], step).doc()))
+    _ready(a, i, members, err)
+    manifest = json.loads(a.store.get(a.keys.cmd(i, "manifest")))
+    c, P = manifest["c"], a.topo.ranks_per_node
+    pg = gloo_group(a.store, a.keys.cmd(i, "pg"), j, plan.size, a.timeout_s)
+    failures = []
+    for layer, rank in enumerate(a.ranks):
+        if me_lost:
+            shard, par, out = None, torch.zeros(plan.m * c, dtype=torch.uint8), torch.empty(plan.k * c, dtype=torch.uint8)
+        else:
+            ds, ps = a.find(a.data[rank], step), a.find(a.parity[layer], step)
+            shard, par, out = ds.payload()[: ds.get("length")], ps.payload()[: plan.m * c], None
+        rebuild(pg, Member(plan, j, c, shard, par, codec), lost_j, out, layer * 1000)
+        if me_lost:  # keep going on a bad layer: peers are still in the collective for the rest
+            try:
+                _install(a, step, layer, rank, manifest, out, par)
+            except errors.StateLoadError as e:
+                failures.append(e)
+    a.publish()
+    if failures:
+        raise failures[0]
+    return step
+
+
+def _install(a: SnapshotAgent, step: int, layer: int, rank: int, manifest: dict,
+             out: torch.Tensor, par: torch.Tensor) -> None:
+    """Verify a rebuilt shard against its recorded checksum, then commit it and its parity."""
+    rec = manifest["records"][str(rank)]
+    data = out[: rec["length"]]
+    if checksum(data) != rec["checksum"]:
+        raise errors.ChecksumMismatch(f"rebuilt shard of rank {rank} step {step} fails its "
+                                      f"checksum (parity or survivors damaged)")
+    lo, hi = shard_bounds(rec["total"], a.topo.world, rank)
+    ds = a.writable(a.data[rank], lambda b: data_path(a.shm_dir, a.run_id, rank, b),
+                    rec["length"], rank, Kind.DATA, keep_step=step)
+    ds.set(state=int(State.WRITING))
+    ds.payload()[: rec["length"]] = data
+    ds.set_doc({**manifest["doc"], "offset": lo, "total": rec["total"], "world": a.topo.world})
+    ds.set(step=step, length=rec["length"], checksum=rec["checksum"], gen=ds.get("gen") + 1)
+    ds.set(state=int(State.COMMITTED))
+    ps = a.writable(a.parity[layer], lambda b: parity_path(a.shm_dir, a.run_id, layer, b),
+                    par.numel(), layer, Kind.PARITY, keep_step=step)
+    ps.set(state=int(State.WRITING))
+    ps.payload()[: par.numel()] = par
+    ps.set_doc(manifest)
+    ps.set(step=step, length=par.numel(), gen=ps.get("gen") + 1)
+    ps.set(state=int(State.COMMITTED))

@@ -1,0 +1,214 @@
+"""The snapshot control plane on the coordinator's TCPStore, and the launcher's calls.
+
+Owns: store key names, the agents' command queue, agent topology records, and the functions a
+launcher calls: `start_agent`, `stop_agent`, `request_rebuild`, `remove_run`. Does not own the bytes
+(they move through /dev/shm files and gloo groups, never through the store).
+
+Keys live under `unbroken/snap/<run_id>/`. Commands are appended by anyone (`cmd/n` counter, then
+`cmd/<i>` JSON) and executed in order by every agent that was up when they were posted; each agent
+answers `cmd/<i>/done/<node>` with "ok <step>" or "error <Type> <message>".
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from . import errors
+from .shm import check_run_id
+
+DEFAULT_SHM_DIR = "/dev/shm/unbroken"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How trainer ranks and parity groups map onto nodes (one agent per node)."""
+
+    nodes: int
+    ranks_per_node: int  # trainer rank r lives on node r // ranks_per_node
+    parity: str  # "none" | "xor" | "rs"
+    k: int = 0  # data blocks per stripe; a parity group is k + m consecutive nodes
+    m: int = 0
+
+    def __post_init__(self) -> None:
+        if self.parity not in ("none", "xor", "rs"):
+            raise ValueError(f"parity must be none, xor or rs, not {self.parity!r}")
+        if self.parity != "none":
+            if self.k < 1 or self.m < 1 or (self.parity == "xor" and self.m != 1):
+                raise ValueError(f"parity {self.parity} needs k >= 1 and m >= 1 (xor: m == 1)")
+            if self.nodes % (self.k + self.m):
+                raise ValueError(f"{self.nodes} nodes do not split into groups of k+m={self.k + self.m}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def group_size(self) -> int:
+        return self.k + self.m if self.parity != "none" else 1
+
+    def group_of(self, node: int) -> list[int]:
+        g = node // self.group_size
+        return list(range(g * self.group_size, (g + 1) * self.group_size))
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [node * self.ranks_per_node + i for i in range(self.ranks_per_node)]
+
+
+class Keys:
+    """Store key names for one run (see the module docstring)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.base = f"unbroken/snap/{check_run_id(run_id)}"
+
+    def __getattr__(self, name: str):  # keys.agent(3) -> ".../agent/3"
+        return lambda *parts: "/".join([self.base, name, *map(str, parts)])
+
+
+def connect_store(addr: str | None = None, timeout_s: float = 60) -> dist.TCPStore:
+    """A client of the coordinator's TCPStore at `addr` or env UNBROKEN_STORE ("host:port")."""
+    addr = addr or os.environ.get("UNBROKEN_STORE")
+    if not addr:
+        raise RuntimeError("no store address: pass host:port or set UNBROKEN_STORE")
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def get_json(store: dist.Store, key: str, default=None):
+    return json.loads(store.get(key)) if store.check([key]) else default
+
+
+def read_topology(store: dist.Store, run_id: str, node: int = 0, timeout_s: float = 60) -> Topology:
+    """The topology published by node `node`'s agent; waits up to timeout_s for it."""
+    key = Keys(run_id).agent(node)
+    _wait_keys(store, [key], timeout_s, f"snapshot agent of node {node} never came up")
+    rec = json.loads(store.get(key))
+    return Topology(**rec["topology"])
+
+
+def post_command(store: dist.Store, run_id: str, cmd: dict) -> int:
+    keys = Keys(run_id)
+    i = store.add(keys.cmd("n"), 1)
+    store.set(keys.cmd(i), json.dumps(cmd))
+    return i
+
+
+def wait_command(store: dist.Store, run_id: str, i: int, nodes: list[int],
+                 timeout_s: float) -> list[int]:
+    """Wait for every node in `nodes` to answer command i; return their steps or raise the error
+    type an agent reported (errors.Unrecoverable when one never answers)."""
+    keys = Keys(run_id)
+    want = [keys.cmd(i, "done", n) for n in nodes]
+    _wait_keys(store, want, timeout_s, f"snapshot agents did not finish command {i}",
+               errors.Unrecoverable)
+    steps = []
+    for n, key in zip(nodes, want):
+        word, _, rest = store.get(key).decode().partition(" ")
+        if word == "error":
+            typ, _, msg = rest.partition(" ")
+            raise getattr(errors, typ, errors.Unrecoverable)(f"node {n}: {msg}")
+        steps.append(int(rest))
+    return steps
+
+
+def request_rebuild(store: dist.Store, run_id: str, lost: list[int], *, step: int | None = None,
+                    timeout_s: float = 120) -> int:
+    """Rebuild the snapshot data of the `lost` nodes from their parity groups; returns the step.
+
+    Contract: replacement agents for lost nodes are running (`start_agent`, same node ids, empty
+    or damaged /dev/shm) and no trainer is saving. With step=None the agents pick the newest step
+    that every survivor holds with complete parity. Raises Unrecoverable when a group lost more
+    than m nodes, when parity is off, or when no common step exists; the caller then falls back to
+    the latest persistent checkpoint.
+    """
+    if not lost:
+        raise ValueError("request_rebuild needs at least one lost node")
+    topo = read_topology(store, run_id, lost[0], timeout_s)  # the replacement agent publishes it
+    if topo.parity == "none":
+        raise errors.Unrecoverable(f"nodes {lost} lost and the run keeps no parity")
+    gs = topo.group_size
+    groups = {g: [n for n in lost if n // gs == g] for g in {n // gs for n in lost}}
+    for g, gl in groups.items():
+        if len(gl) > topo.m:
+            raise errors.Unrecoverable(f"parity group {g} lost nodes {gl}: more than m={topo.m} "
+                                       f"({topo.parity} {topo.k}+{topo.m}) can rebuild")
+    i = post_command(store, run_id, {"op": "rebuild", "lost": sorted(lost), "step": step})
+    involved = sorted(n for g in groups for n in range(g * gs, (g + 1) * gs))
+    return wait_command(store, run_id, i, involved, timeout_s)[0]
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Everything an agent process needs; `start_agent` turns it into a command line."""
+
+    store: str  # host:port of the coordinator's TCPStore
+    run_id: str
+    node: int
+    topology: Topology
+    shm_dir: str = DEFAULT_SHM_DIR
+    timeout_s: float = 60.0  # for collectives among agents
+
+
+def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | None = None,
+                store: dist.Store | None = None) -> subprocess.Popen:
+    """Spawn `python -m unbroken.runtime.snapshot.agent` for one node and wait until it serves.
+
+    Start it before the trainers; it outlives them. Existing slot files of the run in shm_dir are
+    adopted, so restarting an agent on a healthy node keeps its snapshots.
+    """
+    nonce = secrets.token_hex(8)
+    t = spec.topology
+    argv = [sys.executable, "-m", "unbroken.runtime.snapshot.agent", "--store", spec.store,
+            "--run-id", spec.run_id, "--node", str(spec.node), "--nodes", str(t.nodes),
+            "--ranks-per-node", str(t.ranks_per_node), "--parity", t.parity, "--k", str(t.k),
+            "--m", str(t.m), "--shm-dir", spec.shm_dir, "--timeout", str(spec.timeout_s),
+            "--nonce", nonce]
+    out = open(log, "ab") if log else None
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None)
+    own = store or connect_store(spec.store)
+    key = Keys(spec.run_id).agent(spec.node)
+    deadline = time.monotonic() + ready_timeout_s
+    while get_json(own, key, {}).get("nonce") != nonce:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"snapshot agent for node {spec.node} did not start (rc={proc.poll()})")
+        time.sleep(0.02)
+    return proc
+
+
+def stop_agent(proc: subprocess.Popen, timeout_s: float = 10) -> int:
+    """SIGTERM the agent and wait; its /dev/shm files stay (call remove_run at the end of a run)."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def remove_run(shm_dir: str, run_id: str) -> None:
+    """Delete a run's snapshot files on this node (end of run, or a node wiped in a test)."""
+    shutil.rmtree(Path(shm_dir) / check_run_id(run_id), ignore_errors=True)
+
+
+def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, what: str,
+               exc: type[Exception] = RuntimeError) -> None:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - the store raises DistStoreError / RuntimeError
+        raise exc(f"{what} within {timeout_s:g} s ({type(e).__name__})") from None
+
+
+def topology_dict(t: Topology) -> dict:
+    return asdict(t)
