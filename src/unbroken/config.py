@@ -48,7 +48,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class CoordConfig:
     heartbeat_interval: float = 0.1  # s between a member's heartbeats
-    heartbeat_timeout: float = 1.5  # s without a heartbeat before a member is declared dead
+    heartbeat_timeout: float = 3.0  # s without a heartbeat before a member is declared dead
+    startup_timeout: float = 120.0  # s a member may take from its first heartbeat to its first step
     progress_timeout: float = 20.0  # s in one compute microbatch before a beating member is declared stuck
     collective_timeout: float = 30.0  # s before gloo gives up on a collective by itself
     run_timeout: float = 900.0  # s before the launcher gives up on the whole run

@@ -40,20 +40,22 @@ class Beat:
 
 
 def stale(beats: Mapping[int, Beat], members: Iterable[int], now: float, heartbeat_timeout: float,
-          progress_timeout: float) -> dict[int, str]:
+          progress_timeout: float, startup_timeout: float = 120.0) -> dict[int, str]:
     """Members to declare dead, each with a one-line reason.
 
     A member is dead when its heartbeat has not changed for `heartbeat_timeout` s (killed, stopped, node
     gone), or when it has sat in the same compute microbatch for `progress_timeout` s while beating
-    (alive but stuck). Members that never beat are judged from `now` only once they have beaten once;
-    the launcher reports processes that die before their first beat.
+    (alive but stuck). While a member is still starting (phase "start": imports, model build, data
+    load, which hold the GIL in long bursts and can starve the heartbeat thread) `startup_timeout` applies
+    instead. Members that never beat are not judged here; the launcher reports processes that die.
     """
     verdicts: dict[int, str] = {}
     for m in members:
         b = beats.get(m)
         if b is None:
             continue
-        if now - b.seen_at > heartbeat_timeout:
+        limit = startup_timeout if b.phase == "start" else heartbeat_timeout
+        if now - b.seen_at > limit:
             verdicts[m] = f"no heartbeat for {now - b.seen_at:.1f} s"
         elif b.phase == "compute" and now - b.progress_at > progress_timeout:
             verdicts[m] = f"stuck in step {b.step} microbatch {b.microbatch} for {now - b.progress_at:.1f} s"

@@ -16,6 +16,7 @@ Keys (all values utf-8):
   decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r
   applied/{s}           counter; the first to apply writes the step record
   last_commit           last committed step                      first member to apply it
+  finished/{r}          "1" once a member has applied the last step     member
   failed                JSON {"reason","last_committed_step"}    coordinator: every replica lost
 """
 from __future__ import annotations
@@ -114,6 +115,10 @@ class Coordination:
         if first:
             self.store.set("last_commit", str(step))
         return first
+
+    def finish(self) -> None:
+        """Call once after the last step: the coordinator stops judging this member's liveness."""
+        self.store.set(f"finished/{self.me}", "1")
 
     def failed(self) -> dict | None:
         return json.loads(self.store.get("failed")) if self.store.check(["failed"]) else None

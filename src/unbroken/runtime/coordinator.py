@@ -24,9 +24,10 @@ from unbroken.policy.membership import Beat, Membership, stale
 
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
-                 progress_timeout: float):
+                 progress_timeout: float, startup_timeout: float):
         self.store, self.log = store, log
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
+        self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
         self.beats: dict[int, Beat] = {}
         self.exits_seen = 0
@@ -36,10 +37,13 @@ class Coordinator:
 
     def poll(self, now: float) -> bool:
         """One round: read beats and exits, declare the dead, publish a new epoch. False once all are gone."""
-        members = self.membership.members
+        members = tuple(m for m in self.membership.members if not self.store.check([f"finished/{m}"]))
+        if not members:
+            return True  # every remaining member finished its last step
         for m in members:
             self._read_beat(m, now)
-        verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout)
+        verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
+                         self.startup_timeout)
         nexits = self.store.add("nexits", 0)
         if nexits != self.exits_seen:
             self.exits_seen = nexits
@@ -86,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--heartbeat-timeout", type=float, default=1.5)
     ap.add_argument("--progress-timeout", type=float, default=20.0)
+    ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--poll", type=float, default=0.02, help="s between liveness rounds")
     a = ap.parse_args(argv)
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
     print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-    coord = Coordinator(store, a.replicas, log, a.heartbeat_timeout, a.progress_timeout)
+    coord = Coordinator(store, a.replicas, log, a.heartbeat_timeout, a.progress_timeout, a.startup_timeout)
     alive = True
     while not store.check(["shutdown"]):
         if alive and not coord.poll(time.monotonic()):

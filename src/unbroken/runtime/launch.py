@@ -87,7 +87,8 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "unbroken.runtime.coordinator", "--replicas", str(cfg.run.replicas),
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
-           "--progress-timeout", str(cfg.coord.progress_timeout)]
+           "--progress-timeout", str(cfg.coord.progress_timeout),
+           "--startup-timeout", str(cfg.coord.startup_timeout)]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "wb"))
     return p, f"127.0.0.1:{port}"
 
@@ -98,7 +99,9 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
     out = open(run_dir / "logs" / f"replica{r}.log", "wb")
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
+    return p
 
 
 def _watch(cfg: Config, store, workers: dict[int, subprocess.Popen], log: EventLog, view: LiveView,
@@ -120,8 +123,11 @@ def _watch(cfg: Config, store, workers: dict[int, subprocess.Popen], log: EventL
         if store.check(["failed"]):
             failed = json.loads(store.get("failed"))
             return f"{failed['reason']}; last committed step: {failed['last_committed_step']}"
-        if len(reported) == len(workers):
-            return None
+        if all(r in reported or store.check([f"dead/{r}"]) for r in workers):
+            if any(store.check([f"finished/{r}"]) for r in workers):
+                return None  # the rest are zombies (declared dead, still stopped): killed on the way out
+            last = int(store.get("last_commit")) if store.check(["last_commit"]) else -1
+            return f"every replica was lost; last committed step: {last}"
         if time.time() - t0 > cfg.coord.run_timeout:
             for p in workers.values():
                 if p.poll() is None:

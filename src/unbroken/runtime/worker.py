@@ -61,6 +61,7 @@ def run(factories: Factories) -> int:
     try:
         trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector)
         trainer.fit()
+        coord.finish()
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
         log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300])

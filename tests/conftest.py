@@ -1,0 +1,29 @@
+"""Shared fixtures: runs through the product's own CLI and launcher, in real processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# A small run: 4 replicas, 8 microbatches, 12 steps, exact. Tests compare against one reference of it.
+BASE = ["--replicas", "4", "--steps", "12", "--microbatches", "8", "--exact", "--run.progress=false",
+        "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1", "--coord.run_timeout=240"]
+
+
+def unbroken(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run the `unbroken` CLI as a user would, in a fresh process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "unbroken.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Path:
+    """The failure-free --exact run every fault test compares against."""
+    out = tmp_path_factory.mktemp("reference")
+    r = unbroken("train", *BASE, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out

@@ -1,0 +1,42 @@
+"""Quotas, assignment and redistribution: every microbatch has exactly one live owner."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.policy import workload
+
+weights_st = st.dictionaries(st.integers(0, 15), st.floats(0.05, 4.0), max_size=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 64), st.sets(st.integers(0, 15), min_size=1), weights_st)
+def test_quotas_sum_to_total_and_follow_weights(total, members, weights):
+    q = workload.quotas(total, members, weights)
+    assert sum(q.values()) == total and set(q) == members
+    w = {m: weights.get(m, 0) for m in members}
+    if all(v > 0 for v in w.values()):
+        wsum = sum(w.values())
+        for m in members:  # largest remainder: within one of the exact share
+            assert abs(q[m] - total * w[m] / wsum) < 1 + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 12), st.data())
+def test_redistribution_keeps_survivors_work_and_covers_orphans(m, r, data):
+    members = list(range(r))
+    owners = workload.assign(m, members)
+    history = []
+    alive = set(members)
+    while len(alive) > 1 and data.draw(st.booleans()):
+        dead = data.draw(st.sets(st.sampled_from(sorted(alive)), min_size=1, max_size=len(alive) - 1))
+        alive -= dead
+        history.append(sorted(alive))
+    new = workload.replay(owners, history)
+    assert len(new) == m and set(new) <= alive
+    for i, o in enumerate(owners):
+        if o in alive:  # a survivor's own work stays where it is: no recompute
+            assert new[i] == o
+
+
+def test_loss_weights_sum_to_one():
+    tokens = [37, 256, 1, 90]
+    assert abs(sum(workload.loss_weight(t, sum(tokens)) for t in tokens) - 1) < 1e-12

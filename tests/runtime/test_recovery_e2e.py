@@ -1,0 +1,126 @@
+"""Real processes on gloo, through `unbroken train`: kills and hangs, each against the failure-free run.
+
+Oracle: in --exact mode every committed step's param_digest equals the reference's, and the audit of the
+event log shows every microbatch of every step reduced exactly once (report.audit).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import BASE, unbroken
+from unbroken.events import read_events
+from unbroken.report import audit, compare
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def run_with(tmp_path, faults: str, *extra: str):
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--faults", faults, "--out", str(out), *extra)
+    return r, out
+
+
+def assert_trajectory(reference, out, lost: int):
+    cmp = compare(reference, out)
+    assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]
+    assert audit(out, 8) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["members_lost"] == lost and summary["ok"]
+    return read_events(out)
+
+
+@pytest.mark.parametrize("phase", ["compute", "allreduce", "commit", "optimizer"])
+def test_kill_in_each_phase(reference, tmp_path, phase):
+    r, out = run_with(tmp_path, f"kill:replica=1,step=4,phase={phase}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = assert_trajectory(reference, out, lost=1)
+    steps = {e["step"]: e for e in events if e["event"] == "step"}
+    assert steps[3]["replicas"] == 4 and steps[11]["replicas"] == 3
+    # the dead replica's microbatches were taken over inside the step they were lost in (or the next
+    # one, when it died after that step's commit), not by a restart
+    recovered = {e["step"] for e in events if e["event"] == "recovery"}
+    assert recovered & {4, 5}
+
+
+def test_two_kills_in_one_step(reference, tmp_path):
+    r, out = run_with(tmp_path, "kill:replica=1,step=5,phase=allreduce; kill:replica=2,step=5,phase=compute")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = assert_trajectory(reference, out, lost=2)
+    assert {e["step"]: e["replicas"] for e in events if e["event"] == "step"}[5] == 2
+
+
+def test_two_of_four_lost_at_different_steps(reference, tmp_path):
+    r, out = run_with(tmp_path, "kill:replica=3,step=2,phase=commit; kill:replica=0,step=7,phase=optimizer")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = assert_trajectory(reference, out, lost=2)
+    members = {e["step"]: e["members"] for e in events if e["event"] == "step"}
+    assert members[1] == [0, 1, 2, 3] and members[11] == [1, 2]
+
+
+def test_hang_is_detected_and_the_zombie_fenced(reference, tmp_path):
+    # replica 2 stops mid-all-reduce for 4 s; heartbeats stop, it is declared dead after 2 s, the
+    # survivors blocked inside gloo are freed by the epoch change; when it wakes it must leave.
+    # A slow replica 0 (a sleep, not a trajectory change) keeps the run going until the zombie wakes.
+    r, out = run_with(tmp_path, "hang:replica=2,step=3,phase=allreduce,for=4; slow:replica=0,from=4,factor=8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = assert_trajectory(reference, out, lost=1)
+    dead = [e for e in events if e["event"] == "member_dead"]
+    assert dead[0]["replica"] == 2 and "heartbeat" in dead[0]["reason"]
+    fenced = [e for e in events if e["event"] == "fenced"]
+    assert fenced and fenced[0]["replica"] == 2
+    zombie_writes = [e for e in events if e.get("replica") == 2 and e["event"] in ("applied", "compute")
+                     and e["step"] > 3]
+    assert zombie_writes == []
+    # recovery cost a step, not the 30 s gloo timeout
+    step3 = next(e for e in events if e["event"] == "step" and e["step"] == 3)
+    fault = next(e for e in events if e["event"] == "fault")
+    assert step3["t"] - fault["t"] < 10
+
+
+def test_every_replica_lost_is_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    r = unbroken("train", "--replicas", "2", "--steps", "6", "--microbatches", "4", "--run.progress=false",
+                 "--faults", "kill:replica=0,step=3,phase=compute; kill:replica=1,step=3,phase=allreduce",
+                 "--out", str(out), timeout=120)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == "unbroken: error: every replica was lost; last committed step: 2"
+
+
+def test_external_kill_minus_9(reference, tmp_path):
+    """A user's `kill -9` at an arbitrary moment: no scripted phase, same trajectory."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "unbroken.cli", "train", *BASE, "--out", str(out),
+           "--faults", "slow:replica=0,from=0,factor=3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 200
+    victim = None
+    while victim is None and time.time() < deadline:
+        time.sleep(0.05)
+        if (out / "events.jsonl").exists():
+            events = read_events(out)
+            if any(e["event"] == "step" and e["step"] >= 3 for e in events):
+                victim = next(e for e in events if e["event"] == "compute" and e["replica"] == 2)
+    assert victim is not None
+    pid = int((out / "logs" / "replica2.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=200)
+    assert proc.returncode == 0, err[-2000:]
+    assert_trajectory(reference, out, lost=1)
+
+
+def test_default_mode_stays_within_float32_rounding(tmp_path):
+    ref, faulty = tmp_path / "ref", tmp_path / "faulty"
+    common = ["--replicas", "3", "--steps", "8", "--microbatches", "6", "--run.progress=false"]
+    assert unbroken("train", *common, "--out", str(ref)).returncode == 0
+    r = unbroken("train", *common, "--faults", "kill:replica=2,step=3,phase=allreduce", "--out", str(faulty))
+    assert r.returncode == 0, r.stderr[-2000:]
+    c = unbroken("compare", str(ref), str(faulty), "--rtol", "1e-4")
+    assert c.returncode == 0 and c.stdout.strip().splitlines()[-1] == "within rtol: 8/8 steps"
