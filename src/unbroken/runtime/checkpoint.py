@@ -9,10 +9,12 @@ trainer's model/optimizer state, DCP-compatible) nor in-memory snapshots (runtim
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import threading
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -85,8 +87,9 @@ class Checkpointer:
         self.wait()
         path = step_dir(self.directory, step)
         path.mkdir(parents=True, exist_ok=True)
-        resp = dcp.async_save(dict(state_dict), checkpoint_id=str(path), process_group=self.pg,
-                              no_dist=self._no_dist)
+        with _quiet(self._no_dist):
+            resp = dcp.async_save(dict(state_dict), checkpoint_id=str(path),
+                                  process_group=self.pg, no_dist=self._no_dist)
         fut = getattr(resp, "upload_completion", resp)
         if self._rank == 0:  # mark as soon as DCP is done, even if nobody calls wait()
             fut.add_done_callback(lambda f: f.exception() is None and self._mark(path, step))
@@ -124,6 +127,16 @@ class Checkpointer:
         if rec["world"] != self.world:
             raise WorldSizeMismatch(f"{path} was saved by {rec['world']} ranks, this run has "
                                     f"{self.world}")
-        dcp.load(dict(state_dict), checkpoint_id=str(path), process_group=self.pg,
-                 no_dist=self._no_dist)
+        with _quiet(self._no_dist):
+            dcp.load(dict(state_dict), checkpoint_id=str(path), process_group=self.pg,
+                     no_dist=self._no_dist)
         return step
+
+
+@contextlib.contextmanager
+def _quiet(no_dist: bool):
+    # Single-process DCP is intended here; its "assuming single process" warning is noise.
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -115,5 +115,6 @@ def test_more_lost_than_code_covers_is_a_typed_error(agents_factory):
         agents.start(n)
     with pytest.raises(errors.Unrecoverable, match="more than m=1"):
         request_rebuild(agents.store, agents.run_id, [0, 1], timeout_s=10)
+    c0 = clients(agents, 3)[0]
     with pytest.raises(errors.SnapshotNotFound):  # nothing loaded: node 0's shard is gone
-        clients(agents, 3)[0].restore(step=1)
+        c0.restore(step=1, group=gloo_group(agents.store, "lone", 0, 1, 5))  # fails before any collective

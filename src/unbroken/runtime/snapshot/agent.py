@@ -136,6 +136,7 @@ class SnapshotAgent:
         first = self.store.add(self.keys.first(h.step, rank), 1) == 1
         if first and self.store.add(self.keys.ncommit(h.step), 1) == self.topo.world:
             self._all_committed(h.step, rec["total"])
+        self.store.set(self.keys.committed(h.step, rank), "1")  # wait_committed returns now
 
     def _all_committed(self, step: int, total: int) -> None:
         # The last rank to commit seals the step: whole-state digest, then parity across nodes.

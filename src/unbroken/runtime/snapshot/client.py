@@ -107,13 +107,12 @@ class SnapshotClient:
         self.wait()
 
     def wait_committed(self, step: int, timeout_s: float | None = None) -> None:
-        """Block until the agent verified and committed this rank's snapshot of `step`."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        while not any(s.get("state") == State.COMMITTED and s.get("step") == step
-                      for s in self._open_slots(need=0)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"snapshot of step {step} not committed by the agent")
-            time.sleep(0.002)
+        """Block until the agent verified and committed this rank's snapshot of `step` and
+        published it (if the last rank to commit: with the whole-state digest)."""
+        try:
+            self.store.wait([self.keys.committed(step, self.rank)], _td(timeout_s or self.timeout_s))
+        except Exception:  # noqa: BLE001 - the store raises DistStoreError on timeout
+            raise TimeoutError(f"snapshot of step {step} not committed by the agent") from None
 
     def _open_slots(self, need: int) -> list[SlotFile]:
         if self._slots is None or any(s.get("capacity") < need for s in self._slots):

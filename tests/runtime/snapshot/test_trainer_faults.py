@@ -1,0 +1,61 @@
+"""Real trainer processes, real SIGKILLs: a copy torn mid-way leaves the previous snapshot whole,
+and the agent outlives every trainer so new processes restore the last commit bit-exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import same, state
+from unbroken.runtime.snapshot.client import SnapshotClient
+from unbroken.runtime.snapshot.control import Topology
+from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
+
+pytestmark = pytest.mark.timeout(60)
+HERE = Path(__file__).parent
+
+
+def trainer(mode: str, agents, rank: int, world: int, **kw) -> subprocess.Popen:
+    args = [sys.executable, str(HERE / "trainer_proc.py"), mode, "--port", str(agents.store.port),
+            "--run", agents.run_id, "--shm", agents.shm(rank // agents.topo.ranks_per_node),
+            "--rank", str(rank), "--world", str(world)]
+    args += [f"--{k}={v}" for k, v in kw.items()]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+
+
+def test_writer_killed_mid_copy_keeps_previous_snapshot(agents_factory):
+    agents = agents_factory(Topology(1, 1, "none"))
+    n = 48_000_000  # ~290 MB: the copy takes tens of ms, far longer than reading a line and killing
+    p = trainer("kill-mid-copy", agents, 0, 1, n=n)
+    assert p.stdout.readline().strip() == "COPYING"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    slots = [SlotFile.open(data_path(agents.shm(0), agents.run_id, 0, b)) for b in (0, 1)]
+    by_step = {s.get("step"): s.get("state") for s in slots}
+    assert by_step == {1: State.COMMITTED, 2: State.WRITING}  # torn copy of step 2, never committed
+    for s in slots:
+        s.close()
+    c = SnapshotClient(agents.store, run_id=agents.run_id, rank=0, world=1, shm_dir=agents.shm(0))
+    got = c.restore()
+    assert got.step == 1 and got.meta == {"step": 1} and same(got.tensors, state(1, n))
+
+
+def test_agents_outlive_killed_trainers_and_new_processes_restore(agents_factory):
+    agents = agents_factory(Topology(2, 1, "none"))
+    ps = [trainer("save", agents, r, 2, steps=3) for r in range(2)]
+    for p in ps:
+        assert p.stdout.readline().strip() == "SAVED 3"
+    for p in ps:  # every trainer dies at once
+        os.kill(p.pid, signal.SIGKILL)
+    for p in ps:
+        p.wait()
+    assert all(a.poll() is None for a in agents.procs.values())  # the agents are still serving
+    new = [trainer("restore", agents, r, 2, steps=3) for r in range(2)]
+    outs = [p.communicate(timeout=40)[0].strip() for p in new]
+    assert outs == ["RESTORED 3 OK", "RESTORED 3 OK"], agents.logs()
+    assert [p.returncode for p in new] == [0, 0]
