@@ -18,7 +18,7 @@ from typing import Any
 from unbroken.config import Config, ConfigError, build
 from unbroken.faultspec import FaultSpecError, parse
 
-_RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress"}
+_RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress", "quotas"}
 
 
 def make_config(config: Config | None = None, **run: Any) -> Config:

@@ -64,6 +64,7 @@ class RunConfig:
     exact: bool = False  # float64 accumulation and reduction: bitwise the failure-free trajectory
     threads: int = 1  # torch threads per replica, identical on all (exact mode needs that)
     faults: str = ""  # see faultspec.py
+    quotas: str = "speed"  # "speed": the detector's speed estimates weight the quotas; "equal": never
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich
 
@@ -145,6 +146,7 @@ def validate(cfg: Config) -> None:
         (r.steps >= 1, f"run.steps={r.steps}: need at least 1 step"),
         (r.microbatches >= 1, f"run.microbatches={r.microbatches}: need at least 1 microbatch"),
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
+        (r.quotas in ("speed", "equal"), f"run.quotas={r.quotas!r}: expected 'speed' or 'equal'"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
@@ -158,6 +160,21 @@ def validate(cfg: Config) -> None:
             raise ConfigError(message)
     if cfg.data.path and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
+    _check_seq_len(cfg.data.seq_len, m.block_size)
+
+
+def _check_seq_len(spec: str, block_size: int) -> None:
+    """data.seq_len is a number, MIN-MAX or "variable" within the model's block (checked here, before
+    anything starts; the data source reads it with the same rules in each worker)."""
+    s = spec.strip().lower()
+    if s == "variable":
+        return
+    try:
+        lo, hi = (int(v) for v in s.split("-", 1)) if "-" in s else (int(s), int(s))
+    except ValueError:
+        raise ConfigError(f"data.seq_len={spec!r}: expected a number, MIN-MAX or 'variable'") from None
+    if not 1 <= lo <= hi <= block_size:
+        raise ConfigError(f"data.seq_len={spec!r}: lengths must lie in 1..{block_size} (model.block_size)")
 
 
 def load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:

@@ -41,8 +41,16 @@ def assign(num_microbatches: int, members: Sequence[int], weights: Mapping[int, 
     """Owners at the start of a step: contiguous blocks of microbatches, in replica-id order.
 
     Call once per step with the step's plan (members and quota weights). Returns `owners`, length M.
+    When there are at least as many microbatches as members, every member keeps at least one, so a
+    replica judged slow is still measured and can be seen to recover (taken from the largest quota).
     """
     q = quotas(num_microbatches, members, weights)
+    if num_microbatches >= len(q):
+        for m in sorted(q):
+            if q[m] == 0:
+                donor = max(sorted(q), key=lambda d: q[d])
+                q[donor] -= 1
+                q[m] = 1
     owners: list[int] = []
     for m in sorted(members):
         owners.extend([m] * q[m])

@@ -10,8 +10,9 @@ Keys (all values utf-8):
   dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
   hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
+  weights               JSON {replica: speed}                    coordinator's detector (quotas by speed)
   plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
-  done/{s}/{e}/{r}      JSON list of microbatches reduced        member, after its all-reduce
+  done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
   ndone/{s}/{e}         counter                                  member
   decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r
   applied/{s}           counter; the first to apply writes the step record
@@ -66,19 +67,24 @@ class Coordination:
         return self.store.check([f"dead/{self.me}"])
 
     # the step ---------------------------------------------------------------------------------------
-    def plan(self, step: int, weights: dict[int, float]) -> Plan:
-        """The step's plan: ours if we are first to propose it, otherwise the one already stored."""
+    def plan(self, step: int) -> Plan:
+        """The step's plan: ours if we are first to propose it, otherwise the one already stored.
+
+        Quota weights are the detector's latest speeds (`weights`), or equal when there are none yet."""
         e = self.epoch()
+        weights = json.loads(self.store.get("weights")) if self.store.check(["weights"]) else {}
         mine = json.dumps({"epoch": e, "members": list(self.members(e)), "weights": weights})
         won = json.loads(self.store.compare_set(f"plan/{step}", "", mine))
         return Plan(won["epoch"], tuple(won["members"]), {int(k): v for k, v in won["weights"].items()})
 
-    def publish(self, step: int, epoch: int, held: tuple[int, ...]) -> int:
-        self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps(held))
+    def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> int:
+        """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so."""
+        record = {"held": list(held), "timings": timings}
+        self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps(record))
         return self.store.add(f"ndone/{step}/{epoch}", 1)
 
     def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:
-        return {m: json.loads(self.store.get(f"done/{step}/{epoch}/{m}")) for m in members}
+        return {m: json.loads(self.store.get(f"done/{step}/{epoch}/{m}"))["held"] for m in members}
 
     def propose(self, step: int, epoch: int, outcome: str) -> tuple[str, int]:
         """Compare-and-set the decision of (step, epoch); returns the winning (outcome, proposer)."""

@@ -20,12 +20,14 @@ from torch.distributed import TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
+from unbroken.runtime.slowness import SlownessMonitor
 
 
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
-                 progress_timeout: float, startup_timeout: float):
+                 progress_timeout: float, startup_timeout: float, follow_speed: bool = True):
         self.store, self.log = store, log
+        self.slowness = SlownessMonitor(store, log, follow_speed)
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
@@ -52,6 +54,7 @@ class Coordinator:
                     verdicts.setdefault(m, f"process exited with code {self.store.get(f'exit/{m}').decode()}")
         if verdicts:
             self._remove(verdicts)
+        self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
 
     def _read_beat(self, m: int, now: float) -> None:
@@ -71,6 +74,7 @@ class Coordinator:
         for m, reason in sorted(verdicts.items()):
             self.store.set(f"dead/{m}", json.dumps({"epoch": new.epoch, "reason": reason}))
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
+            self.slowness.forget(m)
         self.store.set("epoch", str(new.epoch))
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members))
         self.membership = new
@@ -91,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=1.5)
     ap.add_argument("--progress-timeout", type=float, default=20.0)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
+    ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
     ap.add_argument("--poll", type=float, default=0.02, help="s between liveness rounds")
     a = ap.parse_args(argv)
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
     print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-    coord = Coordinator(store, a.replicas, log, a.heartbeat_timeout, a.progress_timeout, a.startup_timeout)
+    coord = Coordinator(store, a.replicas, log, a.heartbeat_timeout, a.progress_timeout, a.startup_timeout,
+                        follow_speed=a.quotas == "speed")
     alive = True
     while not store.check(["shutdown"]):
         if alive and not coord.poll(time.monotonic()):

@@ -88,7 +88,7 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
     cmd = [sys.executable, "-m", "unbroken.runtime.coordinator", "--replicas", str(cfg.run.replicas),
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
-           "--startup-timeout", str(cfg.coord.startup_timeout)]
+           "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "wb"))
     return p, f"127.0.0.1:{port}"
 

@@ -51,9 +51,9 @@ class Factories:
 
 class Trainer:
     def __init__(self, cfg: Config, me: int, coord: Coordination, factories: Factories, log: EventLog,
-                 heartbeat: Heartbeat, injector: Injector, weights: Callable[[], dict[int, float]] = dict):
+                 heartbeat: Heartbeat, injector: Injector):
         self.cfg, self.me, self.coord, self.log = cfg, me, coord, log
-        self.hb, self.faults, self.weights = heartbeat, injector, weights
+        self.hb, self.faults = heartbeat, injector
         torch.set_num_threads(cfg.run.threads)  # the same on every replica: kernels sum in the same order
         torch.manual_seed(cfg.run.seed)  # identical initial parameters on every replica
         self.model = factories.model(cfg)
@@ -73,9 +73,10 @@ class Trainer:
 
     def train_step(self, step: int) -> rec.StepState:
         self.step_started = time.time()
-        plan = self.coord.plan(step, self.weights())
+        plan = self.coord.plan(step)
         self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
         self.acc.zero()
+        self.timings: dict[int, tuple[int, int, float]] = {}  # microbatch -> (tokens, sumsq, seconds)
         state, actions = rec.start(step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches, plan.weights)
         queue = deque(actions)
         while queue:
@@ -99,7 +100,7 @@ class Trainer:
                 return self.reduce(step, epoch)
             case rec.Publish(step, epoch, held):
                 self.hb.at(step, "commit", epoch=epoch)
-                count = self.coord.publish(step, epoch, held)
+                count = self.coord.publish(step, epoch, held, [self.timings[i] for i in held])
                 self.faults.at(step, "commit")
                 return rec.Published(epoch, count)
             case rec.Propose(step, epoch, outcome):
@@ -131,6 +132,7 @@ class Trainer:
             self.acc.add(loss)
             seconds = time.perf_counter() - t
             seconds += self.faults.stretch(step, seconds)
+            self.timings[i] = (mb.tokens, mb.sumsq, seconds)
             self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
                           tokens=mb.tokens, sumsq=mb.sumsq)
             if n == 0:

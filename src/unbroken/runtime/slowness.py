@@ -1,0 +1,61 @@
+"""Fail-slow detection in the coordinator: committed steps' timings in, quota weights out.
+
+Owns: reading each committed step's per-microbatch timings from the store (members publish them with
+their done record), feeding `policy.detection.Detector`, logging its verdict and regime changes, and
+publishing its speeds as the `weights` key that the next step's plan takes (when quotas follow speed).
+Does not own: the detection logic (policy/detection.py) or slowness injection (faults.py): injected
+slowness reaches this module only as longer measured times, never as a flag.
+"""
+from __future__ import annotations
+
+import json
+
+from torch.distributed import TCPStore
+
+from unbroken.events import EventLog
+from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
+from unbroken.policy.predictor import MicrobatchTiming
+
+
+class SlownessMonitor:
+    """Call `poll(epoch)` every coordinator round; `forget(r)` when a member is declared dead."""
+
+    def __init__(self, store: TCPStore, log: EventLog, follow_speed: bool):
+        self.store, self.log, self.follow_speed = store, log, follow_speed
+        self.detector = Detector()
+        self.next_step = 0
+
+    def poll(self, epoch: int) -> None:
+        if not self.store.check(["last_commit"]):
+            return
+        last = int(self.store.get("last_commit"))
+        while self.next_step <= last:
+            timings = self._timings(self.next_step, epoch)
+            if timings:
+                self.detector.observe(self.next_step, timings)
+                self._log(self.detector.take_events())
+                if self.follow_speed:
+                    self.store.set("weights", json.dumps(self.detector.speeds()))
+            self.next_step += 1
+
+    def forget(self, replica: int) -> None:
+        self.detector.forget(replica)
+
+    def _timings(self, step: int, epoch: int) -> dict[int, list[MicrobatchTiming]]:
+        """Every commit-epoch member's timings of `step`: (tokens, sumsq, seconds) per microbatch."""
+        for e in range(epoch, -1, -1):  # the commit is usually in the newest epoch: search down
+            key = f"decision/{step}/{e}"
+            if self.store.check([key]) and self.store.get(key).decode().startswith("commit"):
+                members = json.loads(self.store.get(f"members/{e}"))
+                done = {m: json.loads(self.store.get(f"done/{step}/{e}/{m}")) for m in members}
+                return {m: [MicrobatchTiming(*t) for t in d["timings"]] for m, d in done.items()}
+        return {}
+
+    def _log(self, changes: list[VerdictChange | RegimeChange]) -> None:
+        for c in changes:
+            if isinstance(c, VerdictChange):
+                self.log.emit("verdict", step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
+                              speed=round(c.speed, 4), score=round(c.score, 4))
+            else:
+                self.log.emit("regime", step=c.step, device_class=c.device_class, factor=round(c.factor, 4),
+                              moved=c.moved, replicas=c.replicas)
