@@ -97,7 +97,8 @@ def demo(out: Path, steps: int, replicas: int) -> int:
                       "[green]identical" if same else "[red]differs")
     console.print(table)
     png = report.plot_losses({"failure-free": out / "reference", "loses half its replicas": out / "faulty"},
-                             out / "loss.png", title=f"unbroken demo: {faults}")
+                             out / "loss.png",
+                             title=f"unbroken demo: {len(lost)} of {replicas} replicas killed (red lines)")
     for name, r in runs.items():
         s = r.summary
         console.print(f"{name}: {s['seconds']:.1f} s, {s['members_lost']} replicas lost, "

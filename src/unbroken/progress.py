@@ -33,6 +33,8 @@ class LiveView:
             if kind == "step":
                 info = f"loss {r['loss']:.4f}  replicas {r['replicas']}  epoch {r['epoch']}"
                 self.progress.update(self.task, completed=r["step"] + 1, info=info)
+            elif kind == "verdict" and "slow" not in (r["old"], r["new"]):
+                continue  # Suspect comes and goes with noise; only Slow moves work
             elif kind in _SHOWN:
                 detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("event", "t", "who", "pid"))
                 self.progress.console.print(f"[yellow]{kind}[/] {detail}")
