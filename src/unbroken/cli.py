@@ -12,8 +12,16 @@ from pathlib import Path
 from unbroken.config import ConfigError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is the same single `unbroken: error: ...` line as every other bad input
+    (argparse would print the usage block first). Subcommand parsers inherit this class."""
+
+    def error(self, message: str):
+        self.exit(2, f"unbroken: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="unbroken", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="unbroken", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train with fault tolerance; writes OUT/events.jsonl and summary.json",
                        epilog="Any config key can be set with --section.key=value, e.g. --model.n_layer=4.")

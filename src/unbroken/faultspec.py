@@ -123,3 +123,20 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int) 
     if "to" in kv:
         f["stop"] = _int(kv, "to", part, 0, steps + 1)
     return Fault(**f)
+
+
+def canonical(faults: tuple[Fault, ...]) -> str:
+    """The spec text of parsed faults, keys in a fixed order: `parse(canonical(fs), R, S) == fs`.
+
+    For logs and messages that must show what will be injected, whatever spelling the user typed.
+    """
+    parts = []
+    for f in faults:
+        slow = f.kind == "slow"
+        kv = [("replica", f.replica), ("node", f.node), ("step", f.step), ("phase", f.phase),
+              ("for", f.seconds if f.kind == "hang" or f.seconds else None),
+              ("factor", f.factor if slow or f.factor != 1.0 else None),
+              ("from", f.start if slow or f.start else None), ("to", f.stop)]
+        parts.append(f"{f.kind}:" + ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in kv if v is not None))
+    return "; ".join(parts)

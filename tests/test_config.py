@@ -1,0 +1,96 @@
+"""The config tree: defaults, TOML file < dotted overrides precedence, coercion of CLI strings, one-line
+ConfigErrors naming the bad key or value, and the JSON form handed to workers."""
+from __future__ import annotations
+
+import pytest
+
+from unbroken.config import Config, ConfigError, build, load, parse_overrides
+from unbroken.api import make_config
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_are_valid():
+    cfg = load(None)
+    assert cfg == Config() and cfg.run.replicas == 4 and cfg.model.n_layer == 2
+
+
+def test_toml_then_overrides_take_precedence(tmp_path):
+    path = write(tmp_path, '[run]\nsteps = 7\nreplicas = 3\n[model]\nn_layer = 3\n[optim]\nlr = 0.5\n')
+    cfg = load(path, parse_overrides(["--run.steps=9", "--model.dropout=0"]))
+    assert cfg.run.steps == 9  # override beats file
+    assert cfg.run.replicas == 3 and cfg.model.n_layer == 3 and cfg.optim.lr == 0.5  # file beats default
+    assert cfg.model.dropout == 0.0 and cfg.run.microbatches == 8  # untouched: default
+
+
+def test_cli_flags_beat_the_file_too(tmp_path):
+    path = write(tmp_path, '[run]\nsteps = 7\n')
+    assert load(path, {"run.steps": 3}).run.steps == 3
+
+
+@pytest.mark.parametrize("key, raw, want", [
+    ("run.steps", "12", 12), ("run.exact", "true", True), ("run.exact", "off", False), ("run.exact", "1", True),
+    ("optim.lr", "1e-4", 1e-4), ("model.dropout", "0", 0.0), ("data.seq_len", "8-32", "8-32"),
+    ("run.faults", "kill:replica=1,step=2", "kill:replica=1,step=2"), ("optim.lr", 2, 2.0), ("run.steps", 5.0, 5),
+])
+def test_coercion_from_cli_strings(key, raw, want):
+    section, name = key.split(".")
+    value = getattr(getattr(build({}, {key: raw}), section), name)
+    assert value == want and type(value) is type(want)
+
+
+@pytest.mark.parametrize("tree, overrides, words", [
+    ({}, {"run.steps": "abc"}, "run.steps='abc' is not a valid int"),
+    ({}, {"run.steps": 2.5}, "run.steps=2.5"),
+    ({}, {"run.exact": "maybe"}, "run.exact='maybe'"),
+    ({}, {"run.bogus": "1"}, "unknown config key run.bogus"),
+    ({}, {"nope.key": "1"}, "unknown config section 'nope'"),
+    ({"run": 3}, {}, "section 'run' must be a table"),
+    ({}, {"run.steps": "0"}, "run.steps=0"),
+    ({}, {"run.replicas": "0"}, "run.replicas=0"),
+    ({}, {"run.microbatches": "0"}, "run.microbatches=0"),
+    ({}, {"model.n_head": "5"}, "model.n_embd=64 is not a multiple of model.n_head=5"),
+    ({}, {"model.dropout": "1"}, "model.dropout=1.0"),
+    ({}, {"coord.heartbeat_timeout": "0.1"}, "coord.heartbeat_timeout"),
+    ({}, {"data.path": "/no/such/corpus.txt"}, "data.path='/no/such/corpus.txt': no such file"),
+    ({}, {"data.seq_len": "long"}, "data.seq_len='long'"),
+    ({}, {"data.seq_len": "65"}, "data.seq_len='65'"),
+])
+def test_validation_is_one_line_naming_the_key(tree, overrides, words):
+    with pytest.raises(ConfigError) as e:
+        build(tree, overrides)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load(str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="run.toml"):
+        load(write(tmp_path, "[run\nsteps = 1\n"))
+    with pytest.raises(ConfigError, match="unknown config key model.layers"):
+        load(write(tmp_path, "[model]\nlayers = 1\n"))
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--a.b=1", "--c.d=x=y"]) == {"a.b": "1", "c.d": "x=y"}
+    for bad in ("--ab=1", "--a.b", "a.b=1"):
+        with pytest.raises(ConfigError, match="unrecognized argument"):
+            parse_overrides([bad])
+
+
+def test_json_round_trip():
+    cfg = build({"run": {"steps": 3}, "model": {"n_layer": 1}})
+    assert Config.from_json(cfg.to_json()) == cfg
+
+
+def test_make_config_validates_faults_against_the_run():
+    cfg = make_config(replicas=2, steps=5, faults="kill:replica=1,step=4", model__n_layer=1)
+    assert cfg.run.replicas == 2 and cfg.model.n_layer == 1
+    with pytest.raises(ConfigError, match=r"--faults: replica=2 is out of range"):
+        make_config(replicas=2, steps=5, faults="kill:replica=2,step=4")
+    with pytest.raises(ConfigError, match="unknown run option 'epochs'"):
+        make_config(epochs=3)

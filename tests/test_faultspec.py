@@ -1,0 +1,84 @@
+"""The `--faults` grammar: the docstring's examples parse to the values they describe, defaults fill in,
+every kind of bad input is a FaultSpecError naming the offending token, and any valid spec round-trips
+through its canonical form (property test)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.faultspec import PHASES, Fault, FaultSpecError, canonical, parse
+
+
+def test_docstring_examples_parse_to_their_values():
+    kill, hang, slow = parse("kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,phase=compute,for=8;"
+                             "slow:replica=0,from=5,factor=2,to=9", replicas=4, steps=20)
+    assert kill == Fault("kill", replica=1, step=10, phase="allreduce")
+    assert hang == Fault("hang", replica=2, step=14, phase="compute", seconds=8.0)
+    assert slow == Fault("slow", replica=0, factor=2.0, start=5, stop=9)
+    assert slow.slows(0, 5) and slow.slows(0, 8) and not slow.slows(0, 9) and not slow.slows(0, 4)
+    assert not slow.slows(1, 6) and not kill.slows(1, 10)
+
+
+def test_defaults_and_whitespace():
+    assert parse("", 2, 2) == () and parse(" ; ;", 2, 2) == ()
+    (k,) = parse("  kill : replica = 0 , step = 3  ", 2, 5)
+    assert k == Fault("kill", replica=0, step=3, phase="compute")  # phase defaults to compute
+    (s,) = parse("slow:replica=1,factor=3", 2, 5)
+    assert (s.start, s.stop) == (0, None) and s.slows(1, 4)  # slowed from step 0 to the end
+
+
+def test_bounds_are_the_runs_size():
+    assert parse("kill:replica=3,step=9", replicas=4, steps=10)[0].replica == 3
+    assert parse("slow:replica=0,factor=1,to=10", replicas=1, steps=10)[0].stop == 10  # `to` may be steps
+
+
+@pytest.mark.parametrize("spec, token", [
+    ("boom:replica=1,step=1", "'boom'"),
+    ("kill", "'kill'"),
+    ("kill:replica1", "'replica1'"),
+    ("kill:replica=,step=1", "'replica='"),
+    ("kill:replica=1,replica=0,step=1", "'replica'"),
+    ("kill:replica=1,step=1,color=red", "'color'"),
+    ("kill:step=1", "replica="),
+    ("hang:replica=1,step=1", "for="),
+    ("kill:replica=one,step=1", "'one'"),
+    ("kill:replica=4,step=1", "replica=4"),
+    ("kill:replica=-1,step=1", "replica=-1"),
+    ("kill:replica=1,step=10", "step=10"),
+    ("kill:replica=1,step=1,phase=backward", "'backward'"),
+    ("slow:replica=1,factor=0.5", "factor=0.5"),
+    ("slow:replica=1,factor=fast", "'fast'"),
+    ("hang:replica=1,step=1,for=-2", "for=-2"),
+    ("kill:replica=1,step=1; kill:replica=9,step=1", "replica=9"),
+])
+def test_bad_specs_name_the_token_in_one_line(spec, token):
+    with pytest.raises(FaultSpecError) as e:
+        parse(spec, replicas=4, steps=10)
+    message = str(e.value)
+    assert token in message and "\n" not in message
+
+
+def test_extra_kinds_extend_the_grammar():
+    (f,) = parse("nodeloss:node=2,step=3", 4, 10, extra_kinds={"nodeloss": ({"node", "step"}, set())})
+    assert (f.kind, f.node, f.step, f.phase) == ("nodeloss", 2, 3, None)
+    assert parse(canonical((f,)), 4, 10, extra_kinds={"nodeloss": ({"node", "step"}, set())}) == (f,)
+
+
+R, S = 8, 50
+_num = st.floats(min_value=1.0, max_value=1e6, allow_nan=False, allow_infinity=False)
+_kill = st.builds(lambda r, s, p: Fault("kill", replica=r, step=s, phase=p),
+                  st.integers(0, R - 1), st.integers(0, S - 1), st.sampled_from(PHASES))
+_hang = st.builds(lambda r, s, p, t: Fault("hang", replica=r, step=s, phase=p, seconds=t),
+                  st.integers(0, R - 1), st.integers(0, S - 1), st.sampled_from(PHASES),
+                  st.floats(0.0, 1e4, allow_nan=False))
+_slow = st.builds(lambda r, f, a, b: Fault("slow", replica=r, factor=f, start=a, stop=b),
+                  st.integers(0, R - 1), _num, st.integers(0, S - 1), st.none() | st.integers(0, S))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_kill | _hang | _slow, max_size=5).map(tuple))
+def test_canonical_form_round_trips(faults):
+    text = canonical(faults)
+    assert parse(text, R, S) == faults
+    assert canonical(parse(text, R, S)) == text
