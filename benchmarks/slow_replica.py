@@ -1,0 +1,151 @@
+"""Throughput with one 2x slow replica: speed-weighted quotas against equal quotas, and against the ideal.
+
+Owns: running both quota policies alternately through unbroken's own launcher on real processes, picking
+each run's steady state from its event log, and the ideal it is measured against. Does not own: detection
+(the coordinator's detector decides the speeds from measured times; it never sees the fault spec) or the
+slowness injection (runtime/faults.py: a sleep of (factor-1) x the measured compute after each microbatch).
+
+Setup: R replicas (default 4), replica R-1 slowed `--factor` (2x) from step 0, fixed-length sequences (so
+every microbatch holds the same work and "one healthy microbatch's time" is well defined), a model big
+enough that compute dominates coordination. M defaults to 28 microbatches a step: with speeds
+1,1,1,0.5 (3.5 replica-equivalents) integral quotas 8,8,8,4 match the speeds exactly, so the ideal is
+reachable without rounding loss. M is a flag; the script says in its output whether quotas can match.
+
+Ideal: ideal step time = M x t_h / S, where t_h is the median compute time of one healthy replica's
+microbatch and S = (R-1) + 1/factor is the sum of the replicas' speeds. t_h comes from the `compute` events
+of the speed-quota runs' steady state in this very run of the script (the figure being judged is measured
+under the same CPU contention). Step time = the median interval between consecutive committed `step`
+records over steady-state steps: those from two steps after the slow replica was declared Slow (its
+speed is published after a commit and taken by the next step's plan) or from --warmup, whichever is later.
+The detector runs in both modes (equal quotas only ignore its speeds), so both use the same rule.
+
+Last line: `ratio of_ideal VALUE` = ideal step time / measured median step time of the speed-quota runs
+(target >= 0.95). The equal-quota figure is printed just above it, measured against the same ideal.
+Approximate by nature: 2 shared CPU cores run R trainer processes and a coordinator, so t_h includes
+contention, and other users' load drifts between runs (hence the alternation and medians).
+Usage: python benchmarks/slow_replica.py [--rounds 2] [--steps 18] [--microbatches 28] [--factor 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from unbroken.api import make_config
+from unbroken.events import read_events
+from unbroken.runtime.launch import launch
+
+
+def integral_quotas_match(m: int, speeds: list[float]) -> list[int] | None:
+    """Quotas proportional to `speeds` summing to `m`, if they are all whole numbers (else None)."""
+    total = sum(speeds)
+    q = [m * s / total for s in speeds]
+    return [round(x) for x in q] if all(abs(x - round(x)) < 1e-9 for x in q) else None
+
+
+def steady(records: list[dict], slow: int, warmup: int) -> tuple[list[int], int | None]:
+    """Steady-state steps of one run (first kept step onward), and the step the slow replica became Slow."""
+    declared = next((r["step"] for r in records if r["event"] == "verdict" and r["replica"] == slow
+                     and r["new"] == "slow"), None)
+    start = max(warmup, declared + 2 if declared is not None else warmup)
+    steps = sorted(r["step"] for r in records if r["event"] == "step")
+    return [s for s in steps if s >= start], declared
+
+
+def measure(records: list[dict], keep: list[int], slow: int) -> dict[str, object]:
+    """Step-time intervals, healthy microbatch compute times and quotas over the steps in `keep`."""
+    t = {r["step"]: r["t"] for r in records if r["event"] == "step"}
+    owners = {r["step"]: r["owners"] for r in records if r["event"] == "step"}
+    kept = set(keep)
+    intervals = [t[s] - t[s - 1] for s in keep if s - 1 in t]  # commit to commit, s
+    healthy = [r["seconds"] for r in records if r["event"] == "compute" and r["step"] in kept
+               and r["replica"] != slow]
+    slow_mb = [r["seconds"] for r in records if r["event"] == "compute" and r["step"] in kept
+               and r["replica"] == slow]
+    last = owners[max(keep)] if keep else {}
+    return {"intervals": intervals, "healthy": healthy, "slow": slow_mb,
+            "quotas": [len(last.get(str(r), [])) for r in sorted(int(k) for k in last)]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of speed / equal quotas")
+    ap.add_argument("--steps", type=int, default=18)
+    ap.add_argument("--warmup", type=int, default=4, help="first step counted in steady state, at the earliest")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=28)
+    ap.add_argument("--factor", type=float, default=2.0, help="slowdown of the last replica, from step 0")
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
+    ap.add_argument("--seq-len", type=int, default=128, help="fixed tokens per sequence (= block size)")
+    args = ap.parse_args()
+    console = Console(width=130)
+    t_start = time.time()
+    slow = args.replicas - 1
+    speeds = [1.0] * slow + [1.0 / args.factor]
+    match = integral_quotas_match(args.microbatches, speeds)
+    if match:
+        console.print(f"M = {args.microbatches} chosen so integral quotas can match the speeds "
+                      f"{speeds}: {match} (no rounding loss against the ideal)")
+    else:
+        console.print(f"M = {args.microbatches}: quotas cannot match speeds {speeds} exactly; "
+                      f"rounding costs some of the ideal (M = 28 matches 4 replicas at 2x)")
+    base = dict(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
+                faults=f"slow:replica={slow},from=0,factor={args.factor:g}",
+                model__n_layer=args.n_layer, model__n_embd=args.n_embd, model__block_size=args.seq_len,
+                data__batch_size=args.batch_size, data__seq_len=str(args.seq_len))
+    pooled: dict[str, dict[str, list]] = {q: {"intervals": [], "healthy": [], "slow": []}
+                                          for q in ("speed", "equal")}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="slow-replica-") as tmp:
+        for rnd in range(args.rounds):
+            for quotas in ("speed", "equal"):
+                out = Path(tmp) / f"{quotas}-{rnd}"
+                with console.status(f"round {rnd + 1}/{args.rounds}: {quotas} quotas"):
+                    result = launch(make_config(**base, quotas=quotas, out=str(out)), title="slow replica")
+                if not result.ok:
+                    raise SystemExit(f"run failed: {result.error} (see {out})")
+                records = read_events(out / "events.jsonl")
+                keep, declared = steady(records, slow, args.warmup)
+                m = measure(records, keep, slow)
+                for k in pooled[quotas]:
+                    pooled[quotas][k].extend(m[k])  # type: ignore[arg-type]
+                med = statistics.median(m["intervals"]) if m["intervals"] else float("nan")  # type: ignore[arg-type]
+                rows.append((rnd + 1, quotas, declared, keep[0] if keep else None, len(keep), m["quotas"], med,
+                             statistics.median(m["healthy"]) if m["healthy"] else float("nan")))  # type: ignore[arg-type]
+                console.print(f"round {rnd + 1} {quotas:>5}: slow declared at step {declared}, "
+                              f"median step {1e3 * med:.1f} ms over {len(keep)} steps, quotas {m['quotas']}")
+    t = Table(title=f"{args.replicas} replicas, replica {slow} {args.factor:g}x slow from step 0, "
+                    f"M = {args.microbatches}, {args.rounds} rounds x {args.steps} steps", title_justify="left")
+    for col in ("round", "quotas", "Slow at step", "steady from", "steps", "last quotas", "median step ms",
+                "healthy mb ms"):
+        t.add_column(col, justify="right")
+    for rnd, q, d, k0, n, qs, med, th in rows:
+        t.add_row(str(rnd), q, str(d), str(k0), str(n), str(qs), f"{1e3 * med:.1f}", f"{1e3 * th:.1f}")
+    console.print(t)
+    if not pooled["speed"]["intervals"] or not pooled["speed"]["healthy"]:
+        raise SystemExit("no steady-state steps in the speed-quota runs: raise --steps")
+    t_h = statistics.median(pooled["speed"]["healthy"])  # s per healthy microbatch, speed runs
+    t_h_eq = statistics.median(pooled["equal"]["healthy"]) if pooled["equal"]["healthy"] else float("nan")
+    t_slow = statistics.median(pooled["speed"]["slow"]) if pooled["speed"]["slow"] else float("nan")
+    ideal = args.microbatches * t_h / sum(speeds)
+    step_speed = statistics.median(pooled["speed"]["intervals"])
+    step_equal = statistics.median(pooled["equal"]["intervals"]) if pooled["equal"]["intervals"] else float("nan")
+    console.print(f"healthy microbatch t_h = {1e3 * t_h:.1f} ms (speed runs; equal runs {1e3 * t_h_eq:.1f} ms), "
+                  f"slow replica's microbatch {1e3 * t_slow:.1f} ms = {t_slow / t_h:.2f} x t_h")
+    console.print(f"ideal step = M x t_h / {sum(speeds):g} = {1e3 * ideal:.1f} ms; "
+                  f"speed quotas {1e3 * step_speed:.1f} ms, equal quotas {1e3 * step_equal:.1f} ms "
+                  f"(speed quotas {step_equal / step_speed:.2f}x faster)")
+    console.print(f"wall time {time.time() - t_start:.0f} s")
+    print(f"ratio of_ideal_equal_quotas {ideal / step_equal:.3f}")
+    print(f"ratio of_ideal {ideal / step_speed:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""`unbroken detect-eval`: fail-slow detection judged on real multi-process runs, beside the baselines.
+
+Owns: drawing N slowdown episodes (replica, factor 1.1-3x log-uniform, random onset and duration), running
+one real `unbroken train` per episode with that `slow:...,from=A,to=B` fault on variable-length data,
+turning each run's event log into a `detect_eval.Trace` (ground truth from the fault spec, observations
+from the `compute` events of the microbatches each committed step reduced), and scoring:
+  unbroken (live)    the coordinator's own `verdict` events, as logged during the run;
+  unbroken (replay)  a fresh Detector on the same recorded timings (its predictor gives the error column;
+                     it should agree with the live row, which saw the same timings from the store);
+  baselines          threshold / z-score / NVIDIA-relative from detect_eval.py, on the same timings.
+Does not own: the detector, the baselines or the alarm/episode accounting (detect_eval.replay), training.
+
+The runs use equal quotas (`--run.quotas=equal`): the detector still runs and logs its verdicts, but
+work is never moved, so every method sees the same open-loop observations (moving work off a slow
+replica would shorten its step time and hide it from the step-time baselines). Slowness is a sleep of
+(factor-1) x the measured compute after each microbatch (runtime/faults.py); nothing else tells the
+detector. Approximate: on a few shared CPU cores the replicas contend, so a sleeping replica frees CPU
+for the others and a slowdown shows smaller than its factor. An alarm counts as true if it falls in
+[onset, end + grace) of its replica's episode; false alarms are per 1,000 replica-steps.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from unbroken.detect_eval import METHODS, Method, Slowdown, Tally, Trace, TraceConfig, replay
+from unbroken.policy.predictor import MicrobatchTiming
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `detect-eval` on the top-level parser's subparsers; `run(args)` executes it."""
+    p = subparsers.add_parser("detect-eval", help="fail-slow detection on real runs with injected slowdowns, "
+                                                  "against step-time baselines on the same timings")
+    p.add_argument("--runs", type=int, default=4, help="real runs, one slowdown episode each (~50 s a run)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=16, help="per step; equal quotas: M/replicas each")
+    p.add_argument("--factor", type=float, nargs=2, default=(1.1, 3.0), metavar=("LO", "HI"),
+                   help="slowdown factors, log-uniform")
+    p.add_argument("--duration", type=int, nargs=2, default=(8, 20), metavar=("LO", "HI"), help="steps")
+    p.add_argument("--warmup", type=int, default=6, help="no slowdown starts before this step")
+    p.add_argument("--seed", type=int, default=0, help="draws the episodes (and seeds the runs)")
+    p.add_argument("--out", help="keep the runs under this directory (default: a temporary one)")
+    return p
+
+
+def draw_episode(rng: random.Random, replicas: int, steps: int, factor: tuple[float, float],
+                 duration: tuple[int, int], warmup: int) -> Slowdown:
+    """One slowdown inside the run: onset >= warmup, end <= steps (so every episode can be detected)."""
+    dur = min(rng.randint(*duration), steps - warmup - 1)
+    if dur < 1:
+        raise ValueError(f"--steps {steps} leaves no room for an episode after --warmup {warmup}")
+    onset = rng.randint(warmup, steps - dur)
+    lo, hi = (math.log(f) for f in factor)
+    return Slowdown(rng.randrange(replicas), onset, onset + dur, round(math.exp(rng.uniform(lo, hi)), 3))
+
+
+def fault_spec(d: Slowdown) -> str:
+    return f"slow:replica={d.replica},from={d.onset},to={d.end},factor={d.factor:g}"
+
+
+def trace_of(records: list[dict], episode: Slowdown, replicas: int) -> tuple[Trace, dict[int, set[int]]]:
+    """The run as detect_eval sees a trace, plus the live detector's Slow set per committed step.
+
+    Observations are the `compute` events of the microbatches each committed step's `owners` reduced
+    (one per microbatch, the commit epoch's). Steps run 0..last committed; a gap (none expected without
+    fail-stop faults) would be an empty step."""
+    owners = {r["step"]: {int(k): set(v) for k, v in r["owners"].items()} for r in records if r["event"] == "step"}
+    n = max(owners) + 1 if owners else 0
+    steps: list[dict[int, list[MicrobatchTiming]]] = [{} for _ in range(n)]
+    seen: set[tuple[int, int]] = set()
+    for r in records:
+        s = r.get("step")
+        if r["event"] != "compute" or s not in owners or r["microbatch"] not in owners[s].get(r["replica"], ()):
+            continue
+        if (s, r["microbatch"]) in seen or not r["seconds"] > 0:
+            continue
+        seen.add((s, r["microbatch"]))
+        steps[s].setdefault(r["replica"], []).append(MicrobatchTiming(r["tokens"], float(r["sumsq"]), r["seconds"]))
+    cfg = TraceConfig(replicas=replicas, steps=n, slowdowns=1)
+    trace = Trace(cfg, (episode,), None, tuple({k: tuple(v) for k, v in st.items()} for st in steps))
+    slow_at: dict[int, set[int]] = {}
+    current: set[int] = set()
+    verdicts = sorted((r for r in records if r["event"] == "verdict"), key=lambda r: r["step"])
+    it = iter(verdicts)
+    nxt = next(it, None)
+    for s in range(n):
+        while nxt is not None and nxt["step"] <= s:
+            (current.add if nxt["new"] == "slow" else current.discard)(nxt["replica"])
+            nxt = next(it, None)
+        slow_at[s] = set(current)
+    return trace, slow_at
+
+
+def live_method(slow_at: dict[int, set[int]]) -> Method:
+    """The verdicts the coordinator logged, as a method replay can score."""
+    return lambda s, timings: set(slow_at.get(s, ()))
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from unbroken.api import make_config
+    from unbroken.events import read_events
+    from unbroken.runtime.launch import launch
+
+    console = Console(width=150)
+    if args.runs < 1 or args.replicas < 2 or args.microbatches < args.replicas:
+        console.print("unbroken: error: need --runs >= 1, --replicas >= 2, --microbatches >= --replicas")
+        return 2
+    rng = random.Random(args.seed)
+    names = ["unbroken (live)", "unbroken (replay)", *[k for k in METHODS if k != "unbroken"]]
+    tallies = {k: Tally() for k in names}
+    per_run = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="detect-eval-") as tmp:
+        root = Path(args.out or tmp)
+        for i in range(args.runs):
+            ep = draw_episode(rng, args.replicas, args.steps, tuple(args.factor), tuple(args.duration), args.warmup)
+            out = root / f"run-{i}"
+            cfg = make_config(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches,
+                              seed=args.seed + i, faults=fault_spec(ep), quotas="equal", out=str(out),
+                              progress=False, data__seq_len="variable")
+            with console.status(f"run {i + 1}/{args.runs}: {fault_spec(ep)}"):
+                result = launch(cfg, title="detect-eval")
+            if not result.ok:
+                console.print(f"run {i + 1} failed: {result.error} (see {out})")
+                return 1
+            trace, slow_at = trace_of(read_events(out / "events.jsonl"), ep, args.replicas)
+            for name in names:
+                method = live_method(slow_at) if name == "unbroken (live)" else \
+                    METHODS["unbroken"]() if name == "unbroken (replay)" else METHODS[name]()
+                before = (tallies[name].alarms, tallies[name].false_alarms, len(tallies[name].latencies))
+                replay(trace, method, tallies[name])
+                if name == "unbroken (live)":
+                    hit = len(tallies[name].latencies) > before[2]
+                    per_run.append((fault_spec(ep), tallies[name].alarms - before[0],
+                                    tallies[name].false_alarms - before[1],
+                                    tallies[name].latencies[-1] if hit else None))
+            console.print(f"run {i + 1}/{args.runs} {fault_spec(ep)}: live detection "
+                          f"{'at +' + str(per_run[-1][3]) + ' steps' if per_run[-1][3] else 'missed'}, "
+                          f"{per_run[-1][2]} false alarms")
+    print_tables(console, tallies, per_run, args)
+    console.print(f"wall time {time.time() - t0:.0f} s")
+    live = tallies["unbroken (live)"]
+    m = live.metrics()
+    print(f"ratio recall {m.recall:.3f}")
+    print(f"ratio false_alarms_per_1000_replica_steps {1000 * live.false_alarms / (live.steps * args.replicas):.3f}")
+    return 0
+
+
+def print_tables(console, tallies: dict[str, Tally], per_run: list, args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    def fmt(x: float, spec: str = ".2f") -> str:
+        return "-" if math.isnan(x) else format(x, spec)
+
+    runs = Table(title="episodes (live verdicts)", title_justify="left")
+    for col in ("fault spec", "alarms", "false", "latency steps"):
+        runs.add_column(col, justify="left" if col == "fault spec" else "right")
+    for spec, alarms, false, lat in per_run:
+        runs.add_row(spec, str(alarms), str(false), "missed" if lat is None else str(lat))
+    console.print(runs)
+    t = Table(title=f"{args.runs} real runs x {args.steps} steps x {args.replicas} replicas, variable-length data, "
+                    f"equal quotas, one slowdown of {args.factor[0]:g}-{args.factor[1]:g}x each", title_justify="left")
+    for col in ("method", "precision", "recall", "alarms", "false alarms", "false /1k replica-steps",
+                "latency steps med (mean)", "predictor MdAPE"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for name, tally in tallies.items():
+        m = tally.metrics()
+        mdape = tallies["unbroken (replay)"].metrics().predictor_mdape if name.startswith("unbroken") else math.nan
+        t.add_row(name, fmt(m.precision), fmt(m.recall), str(m.alarms), str(m.false_alarms),
+                  fmt(1000 * m.false_alarms / (m.steps * args.replicas), ".1f") if m.steps else "-",
+                  f"{fmt(m.latency_median, 'g')} ({fmt(m.latency_mean, '.1f')})",
+                  fmt(100 * mdape, ".1f") + ("%" if not math.isnan(mdape) else ""))
+    console.print(t)
+
+
+if __name__ == "__main__":  # python -m unbroken.detect_eval_real, until the CLI hook is wired
+    _ap = argparse.ArgumentParser(prog="unbroken")
+    raise SystemExit(run(_ap.parse_args(["detect-eval", *__import__("sys").argv[1:]]) if add_parser(
+        _ap.add_subparsers(dest="command")) else 2))

@@ -1,0 +1,58 @@
+"""Real processes on gloo, through `unbroken train`: a slow replica is detected and given less work, and
+moving work never changes the trajectory.
+
+Oracle: the coordinator's `verdict` events and the `owners` of each committed `step` record for the
+closed loop; for the math, every committed step's param_digest in --exact mode against a failure-free
+--exact run of the same config (quotas only decide who computes a microbatch, never what is summed).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import unbroken
+from unbroken.events import read_events
+from unbroken.report import audit, compare
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+SLOW = 3  # the slowed replica
+STEPS = 16
+# 12 microbatches: equal quotas are 3 each; at speeds 1,1,1,1/3 they become about 4,4,3,1.
+RUN = ["--replicas", "4", "--steps", str(STEPS), "--microbatches", "12", "--exact", "--run.progress=false",
+       "--data.seq_len=variable", "--run.quotas=speed", "--coord.heartbeat_timeout=3.0",
+       "--coord.run_timeout=180"]
+
+
+def test_slow_replica_is_declared_slow_gets_less_work_and_the_trajectory_is_unchanged(tmp_path):
+    ref, out = tmp_path / "reference", tmp_path / "slow"
+    r = unbroken("train", *RUN, "--out", str(ref), timeout=90)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = unbroken("train", *RUN, "--faults", f"slow:replica={SLOW},from=2,factor=3", "--out", str(out), timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+
+    # Declared Slow from measured times alone (the coordinator never sees the fault spec), early enough
+    # that later steps can show the new quotas: the earliest is step 3 (two steps of evidence, capped at
+    # max_increment each); on this shared 2-core machine it has taken up to ~8.
+    declared = [e["step"] for e in events if e["event"] == "verdict" and e["replica"] == SLOW and e["new"] == "slow"]
+    assert declared, [e for e in events if e["event"] in ("verdict", "regime")]
+    assert declared[0] <= STEPS - 4, declared
+
+    # Its speed is published after that commit and taken by a later step's plan: from then on it holds
+    # fewer microbatches than every other replica (checked on the steps after the first such step, so a
+    # recovery (Slow -> Healthy on a calm-looking step) does not fail the test, but one must happen).
+    owners = {e["step"]: {int(k): len(v) for k, v in e["owners"].items()} for e in events if e["event"] == "step"}
+    later = [s for s in sorted(owners) if s > declared[0]]
+    lighter = [s for s in later if owners[s][SLOW] < min(n for k, n in owners[s].items() if k != SLOW)]
+    assert lighter, {s: owners[s] for s in later}
+    assert sum(owners[s][SLOW] for s in later) < min(sum(owners[s][k] for s in later) for k in range(3))
+
+    # No assertion that healthy replicas are never declared Slow: on this machine 2 shared cores run 4
+    # trainers, a coordinator and other users' jobs, and single replicas' microbatch times jump 2-6x for
+    # a step or two (measured with `unbroken detect-eval`: a few false alarms per 100 replica-steps on
+    # the default tiny model). On dedicated cores it would hold; here it would make the test flaky.
+
+    # Trajectory: bit for bit the failure-free run's, step by step.
+    cmp = compare(ref, out)
+    assert cmp.identical == cmp.total == STEPS, [row for row in cmp.rows if not row[3]]
+    assert audit(out, 12) == []  # uneven quotas still reduce every microbatch exactly once
