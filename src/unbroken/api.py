@@ -18,7 +18,8 @@ from typing import Any
 from unbroken.config import Config, ConfigError, build
 from unbroken.faultspec import FaultSpecError, parse
 
-_RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress", "quotas"}
+_RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress", "quotas",
+             "recovery"}
 
 
 def make_config(config: Config | None = None, **run: Any) -> Config:
@@ -39,9 +40,14 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
         tree.setdefault(section, {})[name] = value
     cfg = build(tree)
     try:
-        parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
+        faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
     except FaultSpecError as e:
         raise ConfigError(f"--faults: {e}") from None
+    for f in faults:
+        if f.kind == "node" and f.node >= cfg.snapshot.nodes:
+            raise ConfigError(f"--faults: node={f.node} is out of range (0..{cfg.snapshot.nodes - 1}, snapshot.nodes)")
+        if f.kind in ("node", "corrupt", "tear") and not cfg.snapshot.enabled:
+            raise ConfigError(f"--faults: {f.kind} needs in-memory snapshots (--snapshot.enabled=true)")
     return cfg
 
 

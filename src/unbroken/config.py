@@ -65,13 +65,33 @@ class RunConfig:
     threads: int = 1  # torch threads per replica, identical on all (exact mode needs that)
     faults: str = ""  # see faultspec.py
     quotas: str = "speed"  # "speed": the detector's speed estimates weight the quotas; "equal": never
+    recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich
 
 
 @dataclass(frozen=True)
+class SnapshotConfig:
+    enabled: bool = False  # in-memory snapshots held by one agent process per node
+    every: int = 1  # committed steps between snapshots
+    nodes: int = 1  # emulated nodes (failure domains), one snapshot agent each; divides run.replicas
+    parity: str = "none"  # "none", "xor" (k+1) or "rs" (k+m Reed-Solomon, pyeclib) across nodes
+    k: int = 0  # data shards per parity stripe; nodes must be a multiple of k+m
+    m: int = 0  # parity shards per stripe
+    shm_dir: str = "/dev/shm/unbroken"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # committed steps between DCP checkpoints; 0: none
+    dir: str = ""  # default: RUN_DIR/checkpoints
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -106,7 +126,8 @@ def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Conf
     return cfg
 
 
-_SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "coord": CoordConfig}
+_SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "coord": CoordConfig,
+             "snapshot": SnapshotConfig, "checkpoint": CheckpointConfig}
 
 
 def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
@@ -154,6 +175,20 @@ def validate(cfg: Config) -> None:
         (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),
         (cfg.coord.heartbeat_timeout > 2 * cfg.coord.heartbeat_interval,
          "coord.heartbeat_timeout must exceed two heartbeat intervals"),
+    ]
+    s = cfg.snapshot
+    group = s.k + s.m
+    checks += [
+        (r.recovery in ("live", "restart-memory", "restart-disk"),
+         f"run.recovery={r.recovery!r}: expected live, restart-memory or restart-disk"),
+        (r.recovery != "restart-memory" or s.enabled, "run.recovery=restart-memory needs --snapshot.enabled=true"),
+        (r.recovery != "restart-disk" or cfg.checkpoint.every > 0, "run.recovery=restart-disk needs --checkpoint.every=T"),
+        (s.every >= 1, f"snapshot.every={s.every}: need at least 1"),
+        (s.nodes >= 1 and r.replicas % s.nodes == 0, f"snapshot.nodes={s.nodes} does not divide run.replicas={r.replicas}"),
+        (s.parity in ("none", "xor", "rs"), f"snapshot.parity={s.parity!r}: expected none, xor or rs"),
+        (s.parity == "none" or (s.k >= 1 and s.m >= 1 and s.nodes % group == 0 and (s.parity == "rs" or s.m == 1)),
+         f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
+        (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:

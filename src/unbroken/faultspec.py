@@ -5,6 +5,10 @@
     kill:replica=1,step=10,phase=allreduce      SIGKILL the replica's process at that point
     hang:replica=2,step=14,phase=compute,for=8  SIGSTOP it there, SIGCONT after `for` seconds
     slow:replica=0,from=5,factor=2[,to=9]       stretch each microbatch's compute by `factor`
+    node:node=1,step=12                         lose node 1 (its snapshot agent, its memory, its trainers)
+    crash-all:step=20                           SIGKILL every trainer at once (a software failure)
+    corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
+    tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
 
 Steps count from 0. Owns parsing and validation against the run's size; every error is a FaultSpecError
 whose message names the offending token in one line.
@@ -42,6 +46,10 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "kill": ({"replica", "step"}, {"phase"}),
     "hang": ({"replica", "step", "for"}, {"phase"}),
     "slow": ({"replica", "factor"}, {"from", "to"}),
+    "node": ({"node", "step"}, set()),
+    "crash-all": ({"step"}, set()),
+    "corrupt": ({"replica", "step"}, set()),
+    "tear": ({"replica", "step"}, set()),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from torch.distributed import PrefixStore
 import json
 import sys
 import time
@@ -102,10 +103,17 @@ def main(argv: list[str] | None = None) -> int:
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
     print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-    coord = Coordinator(store, a.replicas, log, a.heartbeat_timeout, a.progress_timeout, a.startup_timeout,
-                        follow_speed=a.quotas == "speed")
-    alive = True
+
+    def fresh(generation: int) -> Coordinator:
+        # A whole-job restart (launcher) starts a generation: new membership under its own prefix.
+        return Coordinator(PrefixStore(f"g{generation}/", store), a.replicas, log, a.heartbeat_timeout,
+                           a.progress_timeout, a.startup_timeout, follow_speed=a.quotas == "speed")
+
+    generation, coord, alive = 0, fresh(0), True
     while not store.check(["shutdown"]):
+        if store.check(["generation"]) and int(store.get("generation")) != generation:
+            generation = int(store.get("generation"))
+            coord, alive = fresh(generation), True
         if alive and not coord.poll(time.monotonic()):
             coord.fail()
             alive = False

@@ -13,23 +13,31 @@ import signal
 import subprocess
 import time
 
+from torch.distributed import Store
+
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 
 
 class Injector:
-    def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog):
-        self.me, self.log = me, log
-        self.pending = [f for f in faults if f.replica == me and f.kind in ("kill", "hang")]
+    """`store` (unprefixed: it outlives restarts) records which faults fired, so a trainer restarted
+    into a step it already ran does not fire the same fault again."""
+
+    def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog, store: Store | None = None):
+        self.me, self.log, self.store = me, log, store
+        self.index = {id(f): n for n, f in enumerate(faults)}
+        self.pending = [f for f in faults if f.replica == me and f.kind in ("kill", "hang", "tear")]
         self.slow = [f for f in faults if f.replica == me and f.kind == "slow"]
 
     def at(self, step: int, phase: str) -> None:
         """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
-        for f in [f for f in self.pending if f.step == step and f.phase == phase]:
+        for f in [f for f in self.pending if f.step == step and (f.phase or "snapshot") == phase]:
             self.pending.remove(f)
+            if self.store is not None and self.store.add(f"fired/{self.index[id(f)]}", 1) != 1:
+                continue  # fired in an earlier generation of this run
             self.log.emit("fault", kind=f.kind, replica=self.me, step=step, phase=phase,
                           seconds=f.seconds or None, pid=os.getpid())
-            if f.kind == "kill":
+            if f.kind in ("kill", "tear"):  # tear: while the snapshot copy thread is writing
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
                 subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],

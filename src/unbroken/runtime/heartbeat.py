@@ -13,14 +13,17 @@ import os
 import threading
 from collections.abc import Callable
 
+from torch.distributed import PrefixStore
+
 from unbroken.runtime.coordination import connect
 
 
 class Heartbeat:
-    def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None]):
+    def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
+                 prefix: str = ""):
         self.me, self.interval = me, interval_s
         self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
-        self._store = connect(address)
+        self._store = PrefixStore(prefix, connect(address)) if prefix else connect(address)
         self._on_fenced = on_fenced
         self._stop = threading.Event()
         self._seq = 0

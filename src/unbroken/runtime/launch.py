@@ -1,15 +1,18 @@
-"""The local launcher: coordinator first, then one worker process per replica group, then watch them.
+"""The local launcher: coordinator, snapshot agents, one worker process per replica group; then watch.
 
-Owns: the run directory (config.json, events.jsonl, logs/), starting the coordinator and the workers with
-the environment a torchrun job per replica group would give them, reporting each worker's exit to the
-store (as a torchrun agent sees its workers end), live progress, the run's end and summary.json, and
-killing everything it started, whatever happens. Does not own: liveness verdicts (coordinator), training.
+Owns: the run directory (config.json, events.jsonl, logs/), starting processes with the environment a
+torchrun job per replica group would give them, reporting each worker's exit to the store (as a torchrun
+agent sees its workers end), whole-job restarts (a new *generation*: fresh membership under the store
+prefix g{N}/, every trainer restarted and resumed from the agents' memory or the latest checkpoint), the
+launcher-side faults (chaos.py), live progress, summary.json, and killing everything it started.
+Does not own: liveness verdicts (coordinator), training, what a restart loads (persistence.py).
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,13 +20,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed import PrefixStore
+
 from unbroken.config import Config
 from unbroken.events import EventLog
+from unbroken.faultspec import parse
+from unbroken.policy.snapshotting import needs_restart, restore_source
 from unbroken.progress import LiveView
 from unbroken.report import summarize
+from unbroken.runtime.agents import AgentSet
+from unbroken.runtime.chaos import Chaos
 from unbroken.runtime.coordination import connect
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
+MAX_RESTARTS = 20
 
 
 @dataclass(frozen=True)
@@ -39,34 +49,80 @@ class RunResult:
 def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train") -> RunResult:
     """Run `cfg` to the end. Blocks; returns a RunResult (never raises for failures of the run itself)."""
     run_dir = Path(cfg.run.out)
+    shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in ("events.jsonl", "summary.json"):
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
+    run_id = f"run-{secrets.token_hex(4)}"
     log = EventLog(run_dir / "events.jsonl", who="launcher")
     t0 = time.time()
     log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
-             exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults)
+             exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
+             run_id=run_id)
     procs: list[subprocess.Popen] = []
+    agents: AgentSet | None = None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
+    error: str | None = "launcher failed"
     try:
         coordinator, address = _start_coordinator(cfg, run_dir)
         procs.append(coordinator)
-        workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r)
-                   for r in range(cfg.run.replicas)}
-        procs.extend(workers.values())
-        store = connect(address)
-        error = _watch(cfg, store, workers, log, view, run_dir, t0)
-        store.set("shutdown", "1")
-        coordinator.wait(timeout=10)
+        raw = connect(address)
+        if cfg.snapshot.enabled:
+            agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
+        chaos = Chaos(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps), cfg, log, agents,
+                      run_id)
+        watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents)
+        generation, resume = 0, ""
+        while True:
+            workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
+                                        resume, run_id) for r in range(cfg.run.replicas)}
+            procs.extend(workers.values())
+            outcome, error = watch.run(PrefixStore(f"g{generation}/", raw), workers)
+            if outcome != "restart":
+                break
+            if generation >= MAX_RESTARTS:
+                error = f"gave up after {MAX_RESTARTS} restarts ({error})"
+                break
+            resume = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
+            generation += 1
+            raw.set("generation", str(generation))
+            log.emit("restart", generation=generation, reason=error, source=resume)
+        raw.set("shutdown", "1")
+        try:
+            coordinator.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass  # killed below: nothing it holds matters once the run has ended
     except KeyboardInterrupt:
         error = "interrupted"
     finally:
         view.close()
+        if agents is not None:
+            agents.close()  # before the coordinator: agents talk to its store until they die
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return _finish(cfg, run_dir, log, t0, error)
+
+
+def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, last_step: int,
+             log: EventLog, reason: str | None) -> str:
+    """Stop every trainer of the generation, mend what a lost node took, and choose the restore source."""
+    for p in workers.values():
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    chaos.before_restart(last_step)
+    memory_ok = agents is not None
+    if agents is not None:
+        lost = chaos.take_lost_nodes()
+        if lost and agents.replace(lost, rebuild=True) is None:
+            memory_ok = False  # more lost than the parity covers: only a checkpoint can help
+    return restore_source(cfg.run.recovery, memory_ok, cfg.checkpoint.every > 0)
+
+
+def _finish(cfg: Config, run_dir: Path, log: EventLog, t0: float, error: str | None) -> RunResult:
     summary = summarize(run_dir / "events.jsonl", cfg)
     ok = error is None and summary["steps_committed"] == cfg.run.steps
     if error is None and not ok:
@@ -89,60 +145,80 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "wb"))
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "ab"))
     return p, f"127.0.0.1:{port}"
 
 
-def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int) -> subprocess.Popen:
+def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
+                  resume: str, run_id: str) -> subprocess.Popen:
     env = {**os.environ, "UNBROKEN_STORE": address, "UNBROKEN_REPLICA": str(r), "UNBROKEN_RUN_DIR": str(run_dir),
+           "UNBROKEN_GENERATION": str(generation), "UNBROKEN_RESUME": resume, "UNBROKEN_RUN_ID": run_id,
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-    out = open(run_dir / "logs" / f"replica{r}.log", "wb")
+    out = open(run_dir / "logs" / f"replica{r}.log", "ab")
     p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p
 
 
-def _watch(cfg: Config, store, workers: dict[int, subprocess.Popen], log: EventLog, view: LiveView,
-           run_dir: Path, t0: float) -> str | None:
-    """Report exits to the store, feed the live view, stop on success, total loss, or the run timeout."""
-    reported: set[int] = set()
-    offset = 0
-    events = run_dir / "events.jsonl"
-    while True:
-        for r, p in workers.items():
-            code = p.poll()
-            if code is not None and r not in reported:
-                reported.add(r)
-                log.emit("exit", replica=r, code=code)
-                if code != 0:  # a clean exit is a finished replica, not a failure
-                    store.set(f"exit/{r}", str(code))
-                    store.add("nexits", 1)
-        offset = _tail(events, offset, view)
-        if store.check(["failed"]):
-            failed = json.loads(store.get("failed"))
-            return f"{failed['reason']}; last committed step: {failed['last_committed_step']}"
-        if all(r in reported or store.check([f"dead/{r}"]) for r in workers):
-            if any(store.check([f"finished/{r}"]) for r in workers):
-                return None  # the rest are zombies (declared dead, still stopped): killed on the way out
-            last = int(store.get("last_commit")) if store.check(["last_commit"]) else -1
-            return f"every replica was lost; last committed step: {last}"
-        if time.time() - t0 > cfg.coord.run_timeout:
-            for p in workers.values():
-                if p.poll() is None:
-                    os.kill(p.pid, signal.SIGKILL)
-            return f"run timed out after {cfg.coord.run_timeout:.0f} s"
-        time.sleep(0.02)
+class _Watch:
+    """Watches one generation of workers until it finishes, fails, needs a restart, or times out."""
 
+    def __init__(self, cfg: Config, log: EventLog, view: LiveView, run_dir: Path, t0: float, chaos: Chaos,
+                 agents: AgentSet | None):
+        self.cfg, self.log, self.view, self.t0, self.chaos, self.agents = cfg, log, view, t0, chaos, agents
+        self.events, self.offset, self.last_step = run_dir / "events.jsonl", 0, -1
+        self.persistent = cfg.snapshot.enabled or cfg.checkpoint.every > 0
+        self.worker_error: str | None = None
 
-def _tail(path: Path, offset: int, view: LiveView) -> int:
-    if not view.enabled:
-        return offset
-    with open(path, "rb") as f:
-        f.seek(offset)
-        chunk = f.read()
-    end = chunk.rfind(b"\n") + 1
-    records = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
-    view.feed(records)
-    return offset + end
+    def run(self, store, workers: dict[int, subprocess.Popen]) -> tuple[str, str | None]:
+        reported: set[int] = set()
+        while True:
+            for r, p in workers.items():
+                code = p.poll()
+                if code is not None and r not in reported:
+                    reported.add(r)
+                    self.log.emit("exit", replica=r, code=code)
+                    if code != 0:  # a clean exit is a finished replica, not a failure
+                        store.set(f"exit/{r}", str(code))
+                        store.add("nexits", 1)
+            self._tail(workers)
+            if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
+                return "failed", self.worker_error
+            finished = [r for r in workers if store.check([f"finished/{r}"])]
+            lost = [r for r in workers if r not in finished and (store.check([f"dead/{r}"])
+                                                                 or (r in reported and workers[r].returncode))]
+            live = len(workers) - len(lost) - len(finished)
+            last = int(store.get("last_commit")) if store.check(["last_commit"]) else self.last_step
+            if lost and not finished and needs_restart(self.cfg.run.recovery, len(lost), live):
+                why = f"{len(lost)} of {len(workers)} replicas lost at step {last + 1}"
+                if self.persistent:
+                    return "restart", why
+                return "failed", f"every replica was lost; last committed step: {last}"
+            if all(r in reported or r in lost for r in workers):
+                if finished:
+                    return "done", None  # the rest are zombies (declared dead, still stopped): killed on exit
+                return "failed", f"every replica was lost; last committed step: {last}"
+            if time.time() - self.t0 > self.cfg.coord.run_timeout:
+                return "timeout", f"run timed out after {self.cfg.coord.run_timeout:.0f} s"
+            time.sleep(0.02)
+
+    def _tail(self, workers: dict[int, subprocess.Popen]) -> None:
+        with open(self.events, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        records = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        for r in records:
+            if r["event"] == "worker_error":
+                self.worker_error = f"replica {r['replica']} failed: {r['error']}"
+            if r["event"] == "step" and r["step"] > self.last_step:
+                self.last_step = r["step"]
+                self.chaos.on_committed(r["step"], workers)
+                if self.agents is not None and self.cfg.run.recovery == "live" and self.chaos.lost_nodes:
+                    # survivors keep training and snapshotting (adopting the lost replicas' shares):
+                    # a replacement node's agent must take those shares now
+                    self.agents.replace(self.chaos.take_lost_nodes(), rebuild=False)
+        self.view.feed(records)

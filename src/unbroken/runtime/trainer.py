@@ -51,7 +51,7 @@ class Factories:
 
 class Trainer:
     def __init__(self, cfg: Config, me: int, coord: Coordination, factories: Factories, log: EventLog,
-                 heartbeat: Heartbeat, injector: Injector):
+                 heartbeat: Heartbeat, injector: Injector, persistence: Callable | None = None):
         self.cfg, self.me, self.coord, self.log = cfg, me, coord, log
         self.hb, self.faults = heartbeat, injector
         torch.set_num_threads(cfg.run.threads)  # the same on every replica: kernels sum in the same order
@@ -61,6 +61,7 @@ class Trainer:
         self.params = unique_parameters(self.model)
         self.optimizer = factories.optimizer(self.params, cfg)
         self.acc = Accumulator(self.params, torch.float64 if cfg.run.exact else torch.float32)
+        self.persist = persistence(self.model, self.optimizer) if persistence else None
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
@@ -164,10 +165,14 @@ class Trainer:
         self.hb.at(step, "optimizer", epoch=epoch)
         self.faults.at(step, "optimizer")
         loss = self.acc.load_grads(self.reduced)
+        if self.persist:
+            self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         digest = param_digest(self.params)
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch, param_digest=digest)
+        if self.persist:
+            self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
         if self.coord.first_to_apply(step):
             members = self.coord.members(epoch)
             owners = self.coord.held(step, epoch, members)

@@ -7,6 +7,9 @@ Environment (set by launch.py; a torchrun job per replica group sets the same na
   UNBROKEN_STORE=host:port   the coordinator's TCPStore
   UNBROKEN_REPLICA=r         this replica group's id
   UNBROKEN_RUN_DIR=DIR       where events.jsonl and config.json live
+  UNBROKEN_GENERATION=g      whole-job restarts so far: coordination keys live under g{g}/
+  UNBROKEN_RESUME=memory|disk|scratch   a restarted trainer's restore source (empty: a fresh start)
+  UNBROKEN_RUN_ID=id         names the run's snapshots and checkpoints
 Run with the default GPT and corpus as `python -m unbroken.runtime.worker`; a user's script that calls
 `unbroken.train(...)` is re-run as the worker with its own factories instead.
 """
@@ -17,12 +20,15 @@ import sys
 import traceback
 from pathlib import Path
 
+from torch.distributed import PrefixStore
+
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.coordination import Coordination, connect
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.heartbeat import Heartbeat
+from unbroken.runtime.persistence import Persistence
 from unbroken.runtime.trainer import Factories, Trainer
 
 
@@ -51,16 +57,26 @@ def run(factories: Factories) -> int:
     address = os.environ["UNBROKEN_STORE"]
     run_dir = Path(os.environ["UNBROKEN_RUN_DIR"])
     cfg = Config.from_json((run_dir / "config.json").read_text())
+    generation = int(os.environ.get("UNBROKEN_GENERATION", "0"))
+    resume = os.environ.get("UNBROKEN_RESUME", "")
+    run_id = os.environ.get("UNBROKEN_RUN_ID", "run-local")
     log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
-    store = connect(address)
-    coord = Coordination(store, me)
+    raw = connect(address)
+    coord = Coordination(PrefixStore(f"g{generation}/", raw), me)
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
-                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why))
+                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")
     heartbeat.start()
-    injector = Injector(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps), me, log)
+    faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
+    injector = Injector(faults, me, log, raw)
     try:
-        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector)
-        trainer.fit()
+        persist = None
+        if cfg.snapshot.enabled or cfg.checkpoint.every:
+            persist = lambda model, opt: Persistence(cfg, me, raw, run_id, run_dir, model, opt, log)  # noqa: E731
+        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, persist)
+        first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
+        trainer.fit(first)
+        if trainer.persist:
+            trainer.persist.close()
         coord.finish()
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()

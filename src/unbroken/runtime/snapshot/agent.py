@@ -20,10 +20,10 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import torch.distributed as dist
+import xxhash
 
 from . import commands
 from .checksum import checksum, state_digest
@@ -34,9 +34,10 @@ POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few 
 POLL_STORE_S = 0.02  # store round trips: alloc requests and commands
 
 
-def doc_crc(doc: dict) -> int:
+def doc_digest(doc: dict) -> int:
     """Identity of a snapshot's layout and meta (all replicas hold the same state)."""
-    return zlib.crc32(json.dumps([doc.get("layout"), doc.get("meta")], sort_keys=True).encode())
+    raw = json.dumps([doc.get("layout"), doc.get("meta")], sort_keys=True).encode()
+    return xxhash.xxh3_64_intdigest(raw)
 
 
 class SnapshotAgent:
@@ -125,12 +126,12 @@ class SnapshotAgent:
         # The checksum runs here, off the trainer's critical path. Only the agent moves
         # COPIED -> COMMITTED and the trainer never writes a COPIED slot, so no race.
         h = slot.header()
-        crc = checksum(slot.payload()[: h.length])
-        slot.set(checksum=crc)
+        digest = checksum(slot.payload()[: h.length])
+        slot.set(checksum=digest)
         slot.set(state=int(State.COMMITTED))
         doc = slot.doc()
-        rec = {"length": h.length, "checksum": crc, "offset": doc["offset"], "total": doc["total"],
-               "doc_crc": doc_crc(doc)}
+        rec = {"length": h.length, "checksum": digest, "offset": doc["offset"], "total": doc["total"],
+               "doc_digest": doc_digest(doc)}
         self.store.set(self.keys.commit(h.step, rank), json.dumps(rec))
         self.publish()
         first = self.store.add(self.keys.first(h.step, rank), 1) == 1

@@ -1,0 +1,76 @@
+"""The launcher's snapshot agents: one per emulated node, started before the trainers, outliving them.
+
+Owns: node directories (`snapshot.shm_dir/node{n}`: a node's CPU memory, gone when the node is lost),
+starting the agents in parallel, replacing a lost node's agent and asking the survivors to rebuild its
+shards from parity, and removing the run's files at the end. Does not own: the agents' protocol
+(snapshot/), or deciding when a node is lost (chaos.py, or a real node failure).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from torch.distributed import Store
+
+from unbroken.config import Config
+from unbroken.events import EventLog
+from unbroken.runtime.snapshot import AgentSpec, StateLoadError, Topology, request_rebuild, start_agent
+
+
+def node_dir(cfg: Config, node: int) -> str:
+    return f"{cfg.snapshot.shm_dir}/node{node}"
+
+
+def node_of(cfg: Config, replica: int) -> int:
+    return replica // (cfg.run.replicas // cfg.snapshot.nodes)
+
+
+class AgentSet:
+    def __init__(self, cfg: Config, address: str, store: Store, run_id: str, run_dir: Path, log: EventLog):
+        s = cfg.snapshot
+        self.cfg, self.address, self.store, self.run_id, self.log = cfg, address, store, run_id, log
+        self.logs = run_dir / "logs"
+        self.topology = Topology(nodes=s.nodes, ranks_per_node=cfg.run.replicas // s.nodes, parity=s.parity,
+                                 k=s.k, m=s.m)
+        self.procs: dict[int, subprocess.Popen] = {}
+        with ThreadPoolExecutor(s.nodes) as pool:
+            for n, p in zip(range(s.nodes), pool.map(self._start, range(s.nodes))):
+                self.procs[n] = p
+
+    def _start(self, node: int) -> subprocess.Popen:
+        spec = AgentSpec(store=self.address, run_id=self.run_id, node=node, topology=self.topology,
+                         shm_dir=node_dir(self.cfg, node))
+        return start_agent(spec, log=self.logs / f"agent{node}.log")
+
+    def lose(self, node: int) -> None:
+        """A node goes: its agent is SIGKILLed and its memory (the node's shm directory) is gone."""
+        p = self.procs.pop(node, None)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        shutil.rmtree(node_dir(self.cfg, node), ignore_errors=True)
+
+    def replace(self, lost: list[int], rebuild: bool) -> int | None:
+        """Start fresh agents for `lost` nodes; with `rebuild`, have the survivors rebuild their shards
+        from parity (no trainer may be saving). Returns the rebuilt step, or None when it cannot."""
+        for n in lost:
+            self.procs[n] = self._start(n)
+        if not (rebuild and lost):
+            return None
+        try:
+            step = request_rebuild(self.store, self.run_id, sorted(lost))
+        except StateLoadError as e:
+            self.log.emit("rebuild_failed", nodes=sorted(lost), error=str(e))
+            return None
+        self.log.emit("rebuilt", nodes=sorted(lost), step=step, parity=self.cfg.snapshot.parity)
+        return step
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for n in range(self.cfg.snapshot.nodes):
+            shutil.rmtree(Path(node_dir(self.cfg, n)) / self.run_id, ignore_errors=True)

@@ -1,0 +1,72 @@
+"""Faults the launcher injects from outside the trainers: a lost node, a crash of every trainer, bit rot.
+
+Owns: firing `node`, `crash-all` and `corrupt` faults of the spec (worker-side kinds are faults.py's).
+node:node=n,step=s     once step s-1 is committed: SIGKILL node n's agent and trainers, delete its memory
+crash-all:step=s       once step s-1 is committed: SIGKILL every trainer at once
+corrupt:replica=r,step=s   at the first restart after step s: flip bytes in replica r's newest stored
+                           shard (what a restore will read), so the checksum path must catch it
+Each fault fires once per run, whatever restarts follow. Does not own: recovering (launcher, agents).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+from unbroken.events import EventLog
+from unbroken.faultspec import Fault
+from unbroken.runtime.agents import AgentSet, node_dir, node_of
+from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
+
+
+class Chaos:
+    def __init__(self, faults: tuple[Fault, ...], cfg, log: EventLog, agents: AgentSet | None, run_id: str):
+        self.cfg, self.log, self.agents, self.run_id = cfg, log, agents, run_id
+        self.pending = [f for f in faults if f.kind in ("node", "crash-all", "corrupt")]
+        self.lost_nodes: list[int] = []
+
+    def on_committed(self, step: int, workers: dict[int, subprocess.Popen]) -> None:
+        """Call for every committed step the launcher sees; fires faults scheduled for step + 1."""
+        for f in [f for f in self.pending if f.kind in ("node", "crash-all") and f.step == step + 1]:
+            self.pending.remove(f)
+            if f.kind == "node":
+                victims = [r for r in workers if node_of(self.cfg, r) == f.node]
+                self.log.emit("fault", kind="node", node=f.node, step=f.step, replicas=victims)
+                if self.agents is not None:
+                    self.agents.lose(f.node)
+                    self.lost_nodes.append(f.node)
+            else:
+                victims = list(workers)
+                self.log.emit("fault", kind="crash-all", step=f.step, replicas=victims)
+            for r in victims:
+                if workers[r].poll() is None:
+                    os.kill(workers[r].pid, signal.SIGKILL)
+
+    def before_restart(self, last_committed: int) -> None:
+        """Call with all trainers stopped, before a restart: apply due corruptions."""
+        for f in [f for f in self.pending if f.kind == "corrupt" and f.step <= last_committed]:
+            self.pending.remove(f)
+            self.log.emit("fault", kind="corrupt", replica=f.replica, step=f.step,
+                          corrupted_step=self._corrupt(f.replica))
+
+    def _corrupt(self, replica: int) -> int | None:
+        """Flip 64 payload bytes of the replica's newest committed slot; returns that slot's step."""
+        slots = []
+        for b in (0, 1):
+            path = data_path(node_dir(self.cfg, node_of(self.cfg, replica)), self.run_id, replica, b)
+            if path.exists():
+                slots.append(SlotFile.open(path))
+        done = [s for s in slots if s.get("state") == State.COMMITTED]
+        if not done:
+            return None
+        newest = max(done, key=lambda s: s.get("step"))
+        payload = newest.payload()
+        payload[:64] = payload[:64] ^ 0xFF
+        step = newest.get("step")
+        for s in slots:
+            s.close()
+        return step
+
+    def take_lost_nodes(self) -> list[int]:
+        lost, self.lost_nodes = self.lost_nodes, []
+        return lost

@@ -1,0 +1,143 @@
+"""A trainer's snapshots and checkpoints: save hooks around the optimizer step, and resume.
+
+Owns: when to snapshot (every `snapshot.every` committed steps, each live replica writing the shares
+`policy.snapshotting.shares_of` gives it, adopted shares of dead replicas included), when to write a
+DCP checkpoint (every `checkpoint.every` steps, by the lowest live replica: data-parallel replicas hold
+identical state, so one copy suffices), and resuming a restarted trainer from the agents' memory or the
+latest checkpoint, verified before the first step. Does not own: slots, parity, agents (snapshot/),
+DCP's format (checkpoint.py), or deciding to restart (the launcher).
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import PrefixStore, Store
+
+from unbroken.config import Config
+from unbroken.events import EventLog
+from unbroken.policy.snapshotting import shares_of
+from unbroken.runtime.agents import node_dir, node_of
+from unbroken.runtime.checkpoint import Checkpointer, latest_checkpoint
+from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
+from unbroken.runtime.state import load_rng, materialize, training_state
+
+
+class Persistence:
+    def __init__(self, cfg: Config, me: int, store: Store, run_id: str, run_dir: Path,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, log: EventLog):
+        self.cfg, self.me, self.store, self.run_id, self.log = cfg, me, store, run_id, log
+        self.model, self.optimizer = model, optimizer
+        self.world = cfg.run.replicas
+        self.clients: dict[int, SnapshotClient] = {}
+        self.ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+        self.ckpt = (Checkpointer(self.ckpt_dir, run_id=run_id, world=1, every=cfg.checkpoint.every)
+                     if cfg.checkpoint.every else None)
+
+    def _client(self, share: int) -> SnapshotClient:
+        if share not in self.clients:
+            self.clients[share] = SnapshotClient(self.store, run_id=self.run_id, rank=share, world=self.world,
+                                                 shm_dir=node_dir(self.cfg, node_of(self.cfg, share)))
+        return self.clients[share]
+
+    def before_optimizer(self) -> None:
+        """Call right before optimizer.step(): the previous snapshot's copy must have left the tensors."""
+        for c in self.clients.values():
+            c.wait()
+
+    def after_commit(self, step: int, members: tuple[int, ...], on_snapshot=None) -> None:
+        """Call once per committed step, after the optimizer step. Starts the copies and returns."""
+        due_snap = self.cfg.snapshot.enabled and step % self.cfg.snapshot.every == 0
+        due_ckpt = self.ckpt is not None and step % self.cfg.checkpoint.every == 0 and self.me == min(members)
+        if not (due_snap or due_ckpt):
+            return
+        tensors = training_state(self.model, self.optimizer)
+        if due_snap:
+            for share in shares_of(self.me, members, self.world):
+                self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1})
+            if on_snapshot is not None:
+                on_snapshot()
+        if due_ckpt:
+            self.ckpt.maybe_save(step, tensors)  # DCP stages a copy before returning
+
+    def resume(self, source: str, generation: int) -> int:
+        """Load the state a restarted job continues from; returns the first step to run.
+
+        `source` "memory" tries the agents (a collective over all replicas: every one must call it) and
+        falls back to disk on any StateLoadError; "disk" loads the latest checkpoint; with neither, the
+        run starts over from step 0 (what a checkpoint-and-restart job does before its first checkpoint).
+        """
+        t0 = time.perf_counter()
+        materialize(self.model, self.optimizer)
+        tensors = training_state(self.model, self.optimizer)
+        if source == "memory" and self.cfg.snapshot.enabled:
+            group = dist.ProcessGroupGloo(PrefixStore(f"restore/{generation}/", self.store), self.me,
+                                          self.world, datetime.timedelta(seconds=120))
+            step = self._restore_memory(group, tensors)
+            if step is not None:
+                load_rng(tensors)
+                return self._restored("memory", step, t0)
+        step = self._latest_checkpoint()
+        if step is None:
+            self.log.emit("restored", replica=self.me, source="scratch", step=-1, seconds=0.0)
+            return 0
+        self.ckpt.load(tensors, step=step)
+        load_rng(tensors)
+        return self._restored("disk", step, t0)
+
+    def _restore_memory(self, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor]) -> int | None:
+        """Every replica agrees on each decision, so nobody is left alone in a collective: the newest
+        step all hold (MIN), then whether every replica's own shard verifies (a corrupt shard is
+        repaired from parity by the agents first); if not, all try the snapshot before it together."""
+        client = self._client(self.me)
+        try:
+            newest = client.latest_committed()
+        except StateLoadError as e:
+            self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
+            newest = None
+        step = _agree(group, -1 if newest is None else newest)
+        for s in (step, step - self.cfg.snapshot.every):
+            if s < 0:
+                break
+            try:
+                client._verified_shard(self.me, s)  # checksum, and rebuild from parity if it fails
+                ok = 1
+            except StateLoadError as e:
+                self.log.emit("restore_failed", replica=self.me, source="memory", step=s, error=str(e))
+                ok = 0
+            if _agree(group, ok):
+                try:
+                    return client.restore(step=s, group=group, out=tensors).step
+                except StateLoadError as e:  # whole-state digest: every rank sees the same result
+                    self.log.emit("restore_failed", replica=self.me, source="memory", step=s, error=str(e))
+        return None
+
+    def _latest_checkpoint(self) -> int | None:
+        if self.ckpt is None or not self.ckpt_dir.is_dir():
+            return None
+        return latest_checkpoint(self.ckpt_dir, self.run_id)
+
+    def _restored(self, source: str, step: int, t0: float) -> int:
+        self.log.emit("restored", replica=self.me, source=source, step=step,
+                      seconds=round(time.perf_counter() - t0, 4))
+        return step + 1
+
+    def close(self) -> None:
+        """Call after the last step: waits for pending copies and the last checkpoint."""
+        for c in self.clients.values():
+            c.wait()
+        if self.ckpt is not None:
+            self.ckpt.wait()
+
+
+def _agree(group: dist.ProcessGroup, value: int) -> int:
+    """The minimum of `value` over the group: one answer every replica acts on."""
+    t = torch.tensor([value], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([t], opts).wait()
+    return int(t.item())
