@@ -1,0 +1,107 @@
+"""The plain-PyTorch baseline for benchmarks/overhead.py: DistributedDataParallel on gloo, nothing else.
+
+What a user would write without unbroken, doing the same work as an unbroken replica: the same GPT
+(`unbroken.model.gpt.GPT(cfg.model)`, same seed, so the same initial parameters), the same microbatches
+(`DataSource.microbatch(step, i)`, same per-microbatch dropout seed and token loss weights), the same
+global batch (M microbatches a step, rank r computes the contiguous block M/R * r .. M/R * (r+1) - 1),
+gradient accumulation under `no_sync()` for all but the last microbatch, AdamW with the same
+hyper-parameters, one torch thread per process. No fault tolerance: a dead rank hangs or crashes the rest.
+
+`spawn(cfg, port)` starts R real processes (`python _ddp_baseline.py --rank r ...`, each imports torch and
+joins through a TCPStore rendezvous, as torchrun would give them) and returns rank 0's wall-clock time
+after each optimizer step. Run as a script it is one such rank.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from unbroken.config import Config
+
+
+def spawn(cfg: Config, port: int, timeout_s: float = 600.0) -> list[float]:
+    """Run the baseline with cfg.run.replicas processes; returns rank 0's time.time() after each step."""
+    R, M = cfg.run.replicas, cfg.run.microbatches
+    if M % R:
+        raise ValueError(f"{M} microbatches do not split evenly across {R} processes")
+    with tempfile.TemporaryDirectory(prefix="ddp-baseline-") as tmp:
+        conf, out = Path(tmp) / "config.json", Path(tmp) / "times.json"
+        conf.write_text(cfg.to_json())
+        # the same environment unbroken's launcher gives its workers: one OpenMP thread each
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
+        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(R), "--port",
+                                   str(port), "--config", str(conf), "--out", str(out)],
+                                  env=env, stdin=subprocess.DEVNULL)
+                 for r in range(R)]
+        try:
+            deadline = time.time() + timeout_s
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.time()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"DDP baseline failed: exit codes {codes}")
+        return json.loads(out.read_text())
+
+
+def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from unbroken.model.data import DataSource, mix
+    from unbroken.model.gpt import GPT
+    from unbroken.policy.workload import loss_weight
+
+    torch.set_num_threads(cfg.run.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(cfg.run.seed)  # identical initial parameters on every rank (DDP also broadcasts them)
+    model = DDP(GPT(cfg.model))
+    data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    M = cfg.run.microbatches
+    per = M // world
+    mine = range(rank * per, (rank + 1) * per)
+    model.train()
+    times = []
+    dist.barrier()  # start the clock together, as unbroken's replicas start step 0 together
+    for step in range(cfg.run.steps):
+        step_tokens = data.step_tokens(step, M)
+        for n, i in enumerate(mine):
+            mb = data.microbatch(step, i)
+            torch.manual_seed(mix(cfg.run.seed, step, i))
+            # DDP averages over ranks; x world turns that back into unbroken's token-weighted sum
+            sync = n == per - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = model(mb.x, mb.y) * (loss_weight(mb.tokens, step_tokens) * world)
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.time())
+    if rank == 0:
+        out.write_text(json.dumps(times))
+    dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while another still uses it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="one rank of the DDP baseline")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--config", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    rank_main(a.rank, a.world, a.port, Config.from_json(a.config.read_text()), a.out)
