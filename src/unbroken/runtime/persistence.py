@@ -23,6 +23,7 @@ from unbroken.events import EventLog
 from unbroken.policy.snapshotting import shares_of
 from unbroken.runtime.agents import node_dir, node_of
 from unbroken.runtime.checkpoint import Checkpointer, latest_checkpoint
+from unbroken.runtime.gradients import param_digest, unique_parameters
 from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
 from unbroken.runtime.state import load_rng, materialize, training_state
 
@@ -58,7 +59,10 @@ class Persistence:
         tensors = training_state(self.model, self.optimizer)
         if due_snap:
             for share in shares_of(self.me, members, self.world):
-                self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1})
+                # a snapshot system that falls behind must never stall training: skip, keep the older
+                if not self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1},
+                                                      skip_if_busy=True):
+                    self.log.emit("snapshot_skipped", replica=self.me, share=share, step=step)
             if on_snapshot is not None:
                 on_snapshot()
         if due_ckpt:
@@ -122,8 +126,10 @@ class Persistence:
         return latest_checkpoint(self.ckpt_dir, self.run_id)
 
     def _restored(self, source: str, step: int, t0: float) -> int:
+        # the digest of what was loaded: equal to the failure-free run's step record of `step`
         self.log.emit("restored", replica=self.me, source=source, step=step,
-                      seconds=round(time.perf_counter() - t0, 4))
+                      seconds=round(time.perf_counter() - t0, 4),
+                      param_digest=param_digest(unique_parameters(self.model)))
         return step + 1
 
     def close(self) -> None:

@@ -71,15 +71,20 @@ class SnapshotClient:
         return self.topo
 
     # -- save -------------------------------------------------------------------------------
-    def save_async(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
+    def save_async(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict,
+                   skip_if_busy: bool = False) -> bool:
         """Start copying this rank's share of `tensors` (and `meta`, JSON-able) for `step`; returns
-        once the copy runs on a background thread. Waits for the previous save first. Blocks only
-        when the agent is two snapshots behind (backpressure) or on the first call (slot setup)."""
+        once the copy runs on a background thread. Waits for the previous save first. When the agent
+        is two snapshots behind (backpressure) it blocks up to timeout_s, or with `skip_if_busy`
+        returns False at once and saves nothing (the older snapshots stay whole). The first call
+        blocks while the agent creates the slots. Returns True when a copy started."""
         self.wait()
         layout = self._layout if self._layout and _same(self._layout, tensors) else Layout.of(tensors)
         self._layout = layout
         lo, hi = shard_bounds(layout.total, self.world, self.rank)
-        slot = self._pick_slot(hi - lo)
+        slot = self._pick_slot(hi - lo, wait=not skip_if_busy)
+        if slot is None:
+            return False
         slot.set(state=int(State.WRITING))  # from here on the slot is torn until COPIED
         slot.set(gen=slot.get("gen") + 1, step=step, length=hi - lo, checksum=0)
         slot.set_doc({"layout": layout.to_json(), "meta": meta, "offset": lo,
@@ -94,6 +99,7 @@ class SnapshotClient:
 
         self._thread = threading.Thread(target=copy, name="unbroken-snapshot", daemon=True)
         self._thread.start()
+        return True
 
     def wait(self) -> None:
         """Block until the pending copy is in shared memory (not yet verified: see
@@ -146,7 +152,7 @@ class SnapshotClient:
                                f"{self.rank} within {self.timeout_s:g} s") from None
         return [SlotFile.open(p) for p in paths]
 
-    def _pick_slot(self, need: int) -> SlotFile:
+    def _pick_slot(self, need: int, wait: bool = True) -> SlotFile | None:
         slots = self._open_slots(need)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -156,6 +162,8 @@ class SnapshotClient:
             b = 1 - newest
             if st[b][0] != State.COPIED and self._released(st[b]):
                 return slots[b]
+            if not wait:
+                return None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"snapshot agent of node {self.node} is two snapshots behind")
             time.sleep(0.002)
