@@ -56,12 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_optional_commands(sub) -> None:
-    """Commands that live in their own packages (simulator, detection evaluation), when present."""
-    try:
-        from unbroken.sim import cli as sim_cli
-    except ImportError:
-        return
+    """Commands that live in their own packages: the simulator and the detection evaluation."""
+    from unbroken import detect_eval_real
+    from unbroken.sim import cli as sim_cli
     sim_cli.add_parser(sub)
+    detect_eval_real.add_parser(sub)
 
 
 def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
@@ -79,6 +78,9 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         case "sim":
             from unbroken.sim import cli as sim_cli
             return sim_cli.run(args)
+        case "detect-eval":
+            from unbroken import detect_eval_real
+            return detect_eval_real.run(args)
     raise ConfigError(f"unknown command {args.command!r}")
 
 
