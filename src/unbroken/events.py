@@ -23,6 +23,22 @@ runs alike. Kinds and their fields:
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step
   run_end        ok, steps_committed, seconds
+  worker_error   replica, error                       (an exception in a trainer: the run fails)
+  woke           replica, step, phase                 (a stopped process continued; it will fence)
+  verdict        step, replica, old, new, speed, score (fail-slow detector: healthy/suspect/slow)
+  regime         step, device_class, factor, moved, replicas   (every cost moved: predictor rescaled)
+  restart        generation, reason, source           (whole-job restart; source memory|disk|scratch)
+  restored       replica, source, step, seconds, param_digest  (digest of the state just loaded)
+  restore_failed replica, source, step, error         (that source was refused; the next is tried)
+  rebuilt        nodes, step, parity                  (a lost node's shards rebuilt from parity)
+  rebuild_failed nodes, error
+  snapshot_skipped replica, share, step               (both slots busy: training is never stalled)
+Simulated runs (sim/) add:
+  steps          an aggregate of many committed steps: from_step, to_step, tokens, total_tokens, ...
+  rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
+  slow           replica, factor, until, kind         (a fail-slow episode starts or ends)
+  quotas         step, weights                         (speed-weighted quotas changed)
+  restart        seconds, reason, members             (simulated downtime of a restart)
 """
 from __future__ import annotations
 
