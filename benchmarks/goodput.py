@@ -189,6 +189,7 @@ def main() -> None:
     every = None
     order = [(m, rnd) for rnd in range(args.rounds) for m in (MODES if rnd % 2 == 0 else MODES[::-1])]
     walls: dict[str, list[float]] = {m: [] for m in MODES}
+    step_s = 0.0  # set by the first live run, which always precedes restart-disk in round 0
     for mode, rnd in order:  # live, memory, disk, disk, memory, live, ...: load drift hits all modes alike
         extra: dict = dict(snap)
         if mode == "restart-disk" and every is not None:

@@ -76,17 +76,6 @@ def run_unbroken(cfg, out: Path, warmup: int) -> tuple[list[float], dict[str, li
     return [r["t"] for r in committed], parts
 
 
-def retry(run, console: Console, attempts: int = 2):
-    """run(attempt) again once if it fails: other jobs on this shared machine sometimes kill our processes."""
-    for attempt in range(attempts):
-        try:
-            return run(attempt)
-        except Exception as e:  # noqa: BLE001 - reported, then retried or re-raised
-            if attempt == attempts - 1:
-                raise
-            console.print(f"[yellow]run failed ({type(e).__name__}: {str(e)[:120]}); running it again[/]")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,10 +105,10 @@ def main() -> None:
     parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": []}
     tmp = tempfile.mkdtemp(prefix="overhead-")  # removed on success; kept to read when a run fails
 
-    def measure(name: str, rnd: int, attempt: int) -> list[float]:
+    def measure(name: str, rnd: int) -> list[float]:
         if name == "ddp":
             return _ddp_baseline.spawn(make_config(**base), free_port())
-        out = Path(tmp) / f"{name.replace(' --', '-').replace('=', '-')}-{rnd}-{attempt}"
+        out = Path(tmp) / f"{name.replace(' --', '-').replace('=', '-')}-{rnd}"
         # equal quotas: M/R microbatches per replica every step, the split DDP has
         cfg = make_config(**base, exact=name.endswith("exact"), out=str(out),
                           quotas="speed" if name.endswith("speed") else "equal")
@@ -132,7 +121,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in ["unbroken", "ddp"] + extras[rnd:rnd + 1]:
             with console.status(f"round {rnd + 1}/{args.rounds}: {name}"):
-                times = retry(lambda attempt: measure(name, rnd, attempt), console)
+                times = measure(name, rnd)
             got = intervals(times, args.warmup)
             samples[name].extend(got)
             per_run[name].append(statistics.median(got))

@@ -73,17 +73,6 @@ def trial(phase: str, replica: int, args: argparse.Namespace, out: Path) -> Tria
                  dead["t"] - fault["t"], recovered["step"])
 
 
-def retry(run, console: Console, attempts: int = 2):
-    """run(attempt) again once if it fails: other jobs on this shared machine sometimes kill our processes."""
-    for attempt in range(attempts):
-        try:
-            return run(attempt)
-        except Exception as e:  # noqa: BLE001 - reported, then retried or re-raised
-            if attempt == attempts - 1:
-                raise
-            console.print(f"[yellow]trial failed ({type(e).__name__}: {str(e)[:300]}); running it again[/]")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="trials with a kill in the allreduce phase")
@@ -106,7 +95,7 @@ def main() -> None:
     for k, (phase, n) in enumerate(plan):
         replica = 1 + n % (args.replicas - 1)  # rotate the victim; never the same process twice in a row
         with console.status(f"trial {k + 1}/{len(plan)}: kill replica {replica} in {phase}"):
-            tr = retry(lambda attempt: trial(phase, replica, args, Path(tmp) / f"{phase}-{n}-{attempt}"), console)
+            tr = trial(phase, replica, args, Path(tmp) / f"{phase}-{n}")
         trials.append(tr)
         console.print(f"trial {k + 1}: {phase:>9} replica {replica}: recovery {1e3 * tr.recovery_s:.0f} ms, "
                       f"step {1e3 * tr.step_s:.0f} ms, ratio {tr.ratio:.2f}")

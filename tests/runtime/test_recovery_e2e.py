@@ -65,10 +65,11 @@ def test_two_of_four_lost_at_different_steps(reference, tmp_path):
 
 
 def test_hang_is_detected_and_the_zombie_fenced(reference, tmp_path):
-    # replica 2 stops mid-all-reduce for 4 s; heartbeats stop, it is declared dead after 2 s, the
+    # replica 2 stops mid-all-reduce for 3 s; heartbeats stop, it is declared dead after 2 s, the
     # survivors blocked inside gloo are freed by the epoch change; when it wakes it must leave.
-    # A slow replica 0 (a sleep, not a trajectory change) keeps the run going until the zombie wakes.
-    r, out = run_with(tmp_path, "hang:replica=2,step=3,phase=allreduce,for=4; slow:replica=0,from=4,factor=8")
+    # A slow replica 0 (a sleep, not a trajectory change) keeps the 8 remaining steps going for
+    # several seconds, so the zombie wakes while the run is still on.
+    r, out = run_with(tmp_path, "hang:replica=2,step=3,phase=allreduce,for=3; slow:replica=0,from=3,factor=30")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=1)
     dead = [e for e in events if e["event"] == "member_dead"]

@@ -14,7 +14,6 @@ Pure: no clock, no I/O, no numpy; a refit costs O(window), a prediction O(1).
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass

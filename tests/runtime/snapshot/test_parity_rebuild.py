@@ -21,7 +21,7 @@ from unbroken.runtime.snapshot import errors
 from unbroken.runtime.snapshot.client import SnapshotClient
 from unbroken.runtime.snapshot.control import Keys, Topology, request_rebuild
 from unbroken.runtime.snapshot.erasure import gloo_group
-from unbroken.runtime.snapshot.shm import State, data_path
+from unbroken.runtime.snapshot.shm import data_path
 
 pytestmark = pytest.mark.timeout(60)
 

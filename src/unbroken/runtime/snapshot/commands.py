@@ -122,7 +122,7 @@ def _rebuild(a: SnapshotAgent, i: int, lost: list[int], step: int | None) -> int
         a.store.set(a.keys.cmd(i, "manifest"), json.dumps(a.find(a.parity[0], step).doc()))
     _ready(a, i, members, err)
     manifest = json.loads(a.store.get(a.keys.cmd(i, "manifest")))
-    c, P = manifest["c"], a.topo.ranks_per_node
+    c = manifest["c"]
     pg = gloo_group(a.store, a.keys.cmd(i, "pg"), j, plan.size, a.timeout_s)
     failures = []
     for layer, rank in enumerate(a.ranks):

@@ -115,7 +115,7 @@ def rebuild(pg: dist.ProcessGroup, me: Member, lost: list[int], data_out: torch.
             tag0: int, progress: Callable[[int], None] | None = None) -> None:
     """Collective over the group: lost members get back their shard (into data_out, k*c bytes)
     and parity area; survivors serve their blocks. len(lost) <= m (checked by the caller)."""
-    plan, c = me.plan, me.c
+    plan = me.plan
     lost = sorted(lost)
     for s in range(plan.size):
         if plan.m == 1:
