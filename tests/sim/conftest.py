@@ -14,7 +14,7 @@ def small_tree(**over: object) -> dict:
                      "sync_seconds": 0.2, "duration_hours": 24.0},
         "costs": {"detect_seconds": 5.0, "reform_seconds": 1.0, "restart_seconds": 60.0, "reload_seconds": 30.0,
                   "checkpoint_seconds": 5.0, "snapshot_seconds": 0.02, "memory_restore_seconds": 5.0,
-                  "rejoin_seconds": 20.0, "replace_seconds": 3600.0, "slow_detect_steps": 3},
+                  "rejoin_seconds": 20.0, "replace_seconds": 3600.0},
         "cause": [
             {"name": "gpu", "scope": "gpu", "count": 10, "over_gpus": 24, "over_hours": 24.0},
             {"name": "node", "scope": "node", "count": 3, "over_gpus": 24, "over_hours": 24.0},

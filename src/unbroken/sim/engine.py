@@ -1,12 +1,14 @@
 """The discrete-event loop: a heap of timed events on a virtual clock.
 
-Owns: ordering (time, then insertion order, so ties break the same way every run) and the clock.
-Does not own: what an event means (a handler does) or randomness (cluster.py draws the fault trace from
-its own seeded source before the loop starts, so the loop itself is deterministic).
+Owns: ordering (time, then insertion order, so ties break the same way every run), the clock, and `rng`,
+the run's seeded source for what a strategy draws during the loop (timing noise fed to the detector): it
+is seeded from the run's seed, so the same seed gives the same log. Does not own: what an event means (a
+handler does) or the fault trace (cluster.py draws it from its own seeded source before the loop starts).
 """
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +16,9 @@ Handler = Callable[[float, Any], None]
 
 
 class Engine:
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.now = 0.0  # virtual clock, s
+        self.rng = random.Random(f"engine:{seed}")  # a stream of its own, not the fault trace's
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._handlers: dict[str, Handler] = {}

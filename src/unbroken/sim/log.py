@@ -5,7 +5,7 @@ and the sha256 of everything written, so "same seed, same log" is one comparison
 what happens (strategies/) or reading logs back (`unbroken.events.read_events` reads these files).
 
 "t" is the virtual clock in seconds since the run started. Besides the kinds of events.py (run_start, step,
-fault, member_dead, epoch, recovery, run_end) the simulator writes:
+fault, member_dead, epoch, recovery, verdict, regime, run_end) the simulator writes:
   steps     first, count, microbatches (per step), replicas, epoch, tokens, total_tokens, gpu_hours, t
             (a run of consecutive committed steps with the same batch, instead of one `step` record each;
             `t` is when the last of them committed; written at every aggregate tick and every change)

@@ -44,7 +44,7 @@ def simulate(scenario: Scenario, strategy: str, seed: int = 0, out: str | Path |
     log = SimLog(path, keep=keep)
     try:
         run = STRATEGIES[strategy](scenario, draw_faults(scenario, seed), log, log_steps=log_steps,
-                                   aggregate_seconds=aggregate_seconds)
+                                   aggregate_seconds=aggregate_seconds, seed=seed)
         end = run.simulate()
     finally:
         log.close()

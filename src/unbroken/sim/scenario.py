@@ -58,7 +58,6 @@ class Costs:
     memory_restore_seconds: float  # restore the last in-memory snapshot after a restart, s
     rejoin_seconds: float  # a replacement replica pulls state from a live peer, s (survivors go on)
     replace_seconds: float  # failed hardware -> replacement usable; inf = never replaced, s
-    slow_detect_steps: int = 3  # steps before a fail-slow replica's speed is known to the detector
 
 
 @dataclass(frozen=True)

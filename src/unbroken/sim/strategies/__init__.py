@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from unbroken.sim.strategies.base import Run
+from unbroken.sim.strategies.detect import LiveDetect
 from unbroken.sim.strategies.drop import DropReplica
-from unbroken.sim.strategies.live import Live, LiveDetect
+from unbroken.sim.strategies.live import Live
 from unbroken.sim.strategies.restart import CheckpointRestart, InMemoryRestart
 
 STRATEGIES: dict[str, type[Run]] = {cls.name: cls for cls in

@@ -36,13 +36,13 @@ class Run:
     snapshot = 0.0  # s blocked per step for an in-memory snapshot
 
     def __init__(self, scenario: Scenario, faults: tuple[Fault, ...], log: SimLog, *, log_steps: bool = False,
-                 aggregate_seconds: float = 3600.0):
+                 aggregate_seconds: float = 3600.0, seed: int = 0):
         self.sc, self.faults, self.log, self.log_steps = scenario, faults, log, log_steps
         c, w = scenario.cluster, scenario.workload
         self.M, self.R, self.N, self.tpm = w.microbatches, c.dp, c.gpus, w.tokens_per_microbatch
         self.horizon, self.aggregate = w.duration_hours * 3600.0, aggregate_seconds
         self.costs = scenario.costs
-        self.engine = Engine()
+        self.engine = Engine(seed)
         self.full_quotas = workload.quotas(self.M, range(self.R))
         self.t_full = max(self.full_quotas.values()) * w.microbatch_seconds + w.sync_seconds
         self.step = self.tokens = self.epoch = 0
@@ -67,7 +67,7 @@ class Run:
     def simulate(self) -> dict[str, Any]:
         """Run to the horizon; returns the run_end record. Call once."""
         e = self.engine
-        for kind in ("fault", "back", "resume", "replan", "tick", "slow_end", "reweight"):
+        for kind in ("fault", "back", "resume", "replan", "tick", "slow_end", "detect"):
             e.on(kind, getattr(self, "_on_" + kind))
         self.log.emit("run_start", 0.0, strategy=self.name, scenario=self.sc.name, replicas=self.R, gpus=self.N,
                       steps=None, microbatches=self.M, tokens_per_microbatch=self.tpm, exact=False,
@@ -162,8 +162,8 @@ class Run:
             self.log.emit("slow", t, replica=r, factor=1.0, until=round(t, 6), kind=f.cause)
         self.on_slow(t)
 
-    def _on_reweight(self, t: float, _: Any) -> None:
-        pass
+    def _on_detect(self, t: float, _: Any) -> None:
+        pass  # strategies with a fail-slow detector observe committed steps here
 
     def start(self, t: float) -> None:
         """Begin a failure-free stretch at t on every available replica (or stay idle if none is)."""

@@ -10,8 +10,7 @@ must match the redistribution; above that, the first survivor that takes work is
 A software failure restarts every process from the per-step in-memory snapshot (the snapshot agents
 outlive the trainers). Does not own: shared bookkeeping (base.py), the policy functions themselves.
 
-`LiveDetect` adds the fail-slow detector: a slow group's speed becomes known `slow_detect_steps` steps
-after it changes, and quotas then follow `workload.quotas` with weights = known speeds.
+`LiveDetect` (detect.py) adds the fail-slow detector of `unbroken.policy.detection`.
 """
 from __future__ import annotations
 
@@ -133,22 +132,3 @@ class Live(Run):
         else:
             self.replan(t, self.costs.reform_seconds, "rejoin")
 
-
-class LiveDetect(Live):
-    name = "unbroken_detect"
-
-    def describe(self) -> dict[str, Any]:
-        return {"slow_detect_steps": self.costs.slow_detect_steps}
-
-    def on_slow(self, t: float) -> None:
-        super().on_slow(t)
-        step_time = self.seg.step_time if self.seg is not None else self.t_full
-        self.engine.at(t + self.costs.slow_detect_steps * step_time, "reweight")
-
-    def _on_reweight(self, t: float, _: Any) -> None:
-        speeds = {r: 1.0 / self.slowdown(r) for r in range(self.R)}
-        weights = None if all(s == 1.0 for s in speeds.values()) else speeds
-        if weights != self.weights:
-            self.weights = weights
-            self.log.emit("quotas", t, step=self.step, weights={str(r): s for r, s in speeds.items() if s != 1.0})
-            self.replan(t)

@@ -1,0 +1,149 @@
+"""unbroken's live recovery with the real fail-slow detector (`unbroken.policy.detection.Detector`).
+
+Owns: turning the simulated run into what the coordinator's detector sees (per-microbatch timings of
+committed steps), feeding it, logging its `verdict` / `regime` changes with the coordinator's fields, and
+taking the next quotas from `workload.quotas` with weights = `detector.speeds()`. Nothing else tells this
+strategy that a replica is slow: slowness reaches it only as longer simulated times. Does not own: the
+detection logic (policy/detection.py, policy/predictor.py) or in-step recovery (live.py).
+
+Simulated timings: each microbatch of replica r costs the scenario's `microbatch_seconds` times r's
+slowdown factor when its stretch of steps began, times multiplicative noise uniform in +-TIMING_NOISE
+drawn from the engine's seeded RNG (same seed, same log). Every microbatch holds `tokens_per_microbatch` tokens
+as one sequence (sumsq = tokens^2); the scenario gives no document lengths, so the predictor's fit is
+constant across microbatches and only the noise varies.
+
+Approximation (cost; stated in the run_start record): the detector is called only in windows of
+`tail_steps` committed steps opened by every change it could see: a fail-slow episode beginning or ending,
+a replaced replica rejoining into a slot still slowed. That is long enough for a verdict to settle
+(Suspect, Slow, back to Healthy after `recover_steps` calm steps), for a speed estimate over
+`speed_window` steps and for a CUSUM to drain.
+Outside the windows the last speeds stay in force: within an episode the simulated speeds are constant, so
+further calls would only add noise (and cost: at Llama 3 scale every step of every episode is tens of
+thousands of calls, each refitting the predictor). Each call observes the slowed replicas, those whose verdict is not
+Healthy, and the HEALTHY_SAMPLE lowest-numbered other members (deterministic), not the whole fleet. Steps
+redone by in-step recovery are not observed.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from unbroken.policy import workload
+from unbroken.policy.detection import Detector, RegimeChange, Verdict, VerdictChange
+from unbroken.policy.predictor import MicrobatchTiming
+from unbroken.sim.cluster import Fault
+from unbroken.sim.strategies.live import Live
+
+TIMING_NOISE = 0.03  # chosen: +-3% multiplicative, uniform, per microbatch
+HEALTHY_SAMPLE = 64  # chosen: healthy members observed per call besides the slowed and unhealthy ones
+
+
+class LiveDetect(Live):
+    name = "unbroken_detect"
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.detector = Detector()
+        cfg = self.detector.config
+        # observed steps after an episode changes: recover_steps calm steps take Slow back to Healthy, a
+        # CUSUM at its cap drains by about `drift` a calm step; +1 for the step in flight at the change
+        self.tail_steps = cfg.recover_steps + math.ceil(2 * cfg.slow_at / cfg.drift) + 1
+        self.tail_until = 0  # observe the committed steps before this one (a window opened by a change)
+        self.armed = -1  # seg_id whose next step end has a `detect` event
+        self.plan_of = (-1, Counter(), {})  # (seg_id, microbatches per member, slowdown factors != 1)
+        w = self.sc.workload
+        self.features = (w.tokens_per_microbatch, float(w.tokens_per_microbatch) ** 2)
+
+    def describe(self) -> dict[str, Any]:
+        return {"detector": "unbroken.policy.detection.Detector", "timing_noise": TIMING_NOISE,
+                "detector_sample": HEALTHY_SAMPLE, "detector_tail_steps": self.tail_steps,
+                "detector_approximation": f"detector called only on the {self.tail_steps} steps after a "
+                "fail-slow episode starts or ends or a replaced replica rejoins a slowed slot, last speeds kept "
+                f"in between; each call observes the slowed and non-Healthy members plus the {HEALTHY_SAMPLE} "
+                "lowest-numbered other members; steps redone by in-step recovery are not observed"}
+
+    # ---- when to observe ------------------------------------------------------------------------
+    def open_window(self, t: float) -> None:
+        """Observe the next `tail_steps` committed steps."""
+        if self.seg is not None:
+            self.flush(t)  # so that self.step is the step in flight
+        self.tail_until = self.step + self.tail_steps
+
+    def on_slow(self, t: float) -> None:
+        self.open_window(t)
+        super().on_slow(t)
+
+    def active(self) -> bool:
+        return self.seg is not None and self.step < self.tail_until
+
+    def arm(self) -> None:
+        """Schedule `detect` at the end of the stretch's next step, once per stretch at a time."""
+        seg = self.seg
+        if seg is not None and self.armed != self.seg_id and self.active():
+            if self.plan_of[0] != self.seg_id:  # first call of a stretch is from `start`: its plan is current
+                factors = {r: self.slowdown(r) for r in seg.members if self.slowdown(r) != 1.0}
+                counts = Counter(workload.assign(self.M, seg.members, self.weights))
+                self.plan_of = (self.seg_id, counts, factors)
+            self.armed = self.seg_id
+            self.engine.at(self.seg.end_time(self.seg_done + 1), "detect", self.seg_id)
+
+    def start(self, t: float) -> None:
+        super().start(t)
+        self.arm()
+
+    def mark_out(self, t: float, f: Fault, back_after: float) -> list[int]:
+        for r in f.replicas:
+            self.detector.forget(r)  # declared dead: a replacement starts with a fresh record
+        return super().mark_out(t, f, back_after)
+
+    def on_back(self, t: float, replica: int) -> None:
+        if self.slowdown(replica) != 1.0:  # a fresh replica on a slot still in a fail-slow episode
+            self.open_window(t)
+        if self.weights and self.weights.get(replica, 1.0) != 1.0:
+            self.weights = self._weights({r: s for r, s in self.weights.items() if r != replica})
+        super().on_back(t, replica)
+
+    # ---- observing one committed step -------------------------------------------------------------
+    def _on_detect(self, t: float, seg_id: int) -> None:
+        if seg_id != self.seg_id or self.seg is None:
+            return  # the stretch was rebuilt; its start armed the next observation
+        self.armed = -1
+        self.flush(t)
+        seg = self.seg
+        _, counts, factors = self.plan_of
+        verdicts = self.detector.verdicts()
+        focus = [r for r in seg.members if r in factors or verdicts.get(r, Verdict.HEALTHY) is not Verdict.HEALTHY]
+        keep = set(focus)
+        healthy = [r for r in seg.members if r not in keep][:HEALTHY_SAMPLE]
+        rnd, mb, (tokens, sumsq) = self.engine.rng.random, self.sc.workload.microbatch_seconds, self.features
+        timings = {}
+        for r in sorted(keep.union(healthy)):
+            base = mb * factors.get(r, 1.0)
+            timings[r] = [MicrobatchTiming(tokens, sumsq, base * (1.0 + TIMING_NOISE * (2.0 * rnd() - 1.0)))
+                          for _ in range(counts[r])]
+        step = self.step - 1
+        self.detector.observe(step, timings)
+        for c in self.detector.take_events():
+            if isinstance(c, VerdictChange):
+                self.log.emit("verdict", t, step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
+                              speed=round(c.speed, 4), score=round(c.score, 4))
+            elif isinstance(c, RegimeChange):
+                self.log.emit("regime", t, step=c.step, device_class=c.device_class, factor=round(c.factor, 4),
+                              moved=c.moved, replicas=c.replicas)
+        self.arm()  # before any replan, so the next step is observed on this stretch's plan
+        self.apply(t, self._weights(self.detector.speeds()))
+
+    def _weights(self, speeds: dict[int, float]) -> dict[int, float] | None:
+        """Quota weights over the whole fleet: unmeasured or Healthy replicas count 1.0; None if all are."""
+        w = {r: speeds.get(r, 1.0) for r in range(self.R)}
+        return None if all(s == 1.0 for s in w.values()) else w
+
+    def apply(self, t: float, weights: dict[int, float] | None) -> None:
+        """Take new speeds; the stretch is rebuilt (next step boundary) only when the quotas change."""
+        old, self.weights = self.weights, weights
+        members = self.seg.members
+        if workload.quotas(self.M, members, weights) != workload.quotas(self.M, members, old):
+            self.log.emit("quotas", t, step=self.step,
+                          weights={str(r): round(s, 4) for r, s in (weights or {}).items() if s != 1.0})
+            self.replan(t)

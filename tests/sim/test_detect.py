@@ -1,0 +1,41 @@
+"""unbroken_detect learns of slowness only through the real detector: verdicts, then quotas from its speeds."""
+from __future__ import annotations
+
+import pytest
+
+from unbroken.sim.runner import simulate
+from unbroken.sim.scenario import load
+
+
+@pytest.mark.timeout(30)
+def test_detector_verdicts_drive_quotas():
+    sc = load("scenarios/resihp_256_failslow.toml")
+    recs = simulate(sc, "unbroken_detect", seed=0, keep=True).records
+    start = next(r for r in recs if r["event"] == "run_start")
+    assert "detector_approximation" in start and start["detector_sample"] > 0
+    slows = [r for r in recs if r["event"] == "slow" and r["factor"] > 1]
+    verdicts = [r for r in recs if r["event"] == "verdict"]
+    quotas = [r for r in recs if r["event"] == "quotas"]
+    assert len(slows) == len(sc.trace)
+    for r in verdicts:
+        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score"}
+    for onset in slows:
+        after = [v for v in verdicts if v["replica"] == onset["replica"] and v["t"] >= onset["t"]]
+        # healthy -> suspect -> slow within a few steps, then back to healthy after the episode
+        assert [(v["old"], v["new"]) for v in after[:3]] == [("healthy", "suspect"), ("suspect", "slow"),
+                                                           ("slow", "healthy")]
+        confirmed, recovered = after[1], after[2]
+        assert confirmed["t"] - onset["t"] < 10 * start["step_seconds"] * onset["factor"]
+        assert recovered["t"] >= onset["until"]
+        # the estimate comes from noisy timings: near 1/factor, not equal to it
+        assert confirmed["speed"] == pytest.approx(1 / onset["factor"], rel=0.1)
+        q = next(q for q in quotas if q["t"] >= confirmed["t"])
+        assert q["weights"] == {str(onset["replica"]): confirmed["speed"]}
+    assert quotas[-1]["weights"] == {}  # every replica healthy again: equal quotas
+
+
+@pytest.mark.timeout(30)
+def test_no_slowness_no_detector_calls():
+    sc = load("scenarios/resihp_256_failstop.toml")
+    recs = simulate(sc, "unbroken_detect", seed=0, keep=True).records
+    assert not [r for r in recs if r["event"] in ("verdict", "quotas")]
