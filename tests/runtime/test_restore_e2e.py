@@ -108,3 +108,12 @@ def test_bad_snapshot_config_is_one_line(tmp_path):
     r = unbroken("train", "--replicas", "4", "--faults", "corrupt:replica=1,step=2", "--out", str(tmp_path / "y"))
     assert r.returncode == 2 and "needs in-memory snapshots" in r.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_failure_before_any_snapshot_starts_over_exactly(reference, tmp_path):
+    """Nothing to restore yet: the restarted job starts from step 0 exactly as a fresh run would
+    (no optimizer state left over from preparing a restore)."""
+    out, events = run(tmp_path, "kill:replica=1,step=0,phase=compute", "--run.recovery=restart-memory",
+                      "--snapshot.enabled=true")
+    on_trajectory(reference, out)
+    assert len(restored(events, "scratch")) == 4

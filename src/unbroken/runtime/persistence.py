@@ -87,6 +87,8 @@ class Persistence:
                 return self._restored("memory", step, t0)
         step = self._latest_checkpoint()
         if step is None:
+            # from step 0 exactly as a fresh run: materialize() gave the optimizer a step of state
+            self.optimizer.state.clear()
             self.log.emit("restored", replica=self.me, source="scratch", step=-1, seconds=0.0)
             return 0
         self.ckpt.load(tensors, step=step)

@@ -160,7 +160,9 @@ class SnapshotClient:
             live = [b for b in (0, 1) if st[b][0] in (State.COPIED, State.COMMITTED)]
             newest = max(live, key=lambda b: st[b][1]) if live else 1
             b = 1 - newest
-            if st[b][0] != State.COPIED and self._released(st[b]):
+            # Overwrite the older slot only once the newer one's parity is complete: then at every
+            # moment one held step can be rebuilt, even if a node dies in the middle of encoding.
+            if st[b][0] != State.COPIED and (not live or self._released(st[newest])):
                 return slots[b]
             if not wait:
                 return None
@@ -169,8 +171,8 @@ class SnapshotClient:
             time.sleep(0.002)
 
     def _released(self, st: tuple[int, int]) -> bool:
-        # A committed step may still be read by a queued parity command; the agent announces
-        # pdone = last step it encoded. Steps that never completed on all ranks get no parity.
+        # True once the step in this slot has its parity (the agent announces pdone = last step it
+        # encoded), or will never get any (not committed by every rank, or no parity in this run).
         state, step = st
         if state != State.COMMITTED or self._topology().parity == "none" or step <= self._pdone:
             return True
