@@ -168,3 +168,30 @@ def test_speeds_are_quota_weights_in_range(seed: int, factors: list[float]) -> N
             assert det.verdicts()[r] is Verdict.SLOW
             assert sp[r] == pytest.approx(max(1 / f, det.config.min_speed), rel=0.1)
     assert math.fsum(quotas(32, list(range(8)), sp).values()) == 32
+
+
+def test_second_episode_speed_is_not_mixed_with_the_first():
+    """A replica that recovers and slows down again at once gets the new episode's speed alone."""
+    from unbroken.policy.detection import Detector, Verdict
+    from unbroken.policy.predictor import MicrobatchTiming
+
+    det = Detector()
+
+    def step(s, slow_factor):
+        timings = {r: [MicrobatchTiming(256, 256 * 64, 0.01 * (slow_factor if r == 0 else 1.0))] * 4
+                   for r in range(4)}
+        det.observe(s, timings)
+
+    s = 0
+    for _ in range(20):
+        step(s, 1.0); s += 1
+    for _ in range(8):
+        step(s, 1.5); s += 1
+    assert det.verdicts()[0] is Verdict.SLOW
+    for _ in range(3):
+        step(s, 1.0); s += 1
+    assert det.verdicts()[0] is Verdict.HEALTHY
+    for _ in range(8):
+        step(s, 4.0); s += 1
+    assert det.verdicts()[0] is Verdict.SLOW
+    assert abs(det.speeds()[0] - 0.25) < 0.03

@@ -148,7 +148,8 @@ class Detector:
         if old is Verdict.SLOW:
             t.calm = t.calm + 1 if x < cfg.recover_below else 0
             if t.calm >= cfg.recover_steps:
-                t.verdict, t.cusum, t.calm = Verdict.HEALTHY, 0.0, 0
+                # the episode is over: a later one must not average in its steps (run counts anew)
+                t.verdict, t.cusum, t.calm, t.run = Verdict.HEALTHY, 0.0, 0, 0
         elif t.cusum >= cfg.slow_at:
             t.verdict, t.calm = Verdict.SLOW, 0
         elif t.cusum >= cfg.suspect_at:
