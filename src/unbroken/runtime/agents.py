@@ -40,8 +40,10 @@ class AgentSet:
                 self.procs[n] = p
 
     def _start(self, node: int) -> subprocess.Popen:
+        # 15 s per collective among agents (a shard moves in well under 1 s here): an encode that a
+        # dead node left hanging must not hold the rebuild of that very node for a minute
         spec = AgentSpec(store=self.address, run_id=self.run_id, node=node, topology=self.topology,
-                         shm_dir=node_dir(self.cfg, node))
+                         shm_dir=node_dir(self.cfg, node), timeout_s=15.0)
         return start_agent(spec, log=self.logs / f"agent{node}.log")
 
     def lose(self, node: int) -> None:
