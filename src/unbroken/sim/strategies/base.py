@@ -113,7 +113,9 @@ class Run:
 
     # ---- hooks for strategies ---------------------------------------------------------------------
     def interrupt(self, t: float, f: Fault) -> None:
-        raise NotImplementedError
+        """What this strategy does when fault `f` hits at virtual time `t`: every strategy defines it
+        (restart.py, drop.py, live.py; detect.py inherits live.py's); the base has no recovery of its own."""
+        raise NotImplementedError(f"{type(self).__name__} defines no reaction to faults")
 
     def plan(self, members: tuple[int, ...]) -> tuple[float, int]:
         """(compute + sync seconds of one step, microbatches per step) on `members`, constant batch."""
