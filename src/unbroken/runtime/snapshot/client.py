@@ -161,7 +161,11 @@ class SnapshotClient:
             newest = max(live, key=lambda b: st[b][1]) if live else 1
             b = 1 - newest
             # Overwrite the older slot only once the newer one's parity is complete: then at every
-            # moment one held step can be rebuilt, even if a node dies in the middle of encoding.
+            # moment one held step can be rebuilt, even if a node dies in the middle of encoding. A
+            # newer step that some rank skipped (no whole-state digest) never gets parity: overwrite
+            # that one instead, and keep the older.
+            if len(live) == 2 and st[newest][0] == State.COMMITTED and not self._whole(st[newest][1]):
+                return slots[newest]
             if st[b][0] != State.COPIED and (not live or self._released(st[newest])):
                 return slots[b]
             if not wait:
@@ -169,6 +173,10 @@ class SnapshotClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"snapshot agent of node {self.node} is two snapshots behind")
             time.sleep(0.002)
+
+    def _whole(self, step: int) -> bool:
+        """Every rank committed `step` (the last to commit records the whole-state digest)."""
+        return self._topology().parity == "none" or self.store.check([self.keys.digest(step)])
 
     def _released(self, st: tuple[int, int]) -> bool:
         # True once the step in this slot has its parity (the agent announces pdone = last step it
