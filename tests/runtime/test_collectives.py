@@ -84,7 +84,7 @@ def wait_keys(store: TCPStore, keys: list[str], procs, timeout_s: float) -> None
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         for p in procs:
-            if p.poll() is not None and p.returncode != -signal.SIGKILL:
+            if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL):  # 0: done first
                 pytest.fail(f"member exited with {p.returncode}: {p.stderr.read()[-2000:]}")
         assert time.monotonic() < deadline, f"timed out waiting for {keys}"
         time.sleep(0.01)

@@ -55,7 +55,11 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
         raise ValueError(f"{run_dir}: no committed step in events.jsonl")
     faults = [r for r in recs if r["event"] == "fault"]
     fault_steps = {r.get("step") for r in faults}
-    clean = [r["step_time"] for r in steps if r["step"] not in fault_steps and r.get("attempts", 1) <= 1] or \
+    # The step period is the commit-to-commit interval: a step record's own step_time leaves out the
+    # work between steps (plan, digest, events), which a replay of the run's wall time must include.
+    gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
+            if b["step"] == a["step"] + 1 and b["step"] not in fault_steps]
+    clean = gaps or [r["step_time"] for r in steps if r["step"] not in fault_steps] or \
         [r["step_time"] for r in steps]
     step_time = statistics.median(clean)
     R, M = int(start["replicas"]), int(start["microbatches"])
