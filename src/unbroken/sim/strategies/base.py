@@ -12,6 +12,7 @@ that is not a fault (a slow episode, a rejoin, new quota weights) takes effect a
 """
 from __future__ import annotations
 
+import abc
 from collections import defaultdict
 from typing import Any
 
@@ -29,7 +30,7 @@ SIMPLIFICATIONS = (
 )
 
 
-class Run:
+class Run(abc.ABC):
     name = "base"
     ckpt_cost = 0.0  # s per persistent checkpoint; subclasses with checkpoints set it with ckpt_every
     ckpt_every = 0
@@ -112,10 +113,10 @@ class Run:
         self.start(t)
 
     # ---- hooks for strategies ---------------------------------------------------------------------
+    @abc.abstractmethod
     def interrupt(self, t: float, f: Fault) -> None:
         """What this strategy does when fault `f` hits at virtual time `t`: every strategy defines it
         (restart.py, drop.py, live.py; detect.py inherits live.py's); the base has no recovery of its own."""
-        raise NotImplementedError(f"{type(self).__name__} defines no reaction to faults")
 
     def plan(self, members: tuple[int, ...]) -> tuple[float, int]:
         """(compute + sync seconds of one step, microbatches per step) on `members`, constant batch."""
