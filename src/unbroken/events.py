@@ -11,7 +11,7 @@ runs alike. Kinds and their fields:
   step           step, loss, microbatches, replicas (members of the commit epoch), epoch, tokens, t,
                  param_digest (sha256 of all float32 params after the optimizer step, fixed order),
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
-  applied        step, replica, param_digest          (each member after its optimizer step)
+  applied        step, replica, state_digest          (each member after its optimizer step; XXH3-128)
   compute        step, replica, epoch, microbatch, seconds, tokens, sumsq   (one per microbatch)
   reduce         step, replica, epoch, seconds, ok, wait
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)

@@ -71,7 +71,7 @@ def audit(path: str | Path, microbatches: int) -> list[str]:
     applied: dict[int, set[str]] = {}
     for r in records:
         if r["event"] == "applied":
-            applied.setdefault(r["step"], set()).add(r["param_digest"])
+            applied.setdefault(r["step"], set()).add(r.get("state_digest") or r["param_digest"])
     for s, r in sorted(steps(records).items()):
         owned = [mb for mbs in r["owners"].values() for mb in mbs]
         if sorted(owned) != list(range(microbatches)):

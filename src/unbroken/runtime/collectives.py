@@ -7,8 +7,8 @@ Does not own: deciding membership (coordinator) or what to do after a failure (p
 Why this shape (measured, REFERENCE.md): when a peer dies mid-reduction some survivors get "connection
 closed" at once while others stay blocked inside gloo until the group's timeout, and abort()/shutdown() do
 not free a blocked all-reduce. So formation and the collective run asynchronously (formation in a daemon
-thread, which releases the GIL; the collective as async Work), the caller polls them while watching the
-store's epoch, and abandons both when the epoch moves. Abandoned groups keep their threads and sockets;
+thread, which releases the GIL; the collective as async Work), the caller waits on them while watching
+the membership epoch, and abandons both when the epoch moves. Abandoned groups keep their threads and sockets;
 we hold references so their destructors never run mid-operation; the process exits with os._exit.
 """
 from __future__ import annotations
@@ -67,37 +67,33 @@ class EpochGroup:
         self._former = threading.Thread(target=form, name=f"form-epoch-{epoch}", daemon=True)
         self._former.start()
 
-    def allreduce(self, buffer: torch.Tensor, moved: Callable[[], bool], poll_s: float = 0.0005,
-                  watch_every_s: float = 0.005, on_issued: Callable[[], None] | None = None) -> ReduceResult:
+    def allreduce(self, buffer: torch.Tensor, moved: Callable[[], bool], watch_every_s: float = 0.005,
+                  on_issued: Callable[[], None] | None = None) -> ReduceResult:
         """Sum `buffer` across the epoch's members into a copy; `buffer` itself is never written.
 
-        `moved()` is polled every `watch_every_s` (it reads the store's epoch); when it returns True the
-        pending formation or work is abandoned and EpochMoved is raised. A failed collective raises
-        CollectiveError. `on_issued` runs right after the collective is issued (fault injection hook).
+        Waits are event-driven (the former thread's end, the work's future), woken at least every
+        `watch_every_s` to ask `moved()`, which must be cheap (a local read, see EpochWatch); when it
+        returns True the pending formation or work is abandoned and EpochMoved is raised. A failed
+        collective raises CollectiveError. `on_issued` runs right after the collective is issued.
         """
         t0 = time.perf_counter()
-        last_watch = t0
         while self._pg is None:
             if self._error is not None:
                 raise CollectiveError(f"epoch {self.epoch} group did not form: {self._error}")
-            self._former.join(poll_s)
-            now = time.perf_counter()
-            if now - last_watch >= watch_every_s:
-                last_watch = now
-                if moved():
-                    raise EpochMoved(f"epoch {self.epoch} ended while its group formed")
+            self._former.join(watch_every_s)
+            if self._pg is None and self._error is None and moved():
+                raise EpochMoved(f"epoch {self.epoch} ended while its group formed")
         copy = buffer.clone()
         work = self._pg.allreduce([copy])
+        finished = threading.Event()
+        # Runs on gloo's thread when the work completes or fails; the GIL-free Event.wait below wakes.
+        work.get_future().add_done_callback(lambda _: finished.set())
         if on_issued is not None:
             on_issued()
-        while not work.is_completed():
-            time.sleep(poll_s)
-            now = time.perf_counter()
-            if now - last_watch >= watch_every_s:
-                last_watch = now
-                if moved():
-                    _ABANDONED.append((self._pg, work, copy))
-                    raise EpochMoved(f"epoch {self.epoch} ended during the all-reduce")
+        while not finished.wait(watch_every_s):
+            if moved():
+                _ABANDONED.append((self._pg, work, copy))
+                raise EpochMoved(f"epoch {self.epoch} ended during the all-reduce")
         try:
             work.wait()
         except RuntimeError as e:

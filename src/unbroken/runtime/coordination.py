@@ -7,10 +7,11 @@ Does not own: liveness verdicts and epoch changes (coordinator.py), or what a me
 Keys (all values utf-8):
   epoch                 current membership epoch (int)          written by the coordinator
   members/{e}           JSON list of member ids of epoch e       coordinator, before `epoch`
+  epoch/{e}             "1" once epoch e is complete             coordinator, after `epoch` (EpochWatch)
   dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
   hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
-  weights               JSON {replica: speed}                    coordinator's detector (quotas by speed)
+  weights               JSON {replica: speed}, {} = equal        coordinator (detector's speeds; always set)
   plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
   done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
   ndone/{s}/{e}         counter                                  member
@@ -26,9 +27,13 @@ import json
 import time
 from dataclasses import dataclass
 
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
 
 from unbroken.policy.recovery import Chain
+from unbroken.runtime.epochwatch import EpochWatch
+
+
+_MISSING = "\x00missing"
 
 
 @dataclass(frozen=True)
@@ -47,17 +52,24 @@ def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
 
 
 class Coordination:
-    """A member's view of the store. Every method is one or a few store round trips (~0.1 ms locally)."""
+    """A member's view of the store. Every method is at most a few store round trips (~0.1 ms locally).
 
-    def __init__(self, store: TCPStore, me: int):
-        self.store, self.me = store, me
+    With an `EpochWatch` (the worker always gives one) `epoch()` is a local read; member lists are
+    cached, since `members/{e}` never changes once written.
+    """
+
+    def __init__(self, store: Store, me: int, watch: EpochWatch | None = None):
+        self.store, self.me, self.watch = store, me, watch
+        self._members: dict[int, tuple[int, ...]] = {}
 
     # membership -------------------------------------------------------------------------------------
     def epoch(self) -> int:
-        return int(self.store.get("epoch"))
+        return self.watch.current if self.watch else int(self.store.get("epoch"))
 
     def members(self, epoch: int) -> tuple[int, ...]:
-        return tuple(json.loads(self.store.get(f"members/{epoch}")))
+        if epoch not in self._members:
+            self._members[epoch] = tuple(json.loads(self.store.get(f"members/{epoch}")))
+        return self._members[epoch]
 
     def chain_after(self, epoch: int) -> Chain:
         """Every epoch after `epoch` up to the current one, with its members, oldest first."""
@@ -70,9 +82,9 @@ class Coordination:
     def plan(self, step: int) -> Plan:
         """The step's plan: ours if we are first to propose it, otherwise the one already stored.
 
-        Quota weights are the detector's latest speeds (`weights`), or equal when there are none yet."""
+        Quota weights are the detector's latest speeds (`weights`; {} means equal)."""
         e = self.epoch()
-        weights = json.loads(self.store.get("weights")) if self.store.check(["weights"]) else {}
+        weights = json.loads(self.store.get("weights"))
         mine = json.dumps({"epoch": e, "members": list(self.members(e)), "weights": weights})
         won = json.loads(self.store.compare_set(f"plan/{step}", "", mine))
         return Plan(won["epoch"], tuple(won["members"]), {int(k): v for k, v in won["weights"].items()})
@@ -84,7 +96,8 @@ class Coordination:
         return self.store.add(f"ndone/{step}/{epoch}", 1)
 
     def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:
-        return {m: json.loads(self.store.get(f"done/{step}/{epoch}/{m}"))["held"] for m in members}
+        values = self.store.multi_get([f"done/{step}/{epoch}/{m}" for m in members])
+        return {m: json.loads(v)["held"] for m, v in zip(members, values)}
 
     def propose(self, step: int, epoch: int, outcome: str) -> tuple[str, int]:
         """Compare-and-set the decision of (step, epoch); returns the winning (outcome, proposer)."""
@@ -93,16 +106,17 @@ class Coordination:
         return kind, int(who)
 
     def decision(self, step: int, epoch: int) -> str | None:
-        key = f"decision/{step}/{epoch}"
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key).decode().partition(":")[0]
+        """The decided outcome of (step, epoch), or None: one round trip. A compare_set against a value
+        no decision can hold returns that value when the key is missing (and writes nothing)."""
+        value = self.store.compare_set(f"decision/{step}/{epoch}", _MISSING, _MISSING)
+        return None if value == _MISSING.encode() else value.decode().partition(":")[0]
 
     def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
         """Poll until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
 
         Returns ("decided", outcome) or ("moved", chain). Raises TimeoutError after `timeout_s`.
-        Polls every 0.2 ms at first, backing off to 5 ms, so a fast commit costs little latency.
+        The decision is polled (one store round trip), every 0.2 ms at first, backing off to 2 ms, so a
+        fast commit costs little latency; the epoch is the watch's (pushed), so a move wakes us at once.
         """
         deadline, pause = time.monotonic() + timeout_s, 0.0002
         while time.monotonic() < deadline:
@@ -112,8 +126,11 @@ class Coordination:
                     return "decided", outcome
             if self.epoch() > epoch:
                 return "moved", self.chain_after(epoch)
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.005)
+            if self.watch and not want_decision:
+                self.watch.wait_past(epoch, max(0.0, deadline - time.monotonic()))
+            else:
+                time.sleep(pause)
+            pause = min(pause * 1.5, 0.002)
         raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
 
     def first_to_apply(self, step: int) -> bool:

@@ -26,7 +26,8 @@ from unbroken.runtime.slowness import SlownessMonitor
 
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
-                 progress_timeout: float, startup_timeout: float, follow_speed: bool = True):
+                 progress_timeout: float, startup_timeout: float, follow_speed: bool = True,
+                 beat_every: float = 0.05):
         self.store, self.log = store, log
         self.slowness = SlownessMonitor(store, log, follow_speed)
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
@@ -34,19 +35,29 @@ class Coordinator:
         self.membership = Membership.initial(replicas)
         self.beats: dict[int, Beat] = {}
         self.exits_seen = 0
+        self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
+        self.beat_every = beat_every
+        store.set("weights", "{}")  # equal quotas until the detector says otherwise
         store.set("members/0", json.dumps(list(self.membership.members)))
         store.set("epoch", "0")
+        store.set("epoch/0", "1")
         log.emit("epoch", epoch=0, members=list(self.membership.members))
 
     def poll(self, now: float) -> bool:
-        """One round: read beats and exits, declare the dead, publish a new epoch. False once all are gone."""
-        members = tuple(m for m in self.membership.members if not self.store.check([f"finished/{m}"]))
-        if not members:
-            return True  # every remaining member finished its last step
-        for m in members:
-            self._read_beat(m, now)
-        verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
-                         self.startup_timeout)
+        """One round: read exits (and beats every `beat_every` s), declare the dead, publish a new epoch.
+
+        Returns False once every member is gone. Call every few ms: a round without beats is two store
+        round trips (exits reported by the launcher are the fast path to a verdict; beats are seconds)."""
+        verdicts: dict[int, str] = {}
+        members = self.membership.members
+        if now >= self.next_beats:
+            self.next_beats = now + self.beat_every
+            members = tuple(m for m in members if not self.store.check([f"finished/{m}"]))
+            if not members:
+                return True  # every remaining member finished its last step
+            self._read_beats(members, now)
+            verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
+                             self.startup_timeout)
         nexits = self.store.add("nexits", 0)
         if nexits != self.exits_seen:
             self.exits_seen = nexits
@@ -58,15 +69,19 @@ class Coordinator:
         self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
 
-    def _read_beat(self, m: int, now: float) -> None:
-        if not self.store.check([f"hb/{m}"]):
-            return
-        hb = json.loads(self.store.get(f"hb/{m}"))
-        old = self.beats.get(m)
-        where = (hb["step"], hb["phase"], hb["mb"])
-        if old is None or old.seq != hb["seq"]:
-            moved = old is None or (old.step, old.phase, old.microbatch) != where
-            self.beats[m] = Beat(hb["seq"], *where, seen_at=now, progress_at=now if moved else old.progress_at)
+    def _read_beats(self, members: tuple[int, ...], now: float) -> None:
+        # Members that beat before: one multi_get; the rest (start-up) one check each.
+        known = [m for m in members if m in self.beats]
+        fresh = [m for m in members if m not in self.beats and self.store.check([f"hb/{m}"])]
+        values = self.store.multi_get([f"hb/{m}" for m in known + fresh]) if known or fresh else []
+        for m, value in zip(known + fresh, values):
+            hb = json.loads(value)
+            old = self.beats.get(m)
+            where = (hb["step"], hb["phase"], hb["mb"])
+            if old is None or old.seq != hb["seq"]:
+                moved = old is None or (old.step, old.phase, old.microbatch) != where
+                self.beats[m] = Beat(hb["seq"], *where, seen_at=now,
+                                     progress_at=now if moved else old.progress_at)
 
     def _remove(self, verdicts: dict[int, str]) -> None:
         new = self.membership.without(verdicts)
@@ -77,6 +92,7 @@ class Coordinator:
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
         self.store.set("epoch", str(new.epoch))
+        self.store.set(f"epoch/{new.epoch}", "1")  # last: wakes members' EpochWatch
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members))
         self.membership = new
 
@@ -109,16 +125,19 @@ def main(argv: list[str] | None = None) -> int:
         return Coordinator(PrefixStore(f"g{generation}/", store), a.replicas, log, a.heartbeat_timeout,
                            a.progress_timeout, a.startup_timeout, follow_speed=a.quotas == "speed")
 
-    generation, coord, alive = 0, fresh(0), True
-    while not store.check(["shutdown"]):
-        if store.check(["generation"]) and int(store.get("generation")) != generation:
-            generation = int(store.get("generation"))
-            coord, alive = fresh(generation), True
+    generation, coord, alive, rounds = 0, fresh(0), True, 0
+    while True:
+        rounds += 1
+        if rounds % 5 == 0:  # shutdown and restarts are rare: every fifth round is soon enough
+            if store.check(["shutdown"]):
+                return 0
+            if store.check(["generation"]) and int(store.get("generation")) != generation:
+                generation = int(store.get("generation"))
+                coord, alive = fresh(generation), True
         if alive and not coord.poll(time.monotonic()):
             coord.fail()
             alive = False
         time.sleep(a.poll)
-    return 0
 
 
 if __name__ == "__main__":

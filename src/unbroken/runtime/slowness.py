@@ -26,9 +26,8 @@ class SlownessMonitor:
         self.next_step = 0
 
     def poll(self, epoch: int) -> None:
-        if not self.store.check(["last_commit"]):
-            return
-        last = int(self.store.get("last_commit"))
+        value = self.store.compare_set("last_commit", "-1", "-1")  # one round trip; "-1" when missing
+        last = int(value)
         while self.next_step <= last:
             timings = self._timings(self.next_step, epoch)
             if timings:
@@ -47,8 +46,8 @@ class SlownessMonitor:
             key = f"decision/{step}/{e}"
             if self.store.check([key]) and self.store.get(key).decode().startswith("commit"):
                 members = json.loads(self.store.get(f"members/{e}"))
-                done = {m: json.loads(self.store.get(f"done/{step}/{e}/{m}")) for m in members}
-                return {m: [MicrobatchTiming(*t) for t in d["timings"]] for m, d in done.items()}
+                done = self.store.multi_get([f"done/{step}/{e}/{m}" for m in members])
+                return {m: [MicrobatchTiming(*t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
         return {}
 
     def _log(self, changes: list[VerdictChange | RegimeChange]) -> None:

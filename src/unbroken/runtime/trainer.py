@@ -16,6 +16,7 @@ A step, read top to bottom (`train_step`):
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from unbroken.policy.workload import loss_weight
 from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
 from unbroken.runtime.coordination import Coordination
 from unbroken.runtime.faults import Injector
-from unbroken.runtime.gradients import Accumulator, param_digest, unique_parameters
+from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
 
 
@@ -65,12 +66,14 @@ class Trainer:
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
+        self.recorder: threading.Thread | None = None
 
     def fit(self, first_step: int = 0) -> None:
         """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
         self.model.train()
         for step in range(first_step, self.cfg.run.steps):
             self.train_step(step)
+        self.record_done()
 
     def train_step(self, step: int) -> rec.StepState:
         self.step_started = time.time()
@@ -167,19 +170,29 @@ class Trainer:
         loss = self.acc.load_grads(self.reduced)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
+        self.record_done()  # the last step record's hash must have read the parameters first
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        digest = param_digest(self.params)
-        self.log.emit("applied", step=step, replica=self.me, epoch=epoch, param_digest=digest)
+        self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
-        if self.coord.first_to_apply(step):
+        if self.coord.first_to_apply(step):  # one member writes the step record
             members = self.coord.members(epoch)
-            owners = self.coord.held(step, epoch, members)
-            self.log.emit("step", step=step, loss=loss, microbatches=self.cfg.run.microbatches,
-                          replicas=len(members), members=list(members), epoch=epoch, tokens=self.step_tokens,
-                          param_digest=digest, owners={str(m): v for m, v in owners.items()},
-                          step_time=round(time.time() - self.step_started, 6))
+            record = dict(step=step, loss=loss, microbatches=self.cfg.run.microbatches, replicas=len(members),
+                          members=list(members), epoch=epoch, tokens=self.step_tokens,
+                          owners={str(m): v for m, v in self.coord.held(step, epoch, members).items()},
+                          step_time=round(time.time() - self.step_started, 6), t=time.time())
+            # The sha256 (~2 ms for 1M parameters) runs beside the next step's compute instead of
+            # holding every peer at the next all-reduce; hashlib releases the GIL while it hashes.
+            self.recorder = threading.Thread(target=lambda: self.log.emit(
+                "step", **record, param_digest=param_digest(self.params)), name="step-record")
+            self.recorder.start()
+
+    def record_done(self) -> None:
+        """Wait for the step record in flight, if any: before parameters change, and before leaving."""
+        if self.recorder is not None:
+            self.recorder.join()
+            self.recorder = None
 
     def fence(self, step: int, reason: str) -> None:
         self.log.emit("fenced", replica=self.me, step=step, reason=reason)

@@ -26,6 +26,7 @@ from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.coordination import Coordination, connect
+from unbroken.runtime.epochwatch import EpochWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.heartbeat import Heartbeat
 from unbroken.runtime.persistence import Persistence
@@ -62,7 +63,8 @@ def run(factories: Factories) -> int:
     run_id = os.environ.get("UNBROKEN_RUN_ID", "run-local")
     log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
     raw = connect(address)
-    coord = Coordination(PrefixStore(f"g{generation}/", raw), me)
+    watch = EpochWatch(PrefixStore(f"g{generation}/", connect(address)))  # its own client: a thread of its own
+    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch)
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
                           on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")
     heartbeat.start()
