@@ -79,12 +79,13 @@ class Coordination:
         return self.store.check([f"dead/{self.me}"])
 
     # the step ---------------------------------------------------------------------------------------
-    def plan(self, step: int) -> Plan:
+    def plan(self, step: int, weights: dict[int, float] | None = None) -> Plan:
         """The step's plan: ours if we are first to propose it, otherwise the one already stored.
 
-        Quota weights are the detector's latest speeds (`weights`; {} means equal)."""
+        Quota weights: `weights` if given (a recent read of the detector's speeds), else read now from
+        `weights` ({} means equal). Either way all members follow the single plan that won."""
         e = self.epoch()
-        weights = json.loads(self.store.get("weights"))
+        weights = json.loads(self.store.get("weights")) if weights is None else weights
         mine = json.dumps({"epoch": e, "members": list(self.members(e)), "weights": weights})
         won = json.loads(self.store.compare_set(f"plan/{step}", "", mine))
         return Plan(won["epoch"], tuple(won["members"]), {int(k): v for k, v in won["weights"].items()})

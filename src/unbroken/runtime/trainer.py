@@ -16,7 +16,6 @@ A step, read top to bottom (`train_step`):
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from unbroken.runtime.coordination import Coordination
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
+from unbroken.runtime.records import StepRecords
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Factories:
 
 class Trainer:
     def __init__(self, cfg: Config, me: int, coord: Coordination, factories: Factories, log: EventLog,
-                 heartbeat: Heartbeat, injector: Injector, persistence: Callable | None = None):
+                 heartbeat: Heartbeat, injector: Injector, records: Coordination,
+                 persistence: Callable | None = None):
         self.cfg, self.me, self.coord, self.log = cfg, me, coord, log
         self.hb, self.faults = heartbeat, injector
         torch.set_num_threads(cfg.run.threads)  # the same on every replica: kernels sum in the same order
@@ -66,18 +67,18 @@ class Trainer:
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
-        self.recorder: threading.Thread | None = None
+        self.records = StepRecords(records, log, lambda: param_digest(self.params))
 
     def fit(self, first_step: int = 0) -> None:
         """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
         self.model.train()
         for step in range(first_step, self.cfg.run.steps):
             self.train_step(step)
-        self.record_done()
+        self.records.wait()
 
     def train_step(self, step: int) -> rec.StepState:
         self.step_started = time.time()
-        plan = self.coord.plan(step)
+        plan = self.coord.plan(step, self.records.weights)
         self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
         self.acc.zero()
         self.timings: dict[int, tuple[int, int, float]] = {}  # microbatch -> (tokens, sumsq, seconds)
@@ -170,29 +171,17 @@ class Trainer:
         loss = self.acc.load_grads(self.reduced)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
-        self.record_done()  # the last step record's hash must have read the parameters first
+        self.records.wait()  # the last step record's hash must have read the parameters first
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
-        if self.coord.first_to_apply(step):  # one member writes the step record
-            members = self.coord.members(epoch)
-            record = dict(step=step, loss=loss, microbatches=self.cfg.run.microbatches, replicas=len(members),
-                          members=list(members), epoch=epoch, tokens=self.step_tokens,
-                          owners={str(m): v for m, v in self.coord.held(step, epoch, members).items()},
-                          step_time=round(time.time() - self.step_started, 6), t=time.time())
-            # The sha256 (~2 ms for 1M parameters) runs beside the next step's compute instead of
-            # holding every peer at the next all-reduce; hashlib releases the GIL while it hashes.
-            self.recorder = threading.Thread(target=lambda: self.log.emit(
-                "step", **record, param_digest=param_digest(self.params)), name="step-record")
-            self.recorder.start()
-
-    def record_done(self) -> None:
-        """Wait for the step record in flight, if any: before parameters change, and before leaving."""
-        if self.recorder is not None:
-            self.recorder.join()
-            self.recorder = None
+        # Claiming and writing the step record (sha256 included) and refreshing the quota weights run
+        # beside the next step's compute (records.py), off the path every peer waits on.
+        self.records.submit(step, epoch, self.coord.members(epoch), dict(
+            step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=self.step_tokens,
+            step_time=round(time.time() - self.step_started, 6)))
 
     def fence(self, step: int, reason: str) -> None:
         self.log.emit("fenced", replica=self.me, step=step, reason=reason)
