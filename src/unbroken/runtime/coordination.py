@@ -23,8 +23,10 @@ Keys (all values utf-8):
 """
 from __future__ import annotations
 
+import datetime
 import json
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from torch.distributed import Store, TCPStore
@@ -46,7 +48,6 @@ class Plan:
 def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
     """A client of the coordinator's store at `host:port`. One per thread: clients are not thread-safe."""
     host, _, port = address.rpartition(":")
-    import datetime
     return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                     use_libuv=True)
 
@@ -79,16 +80,22 @@ class Coordination:
         return self.store.check([f"dead/{self.me}"])
 
     # the step ---------------------------------------------------------------------------------------
-    def plan(self, step: int, weights: dict[int, float] | None = None) -> Plan:
-        """The step's plan: ours if we are first to propose it, otherwise the one already stored.
-
-        Quota weights: `weights` if given (a recent read of the detector's speeds), else read now from
-        `weights` ({} means equal). Either way all members follow the single plan that won."""
+    def proposal(self, weights: dict[int, float]) -> Plan:
+        """The plan this member would propose now: the current epoch, its members, `weights` (the
+        detector's speeds as last read; {} means equal). No round trip unless the epoch is new."""
         e = self.epoch()
-        weights = json.loads(self.store.get("weights")) if weights is None else weights
-        mine = json.dumps({"epoch": e, "members": list(self.members(e)), "weights": weights})
-        won = json.loads(self.store.compare_set(f"plan/{step}", "", mine))
+        return Plan(e, self.members(e), dict(weights))
+
+    def agree_plan(self, step: int, mine: Plan) -> Plan:
+        """Compare-and-set `mine` as the plan of `step`; returns the plan that won, ours or the stored one."""
+        value = json.dumps({"epoch": mine.epoch, "members": list(mine.members), "weights": mine.weights})
+        won = json.loads(self.store.compare_set(f"plan/{step}", "", value))
         return Plan(won["epoch"], tuple(won["members"]), {int(k): v for k, v in won["weights"].items()})
+
+    def plan(self, step: int) -> Plan:
+        """The step's plan in two round trips (weights read now): for callers without a sidecar."""
+        weights = {int(k): v for k, v in json.loads(self.store.get("weights")).items()}
+        return self.agree_plan(step, self.proposal(weights))
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> int:
         """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so."""
@@ -112,14 +119,28 @@ class Coordination:
         value = self.store.compare_set(f"decision/{step}/{epoch}", _MISSING, _MISSING)
         return None if value == _MISSING.encode() else value.decode().partition(":")[0]
 
-    def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
-        """Poll until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
+    def await_decision(self, step: int, epoch: int, timeout: datetime.timedelta) -> str:
+        """Block (in the store, no polling) until (step, epoch) is decided; returns the outcome."""
+        key = f"decision/{step}/{epoch}"
+        self.store.wait([key], timeout)
+        return self.store.get(key).decode().partition(":")[0]
 
-        Returns ("decided", outcome) or ("moved", chain). Raises TimeoutError after `timeout_s`.
-        The decision is polled (one store round trip), every 0.2 ms at first, backing off to 2 ms, so a
-        fast commit costs little latency; the epoch is the watch's (pushed), so a move wakes us at once.
+    def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float,
+                 decided: Future | None = None) -> tuple[str, object]:
+        """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
+
+        Returns ("decided", outcome) or ("moved", chain); a decision wins when both hold. Raises
+        TimeoutError after `timeout_s`. With the watch and `decided` (a sidecar's `decision` future)
+        both wake-ups are pushed; otherwise the decision is polled (one round trip), every 0.2 ms at
+        first, backing off to 2 ms.
         """
         deadline, pause = time.monotonic() + timeout_s, 0.0002
+        if want_decision and decided is not None and self.watch is not None:
+            decided.add_done_callback(lambda _: self.watch.poke())
+            self.watch.wait_until(lambda: decided.done() or self.watch.current > epoch, timeout_s)
+            if decided.done() and decided.exception() is None:
+                return "decided", decided.result()
+            # moved, timed out, or the sidecar's wait failed: the polling below settles it
         while time.monotonic() < deadline:
             if want_decision:
                 outcome = self.decision(step, epoch)
@@ -128,7 +149,7 @@ class Coordination:
             if self.epoch() > epoch:
                 return "moved", self.chain_after(epoch)
             if self.watch and not want_decision:
-                self.watch.wait_past(epoch, max(0.0, deadline - time.monotonic()))
+                self.watch.wait_until(lambda: self.watch.current > epoch, max(0.0, deadline - time.monotonic()))
             else:
                 time.sleep(pause)
             pause = min(pause * 1.5, 0.002)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Callable
 
 from torch.distributed import DistStoreError, Store
 
@@ -33,10 +34,15 @@ class EpochWatch:
         self._thread = threading.Thread(target=self._run, name="epoch-watch", daemon=True)
         self._thread.start()
 
-    def wait_past(self, epoch: int, timeout_s: float) -> bool:
-        """Block until the epoch is past `epoch` or `timeout_s` passes; True if it moved."""
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until `ready()` (checked on every epoch change and every `poke`) or `timeout_s`."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.current > epoch, timeout_s)
+            return self._cond.wait_for(ready, timeout_s)
+
+    def poke(self) -> None:
+        """Wake `wait_until` callers to re-check their condition (any thread may call it)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def stop(self) -> None:
         self._stop.set()

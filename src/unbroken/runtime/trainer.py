@@ -19,6 +19,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +31,11 @@ from unbroken.model.data import mix
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.coordination import Coordination
+from unbroken.runtime.coordination import Coordination, Plan
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
-from unbroken.runtime.records import StepRecords
+from unbroken.runtime.sidecar import Sidecar
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Factories:
 
 class Trainer:
     def __init__(self, cfg: Config, me: int, coord: Coordination, factories: Factories, log: EventLog,
-                 heartbeat: Heartbeat, injector: Injector, records: Coordination,
+                 heartbeat: Heartbeat, injector: Injector, sidecar: Coordination,
                  persistence: Callable | None = None):
         self.cfg, self.me, self.coord, self.log = cfg, me, coord, log
         self.hb, self.faults = heartbeat, injector
@@ -67,25 +68,42 @@ class Trainer:
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
-        self.records = StepRecords(records, log, lambda: param_digest(self.params))
+        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params), self.wait_s)
 
     def fit(self, first_step: int = 0) -> None:
         """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
         self.model.train()
         for step in range(first_step, self.cfg.run.steps):
             self.train_step(step)
-        self.records.wait()
+        self.sidecar.wait_records()
 
     def train_step(self, step: int) -> rec.StepState:
         self.step_started = time.time()
-        plan = self.coord.plan(step, self.records.weights)
         self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
+        # Compute under our own proposal while the sidecar compare-and-sets it; nothing leaves this
+        # process (reduce, publish) before the plan that won is known. If another plan won (the epoch
+        # or the weights changed at the step's start), the work is dropped and the step starts over.
+        plan = self.coord.proposal(self.sidecar.weights)
+        agreed = self.sidecar.plan(step, plan)
+        while True:
+            state = self.run_plan(step, plan, agreed)
+            if state is not None:
+                return state
+            self.log.emit("replan", step=step, replica=self.me, proposed=plan.epoch, agreed=agreed.result().epoch)
+            plan = agreed.result()
+
+    def run_plan(self, step: int, plan: Plan, agreed: Future) -> rec.StepState | None:
+        """Run the step's state machine from `plan`; None if `plan` turns out not to be the agreed one."""
         self.acc.zero()
         self.timings: dict[int, tuple[int, int, float]] = {}  # microbatch -> (tokens, sumsq, seconds)
         state, actions = rec.start(step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches, plan.weights)
-        queue = deque(actions)
+        queue, checked = deque(actions), False
         while queue:
             action = queue.popleft()
+            if not checked and not isinstance(action, rec.Compute):
+                if agreed.result() != plan:
+                    return None
+                checked = True
             event = self.execute(action)
             if event is None:
                 continue
@@ -114,7 +132,9 @@ class Trainer:
                     self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
                 return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
-                kind, value = self.coord.wait_for(step, epoch, isinstance(action, rec.AwaitDecision), self.wait_s)
+                want = isinstance(action, rec.AwaitDecision)
+                kind, value = self.coord.wait_for(step, epoch, want, self.wait_s,
+                                                  self.sidecar.decision(step, epoch) if want else None)
                 if kind == "decided":
                     return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
                 return rec.EpochChanged(value)
@@ -171,15 +191,15 @@ class Trainer:
         loss = self.acc.load_grads(self.reduced)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
-        self.records.wait()  # the last step record's hash must have read the parameters first
+        self.sidecar.wait_records()  # the last step record's hash must have read the parameters first
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
         # Claiming and writing the step record (sha256 included) and refreshing the quota weights run
-        # beside the next step's compute (records.py), off the path every peer waits on.
-        self.records.submit(step, epoch, self.coord.members(epoch), dict(
+        # beside the next step's compute (sidecar.py), off the path every peer waits on.
+        self.sidecar.record(step, epoch, self.coord.members(epoch), dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=self.step_tokens,
             step_time=round(time.time() - self.step_started, 6)))
 

@@ -74,9 +74,9 @@ def run(factories: Factories) -> int:
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
             persist = lambda model, opt: Persistence(cfg, me, raw, run_id, run_dir, model, opt, log)  # noqa: E731
-        # the step-records thread's own client, as the heartbeat's and the epoch watch's
-        records = Coordination(PrefixStore(f"g{generation}/", connect(address)), me, watch)
-        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, records, persist)
+        # the sidecar thread's own client, as the heartbeat's and the epoch watch's
+        sidecar = Coordination(PrefixStore(f"g{generation}/", connect(address)), me, watch)
+        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, sidecar, persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
         trainer.fit(first)
         if trainer.persist:
