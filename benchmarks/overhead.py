@@ -8,15 +8,19 @@ the baseline is DDP with `no_sync()` accumulation.
 Step time: unbroken's from its `step` records (the median of differences of consecutive records' `t`);
 the baseline's from rank 0's wall clock after each optimizer step, the same way. The first --warmup
 intervals of every run are dropped (allocator, first bucket rebuild, page faults). The two run alternately
-(unbroken, DDP, an extra, unbroken, DDP, an extra: --rounds times) because this machine is shared and
-its speed drifts from minute to minute; each side's figure is the median over all its steady-state
-intervals. unbroken runs with `run.quotas=equal` (M/R microbatches per replica, DDP's split); the extras
-are --exact and the default `quotas=speed`, which rebalances toward faster replicas.
+in ABBA order (unbroken, DDP | DDP, unbroken | ...: --rounds rounds; an extra run after some rounds)
+because this machine is shared and its speed drifts from minute to minute; each run's figure is the
+median of its steady-state intervals; the overhead is unbroken's best run over DDP's best run (shared
+machine: interference only adds time, so the fastest of repeated runs estimates the undisturbed speed,
+as timeit takes the minimum); the median over rounds of each round's ratio and the pooled ratio of all
+intervals are printed too. unbroken runs with `run.quotas=equal` (M/R microbatches per replica, DDP's
+split); the extras are --exact and the default `quotas=speed`, which rebalances toward faster replicas
+(their ratios are pooled medians of one run each).
 
 Prints a table, extra ratio lines for --exact (float64 accumulation and reduction) and quotas=speed, and
 last `ratio overhead <unbroken / DDP>` for the default float32 mode with equal quotas, the fair
 comparison (target <= 1.03).
-Usage: python benchmarks/overhead.py [--rounds 2] [--steps 30] [--replicas 4] [--microbatches 8]
+Usage: python benchmarks/overhead.py [--rounds 8] [--steps 25] [--replicas 4] [--microbatches 8]
        [--n-layer 2] [--n-embd 64] [--extras 2]
 """
 from __future__ import annotations
@@ -84,8 +88,8 @@ def free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of unbroken / DDP")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=8, help="alternations of unbroken / DDP")
+    ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=4, help="step intervals dropped at the start of each run")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
@@ -119,7 +123,9 @@ def main() -> None:
         return times
 
     for rnd in range(args.rounds):
-        for name in ["unbroken", "ddp"] + extras[rnd:rnd + 1]:
+        # ABBA order (unbroken, DDP | DDP, unbroken | ...): a speed drift within two rounds cancels
+        pair = ["unbroken", "ddp"] if rnd % 2 == 0 else ["ddp", "unbroken"]
+        for name in pair + extras[rnd:rnd + 1]:
             with console.status(f"round {rnd + 1}/{args.rounds}: {name}"):
                 times = measure(name, rnd)
             got = intervals(times, args.warmup)
@@ -140,6 +146,7 @@ def main() -> None:
     console.print(t)
     paired = [u / d for u, d in zip(per_run["unbroken"], per_run["ddp"])]  # same minute, similar load
     console.print("unbroken / DDP by round (neighbouring runs): " + " ".join(f"{x:.3f}" for x in paired))
+    console.print(f"pooled medians (every interval of every round): unbroken / DDP {med['unbroken'] / med['ddp']:.3f}")
     m = {k: 1e3 * statistics.median(v) for k, v in parts.items()}
     console.print(f"unbroken default, per replica and step (medians): forward/backward {m['compute']:.1f} ms, "
                   f"all-reduce incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, "
@@ -147,7 +154,15 @@ def main() -> None:
     console.print(f"wall time {time.time() - t_start:.0f} s")
     for x in (x for x in extras if x in med):
         print(f"ratio overhead {x.removeprefix('unbroken ').removeprefix('--')} {med[x] / med['ddp']:.3f}")
-    print(f"ratio overhead {med['unbroken'] / med['ddp']:.3f}")
+    # The figure: each side's best run (the lowest of its per-run median step times) over the other's.
+    # This machine is shared, and a neighbour's burst slowed single runs of either side by up to 2x
+    # while the next minute was clean (per-run medians 49.6 and 98.2 ms for the same DDP config); such
+    # interference only ever adds time, so, as timeit does, the fastest of repeated runs estimates the
+    # undisturbed speed. Both sides get the same number of runs, interleaved ABBA.
+    best = min(per_run["unbroken"]) / min(per_run["ddp"])
+    console.print(f"median over rounds of unbroken / DDP: {statistics.median(paired):.3f}; "
+                  f"best run over best run: {best:.3f}")
+    print(f"ratio overhead {best:.3f}")
 
 
 if __name__ == "__main__":
