@@ -3,7 +3,10 @@
 Owns: running both quota policies alternately through unbroken's own launcher on real processes, picking
 each run's steady state from its event log, and the ideal it is measured against. Does not own: detection
 (the coordinator's detector decides the speeds from measured times; it never sees the fault spec) or the
-slowness injection (runtime/faults.py: a sleep of (factor-1) x the measured compute after each microbatch).
+slowness injection (runtime/faults.py: (factor-1) x the measured compute after each microbatch, here with
+how=spin: the CPU is burnt meanwhile, so on 2 cores shared by 4 replicas the slow one keeps its share of
+the CPU and is `factor` times slower at it, as a throttled GPU beside healthy ones; a sleeping replica
+would hand its core to the others and show ~2.4x for factor 2, see README).
 
 Setup: R replicas (default 4), replica R-1 slowed `--factor` (2x) from step 0, fixed-length sequences (so
 every microbatch holds the same work and "one healthy microbatch's time" is well defined), a model big
@@ -15,15 +18,15 @@ Ideal: ideal step time = M x t_h / S, where t_h is the median compute time of on
 microbatch and S = (R-1) + 1/factor is the sum of the replicas' speeds. t_h comes from the `compute` events
 of the speed-quota runs' steady state in this very run of the script (the figure being judged is measured
 under the same CPU contention). Step time = the median interval between consecutive committed `step`
-records over steady-state steps: those from two steps after the slow replica was declared Slow (its
-speed is published after a commit and taken by the next step's plan) or from --warmup, whichever is later.
-The detector runs in both modes (equal quotas only ignore its speeds), so both use the same rule.
+records over steady-state steps: from the first step whose quotas then stay the same to the end of the
+run (the detector's estimate has converged), not before --warmup. The detector runs in both modes (equal
+quotas only ignore its speeds), so both use the same rule.
 
 Last line: `ratio of_ideal VALUE` = ideal step time / measured median step time of the speed-quota runs
 (target >= 0.95). The equal-quota figure is printed just above it, measured against the same ideal.
 Approximate by nature: 2 shared CPU cores run R trainer processes and a coordinator, so t_h includes
 contention, and other users' load drifts between runs (hence the alternation and medians).
-Usage: python benchmarks/slow_replica.py [--rounds 2] [--steps 18] [--microbatches 28] [--factor 2]
+Usage: python benchmarks/slow_replica.py [--rounds 2] [--steps 30] [--microbatches 28] [--factor 2]
 """
 from __future__ import annotations
 
@@ -49,12 +52,21 @@ def integral_quotas_match(m: int, speeds: list[float]) -> list[int] | None:
 
 
 def steady(records: list[dict], slow: int, warmup: int) -> tuple[list[int], int | None]:
-    """Steady-state steps of one run (first kept step onward), and the step the slow replica became Slow."""
+    """Steady-state steps of one run (first kept step onward), and the step the slow replica became Slow.
+
+    Steady: from the first step whose quotas stay as they are to the end of the run (the policy has
+    converged; the step after a change is left out too, its interval began under the old quotas), and
+    never before `warmup`."""
     declared = next((r["step"] for r in records if r["event"] == "verdict" and r["replica"] == slow
                      and r["new"] == "slow"), None)
-    start = max(warmup, declared + 2 if declared is not None else warmup)
-    steps = sorted(r["step"] for r in records if r["event"] == "step")
-    return [s for s in steps if s >= start], declared
+    steps = {r["step"]: r for r in records if r["event"] == "step"}
+    order = sorted(steps)
+    quotas = {s: sorted((int(k), len(v)) for k, v in steps[s]["owners"].items()) for s in order}
+    settled = order[0] if order else 0
+    for a, b in zip(order, order[1:]):
+        if quotas[a] != quotas[b]:
+            settled = b + 1
+    return [s for s in order if s >= max(warmup, settled)], declared
 
 
 def measure(records: list[dict], keep: list[int], slow: int) -> dict[str, object]:
@@ -75,7 +87,7 @@ def measure(records: list[dict], keep: list[int], slow: int) -> dict[str, object
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="alternations of speed / equal quotas")
-    ap.add_argument("--steps", type=int, default=18)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=4, help="first step counted in steady state, at the earliest")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=28)
@@ -97,7 +109,7 @@ def main() -> None:
         console.print(f"M = {args.microbatches}: quotas cannot match speeds {speeds} exactly; "
                       f"rounding costs some of the ideal (M = 28 matches 4 replicas at 2x)")
     base = dict(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
-                faults=f"slow:replica={slow},from=0,factor={args.factor:g}",
+                faults=f"slow:replica={slow},from=0,factor={args.factor:g},how=spin",
                 model__n_layer=args.n_layer, model__n_embd=args.n_embd, model__block_size=args.seq_len,
                 data__batch_size=args.batch_size, data__seq_len=str(args.seq_len))
     pooled: dict[str, dict[str, list]] = {q: {"intervals": [], "healthy": [], "slow": []}

@@ -26,6 +26,7 @@ def test_defaults_and_whitespace():
     assert k == Fault("kill", replica=0, step=3, phase="compute")  # phase defaults to compute
     (s,) = parse("slow:replica=1,factor=3", 2, 5)
     assert (s.start, s.stop) == (0, None) and s.slows(1, 4)  # slowed from step 0 to the end
+    assert s.how == "sleep" and parse("slow:replica=1,factor=3,how=spin", 2, 5)[0].how == "spin"
 
 
 def test_bounds_are_the_runs_size():
@@ -49,6 +50,7 @@ def test_bounds_are_the_runs_size():
     ("kill:replica=1,step=1,phase=backward", "'backward'"),
     ("slow:replica=1,factor=0.5", "factor=0.5"),
     ("slow:replica=1,factor=fast", "'fast'"),
+    ("slow:replica=1,factor=2,how=nap", "'nap'"),
     ("hang:replica=1,step=1,for=-2", "for=-2"),
     ("kill:replica=1,step=1; kill:replica=9,step=1", "replica=9"),
 ])
@@ -72,8 +74,9 @@ _kill = st.builds(lambda r, s, p: Fault("kill", replica=r, step=s, phase=p),
 _hang = st.builds(lambda r, s, p, t: Fault("hang", replica=r, step=s, phase=p, seconds=t),
                   st.integers(0, R - 1), st.integers(0, S - 1), st.sampled_from(PHASES),
                   st.floats(0.0, 1e4, allow_nan=False))
-_slow = st.builds(lambda r, f, a, b: Fault("slow", replica=r, factor=f, start=a, stop=b),
-                  st.integers(0, R - 1), _num, st.integers(0, S - 1), st.none() | st.integers(0, S))
+_slow = st.builds(lambda r, f, a, b, h: Fault("slow", replica=r, factor=f, start=a, stop=b, how=h),
+                  st.integers(0, R - 1), _num, st.integers(0, S - 1), st.none() | st.integers(0, S),
+                  st.sampled_from(["sleep", "spin"]))
 
 
 @settings(max_examples=80, deadline=None)

@@ -4,7 +4,8 @@
     FAULT  := KIND ":" KEY "=" VALUE ("," KEY "=" VALUE)*
     kill:replica=1,step=10,phase=allreduce      SIGKILL the replica's process at that point
     hang:replica=2,step=14,phase=compute,for=8  SIGSTOP it there, SIGCONT after `for` seconds
-    slow:replica=0,from=5,factor=2[,to=9]       stretch each microbatch's compute by `factor`
+    slow:replica=0,from=5,factor=2[,to=9][,how=spin]   stretch each microbatch's compute by `factor`
+                                                (how=sleep, the default, or spin: burn the CPU meanwhile)
     node:node=1,step=12                         lose node 1 (its snapshot agent, its memory, its trainers)
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
@@ -35,6 +36,7 @@ class Fault:
     start: int = 0  # slow: first slowed step
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
     node: int | None = None
+    how: str = "sleep"  # slow: how the stretch passes, "sleep" or "spin" (see README)
 
     def slows(self, replica: int, step: int) -> bool:
         return (self.kind == "slow" and self.replica == replica and step >= self.start
@@ -45,7 +47,7 @@ class Fault:
 _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "kill": ({"replica", "step"}, {"phase"}),
     "hang": ({"replica", "step", "for"}, {"phase"}),
-    "slow": ({"replica", "factor"}, {"from", "to"}),
+    "slow": ({"replica", "factor"}, {"from", "to", "how"}),
     "node": ({"node", "step"}, set()),
     "crash-all": ({"step"}, set()),
     "corrupt": ({"replica", "step"}, set()),
@@ -130,6 +132,10 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int) 
         f["start"] = _int(kv, "from", part, 0, steps)
     if "to" in kv:
         f["stop"] = _int(kv, "to", part, 0, steps + 1)
+    if "how" in kv:
+        if kv["how"] not in ("sleep", "spin"):
+            raise FaultSpecError(f"how={kv['how']!r} is neither sleep nor spin in {part!r}")
+        f["how"] = kv["how"]
     return Fault(**f)
 
 
@@ -144,7 +150,8 @@ def canonical(faults: tuple[Fault, ...]) -> str:
         kv = [("replica", f.replica), ("node", f.node), ("step", f.step), ("phase", f.phase),
               ("for", f.seconds if f.kind == "hang" or f.seconds else None),
               ("factor", f.factor if slow or f.factor != 1.0 else None),
-              ("from", f.start if slow or f.start else None), ("to", f.stop)]
+              ("from", f.start if slow or f.start else None), ("to", f.stop),
+              ("how", f.how if f.how != "sleep" else None)]
         parts.append(f"{f.kind}:" + ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in kv if v is not None))
     return "; ".join(parts)

@@ -118,3 +118,26 @@ def test_unexpected_event_is_rejected():
     state, _ = rec.start(0, me=0, epoch=0, members=[0, 1], num_microbatches=4)
     with pytest.raises(ValueError):
         rec.on_event(state, rec.Reduced(epoch=5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 30), st.dictionaries(st.integers(0, 5), st.floats(0.1, 2.0)),
+       st.dictionaries(st.integers(0, 5), st.floats(0.1, 2.0)))
+def test_adopting_another_plan_keeps_work_only_when_it_stays_ours(replicas, m, mine, agreed):
+    members = list(range(replicas))
+    state, actions = rec.start(4, me=0, epoch=2, members=members, num_microbatches=m, weights=mine)
+    if actions and isinstance(actions[0], rec.Compute):
+        state, _ = rec.on_event(state, rec.Computed(actions[0].microbatches))
+    adopted = rec.adopt(state, 2, members, agreed)
+    fresh, _ = rec.start(4, me=0, epoch=2, members=members, num_microbatches=m, weights=agreed)
+    if adopted is None:
+        assert fresh.owners != state.owners
+    else:  # the same assignment as a fresh start under the agreed plan, the work done kept
+        assert adopted.owners == fresh.owners and adopted.weights == fresh.weights
+        assert adopted.held == state.held
+
+
+def test_adopting_a_plan_of_another_epoch_redoes_the_step():
+    state, _ = rec.start(4, me=0, epoch=2, members=[0, 1, 2], num_microbatches=6)
+    assert rec.adopt(state, 3, [0, 1], None) is None
+    assert rec.adopt(state, 2, [0, 1, 2], {}) == state

@@ -158,6 +158,23 @@ def start(step: int, me: int, epoch: int, members: Sequence[int], num_microbatch
     return _work(state)
 
 
+def adopt(state: StepState, epoch: int, members: Sequence[int],
+          weights: Mapping[int, float] | None = None) -> StepState | None:
+    """`state` under another plan of its step, if the work it holds stays valid there; else None.
+
+    For a member that began computing under its own proposal and then learned that another plan won:
+    with the same epoch and members and the same assignment of microbatches (weights that differ a
+    little rarely move an integral quota), the work done counts and the step goes on with the agreed
+    weights; otherwise the caller must start the step over from the agreed plan. Call before the
+    first Reduce, never after a retry."""
+    if state.attempt or state.history or epoch != state.epoch or tuple(sorted(members)) != state.members:
+        return None
+    w = tuple(sorted((weights or {}).items()))
+    if workload.assign(len(state.owners), state.members, dict(w)) != state.owners:
+        return None
+    return replace(state, weights=w)
+
+
 def on_event(state: StepState, event: Event) -> tuple[StepState, tuple[Action, ...]]:
     """Advance one replica's step by one observed event. Pure; raises ValueError on an impossible event."""
     if state.phase.terminal:

@@ -47,9 +47,21 @@ class Injector:
                 self.log.emit("woke", replica=self.me, step=step, phase=phase)
 
     def stretch(self, step: int, compute_s: float) -> float:
-        """After a microbatch's compute: sleep to emulate a slow device. Returns the seconds added."""
-        factor = max((f.factor for f in self.slow if f.slows(self.me, step)), default=1.0)
-        extra = compute_s * (factor - 1.0)
-        if extra > 0:
+        """After a microbatch's compute: let (factor-1) x its time pass, to emulate a slow device.
+
+        how=sleep frees the CPU meanwhile; how=spin burns it, so that on a machine with fewer cores
+        than replicas the slow replica keeps its share of the CPU and its peers see the same contention
+        as beside a healthy one (a sleeping replica hands its core to them, see README). Returns the
+        seconds added."""
+        slowing = [f for f in self.slow if f.slows(self.me, step)]
+        if not slowing:
+            return 0.0
+        worst = max(slowing, key=lambda f: f.factor)
+        extra = compute_s * (worst.factor - 1.0)
+        if worst.how == "spin":
+            end = time.perf_counter() + extra
+            while time.perf_counter() < end:
+                pass
+        elif extra > 0:
             time.sleep(extra)
         return extra

@@ -24,6 +24,7 @@ class SlownessMonitor:
         self.store, self.log, self.follow_speed = store, log, follow_speed
         self.detector = Detector()
         self.next_step = 0
+        self.published: dict[int, float] = {}  # the weights last written ({} = equal)
 
     def poll(self, epoch: int) -> None:
         value = self.store.compare_set("last_commit", "-1", "-1")  # one round trip; "-1" when missing
@@ -33,8 +34,12 @@ class SlownessMonitor:
             if timings:
                 self.detector.observe(self.next_step, timings)
                 self._log(self.detector.take_events())
-                if self.follow_speed:
-                    self.store.set("weights", json.dumps(self.detector.speeds()))
+                # Two decimals, written only on change: members cache the weights for their plan
+                # proposals, and a proposal that differs from the agreed plan can cost a redo.
+                speeds = {r: round(v, 2) for r, v in self.detector.speeds().items()}
+                if self.follow_speed and speeds != self.published:
+                    self.store.set("weights", json.dumps(speeds))
+                    self.published = speeds
             self.next_step += 1
 
     def forget(self, replica: int) -> None:

@@ -82,7 +82,8 @@ class Trainer:
         self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
         # Compute under our own proposal while the sidecar compare-and-sets it; nothing leaves this
         # process (reduce, publish) before the plan that won is known. If another plan won (the epoch
-        # or the weights changed at the step's start), the work is dropped and the step starts over.
+        # or the weights changed at the step's start) and it assigns us other microbatches, the work
+        # is dropped and the step starts over under it (a `replan` event).
         plan = self.coord.proposal(self.sidecar.weights)
         agreed = self.sidecar.plan(step, plan)
         while True:
@@ -101,9 +102,11 @@ class Trainer:
         while queue:
             action = queue.popleft()
             if not checked and not isinstance(action, rec.Compute):
-                if agreed.result() != plan:
-                    return None
-                checked = True
+                won, checked = agreed.result(), True
+                if won != plan:  # another member's proposal won: keep our work if it is still ours
+                    state = rec.adopt(state, won.epoch, won.members, won.weights)
+                    if state is None:
+                        return None
             event = self.execute(action)
             if event is None:
                 continue
