@@ -5,13 +5,15 @@ accumulator, an all-reduce of a copy, store reads and compare-and-sets, the opti
 outcome into the next event; the per-microbatch RNG; the events of this replica. Does not own: decisions
 (policy), membership (coordinator), process start-up (worker.py, launch.py).
 
-A step, read top to bottom (`train_step`):
-  plan = the step's single plan (base epoch, members, quota weights), compare-and-set in the store
+A step, read top to bottom (`train_step`, `run_plan`):
+  plan = our proposal (epoch, members, quota weights); the sidecar compare-and-sets it meanwhile
   policy says Compute(owned microbatches)   -> forward/backward each into the accumulator
+  before anything leaves the process        -> the agreed plan: adopt it, or redo the step under it
   policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved)
   policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
   on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
-  policy says Apply                         -> load reduced grads, optimizer step, digest, events
+  policy says Apply                         -> load reduced grads, optimizer step, digest, events;
+                                               the step record is claimed and written by the sidecar
 """
 from __future__ import annotations
 
