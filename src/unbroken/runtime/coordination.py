@@ -7,7 +7,6 @@ Does not own: liveness verdicts and epoch changes (coordinator.py), or what a me
 Keys (all values utf-8):
   epoch                 current membership epoch (int)          written by the coordinator
   members/{e}           JSON list of member ids of epoch e       coordinator, before `epoch`
-  epoch/{e}             "1" once epoch e is complete             coordinator, after `epoch` (EpochWatch)
   dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
   hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
@@ -26,7 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch.distributed import Store, TCPStore
@@ -59,9 +58,18 @@ class Coordination:
     cached, since `members/{e}` never changes once written.
     """
 
-    def __init__(self, store: Store, me: int, watch: EpochWatch | None = None):
+    def __init__(self, store: Store, me: int, watch: EpochWatch | None = None,
+                 reconnect: Callable[[], Store] | None = None):
         self.store, self.me, self.watch = store, me, watch
+        self._reconnect = reconnect
         self._members: dict[int, tuple[int, ...]] = {}
+
+    def group_store(self) -> Store:
+        """A store for one epoch's collective group to rendezvous on: a client of its own when we can
+        connect again. Gloo's rendezvous blocks its client in `wait` (up to the collective timeout) for
+        peers that may be dead; on our client that held every store read of the step loop, e.g. the
+        member list of the epoch that replaced the dead, for 30 s."""
+        return self._reconnect() if self._reconnect else self.store
 
     # membership -------------------------------------------------------------------------------------
     def epoch(self) -> int:
@@ -119,28 +127,17 @@ class Coordination:
         value = self.store.compare_set(f"decision/{step}/{epoch}", _MISSING, _MISSING)
         return None if value == _MISSING.encode() else value.decode().partition(":")[0]
 
-    def await_decision(self, step: int, epoch: int, timeout: datetime.timedelta) -> str:
-        """Block (in the store, no polling) until (step, epoch) is decided; returns the outcome."""
-        key = f"decision/{step}/{epoch}"
-        self.store.wait([key], timeout)
-        return self.store.get(key).decode().partition(":")[0]
-
-    def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float,
-                 decided: Future | None = None) -> tuple[str, object]:
+    def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
         """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
 
         Returns ("decided", outcome) or ("moved", chain); a decision wins when both hold. Raises
-        TimeoutError after `timeout_s`. With the watch and `decided` (a sidecar's `decision` future)
-        both wake-ups are pushed; otherwise the decision is polled (one round trip), every 0.2 ms at
-        first, backing off to 2 ms.
+        TimeoutError after `timeout_s`. The decision is read (one round trip) every 0.2 ms at first,
+        backing off to 2 ms, so a fast commit costs little latency; with the watch, an epoch change
+        wakes the wait at once. (A blocking `store.wait` on the decision key, then a `get`, was tried on
+        a client of its own: once it yielded an empty outcome, cause not found; reads cannot.)
         """
         deadline, pause = time.monotonic() + timeout_s, 0.0002
-        if want_decision and decided is not None and self.watch is not None:
-            decided.add_done_callback(lambda _: self.watch.poke())
-            self.watch.wait_until(lambda: decided.done() or self.watch.current > epoch, timeout_s)
-            if decided.done() and decided.exception() is None:
-                return "decided", decided.result()
-            # moved, timed out, or the sidecar's wait failed: the polling below settles it
+        watch = self.watch
         while time.monotonic() < deadline:
             if want_decision:
                 outcome = self.decision(step, epoch)
@@ -148,10 +145,11 @@ class Coordination:
                     return "decided", outcome
             if self.epoch() > epoch:
                 return "moved", self.chain_after(epoch)
-            if self.watch and not want_decision:
-                self.watch.wait_until(lambda: self.watch.current > epoch, max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            if watch is not None:
+                watch.wait_until(lambda: watch.current > epoch, min(pause, left) if want_decision else left)
             else:
-                time.sleep(pause)
+                time.sleep(min(pause, left))
             pause = min(pause * 1.5, 0.002)
         raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
 

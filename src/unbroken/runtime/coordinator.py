@@ -40,7 +40,6 @@ class Coordinator:
         store.set("weights", "{}")  # equal quotas until the detector says otherwise
         store.set("members/0", json.dumps(list(self.membership.members)))
         store.set("epoch", "0")
-        store.set("epoch/0", "1")
         log.emit("epoch", epoch=0, members=list(self.membership.members))
 
     def poll(self, now: float) -> bool:
@@ -92,7 +91,6 @@ class Coordinator:
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
         self.store.set("epoch", str(new.epoch))
-        self.store.set(f"epoch/{new.epoch}", "1")  # last: wakes members' EpochWatch
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members))
         self.membership = new
 

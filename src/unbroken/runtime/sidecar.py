@@ -2,20 +2,18 @@
 
 Owns: one background thread with its own store client (clients are not thread-safe) that, for the step
 loop, (1) compare-and-sets the step's plan while the member already computes under its own proposal,
-(2) blocks on the step's decision key so a waiting member wakes when it is written instead of polling,
-(3) after each committed step claims the step record (one member writes it), and for the claimant reads
+(2) after each committed step claims the step record (one member writes it), and for the claimant reads
 the commit epoch's owners, hashes the parameters (sha256, ~2 ms for 1M of them) and writes the record,
 and refreshes the quota weights the next proposal carries.
 Does not own: what a plan or a decision means (policy.recovery, coordination.py), or the step record's
 fields (events.py).
 
 Why: on a machine whose cores the replicas share, a member that blocks on a store round trip while its
-peers compute waits a scheduler slice (~1-2 ms measured) to run again; three such waits a step and one
-member's sha256 (holding every peer at the next all-reduce) were ~5% of a small model's step.
+peers compute waits a scheduler slice (~1-2 ms measured) to run again; those waits and one member's
+sha256 (holding every peer at the next all-reduce) were ~5% of a small model's step.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from collections.abc import Callable
@@ -26,14 +24,13 @@ from unbroken.runtime.coordination import Coordination, Plan
 
 
 class Sidecar:
-    """Call `plan` at the start of a step, `decision` when awaiting one, `record` after applying, and
-    `wait_records` before the parameters change again and before leaving. Jobs run in that order, one
-    at a time. `digest()` runs on the thread and may only read the parameters.
+    """Call `plan` at the start of a step, `record` after applying, and `wait_records` before the
+    parameters change again and before leaving. Jobs run in that order, one at a time, on one thread.
+    `digest()` runs on that thread and may only read the parameters.
     """
 
-    def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str], wait_s: float):
+    def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str]):
         self.coord, self.log, self.digest = coord, log, digest
-        self.wait = datetime.timedelta(seconds=wait_s)
         self.weights: dict[int, float] = _weights(coord.store.get("weights"))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
@@ -41,11 +38,6 @@ class Sidecar:
     def plan(self, step: int, mine: Plan) -> Future:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
         return self._pool.submit(self.coord.agree_plan, step, mine)
-
-    def decision(self, step: int, epoch: int) -> Future:
-        """The future outcome of (step, epoch), from a blocking wait on its key (no polling). The key is
-        always written eventually: when the epoch moves, the member itself proposes retry for it."""
-        return self._pool.submit(self.coord.await_decision, step, epoch, self.wait)
 
     def record(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
         """Queue the bookkeeping of committed `step`; `record` holds the step record's other fields."""

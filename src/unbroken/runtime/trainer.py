@@ -70,7 +70,7 @@ class Trainer:
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
-        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params), self.wait_s)
+        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
 
     def fit(self, first_step: int = 0) -> None:
         """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
@@ -137,9 +137,7 @@ class Trainer:
                     self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
                 return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
-                want = isinstance(action, rec.AwaitDecision)
-                kind, value = self.coord.wait_for(step, epoch, want, self.wait_s,
-                                                  self.sidecar.decision(step, epoch) if want else None)
+                kind, value = self.coord.wait_for(step, epoch, isinstance(action, rec.AwaitDecision), self.wait_s)
                 if kind == "decided":
                     return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
                 return rec.EpochChanged(value)
@@ -175,7 +173,7 @@ class Trainer:
         if self.coord.epoch() > epoch:
             return rec.EpochChanged(self.coord.chain_after(epoch))
         if epoch not in self.groups:
-            self.groups[epoch] = EpochGroup(self.coord.store, epoch, self.coord.members(epoch), self.me,
+            self.groups[epoch] = EpochGroup(self.coord.group_store(), epoch, self.coord.members(epoch), self.me,
                                             self.cfg.coord.collective_timeout)
         try:
             result = self.groups[epoch].allreduce(self.acc.buffer, lambda: self.coord.epoch() > epoch,

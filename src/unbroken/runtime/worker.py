@@ -64,7 +64,8 @@ def run(factories: Factories) -> int:
     log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
     raw = connect(address)
     watch = EpochWatch(PrefixStore(f"g{generation}/", connect(address)))  # its own client: a thread of its own
-    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch)
+    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch,
+                         reconnect=lambda: PrefixStore(f"g{generation}/", connect(address)))
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
                           on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")
     heartbeat.start()
