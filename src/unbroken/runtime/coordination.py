@@ -81,8 +81,12 @@ class Coordination:
         return self._members[epoch]
 
     def chain_after(self, epoch: int) -> Chain:
-        """Every epoch after `epoch` up to the current one, with its members, oldest first."""
-        return tuple((e, self.members(e)) for e in range(epoch + 1, self.epoch() + 1))
+        """Every epoch after `epoch` up to the current one, with its members, oldest first.
+
+        Reads the epoch from the store, not the watch (which may lag 10 ms): a member that sees a
+        peer's retry decision must find the epoch that peer saw."""
+        latest = int(self.store.get("epoch"))
+        return tuple((e, self.members(e)) for e in range(epoch + 1, latest + 1))
 
     def is_dead(self) -> bool:
         return self.store.check([f"dead/{self.me}"])

@@ -191,7 +191,9 @@ class _Watch:
                         store.add("nexits", 1)
             # Exits are reported within 20 ms (the coordinator's fast path to a verdict); the rest
             # (events, store reads) every 100 ms or after an exit: it is CPU the trainers could use.
-            if not exited and rounds % 5:
+            # Launcher-side faults still pending (node, crash-all) keep the 20 ms pace: they fire
+            # on the step record they wait for, and must land inside the step they name.
+            if not exited and rounds % 5 and not self.chaos.pending:
                 continue
             self._tail(workers)
             if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
