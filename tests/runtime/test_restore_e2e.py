@@ -99,9 +99,11 @@ def test_restart_disk_baseline_loses_the_work_since_the_checkpoint(reference, tm
 
 def test_live_node_loss_then_crash_all_restores_adopted_shares(reference, tmp_path):
     # Until node 1's replacement agent is up (a fresh process importing torch: seconds under load)
-    # parity cannot complete and survivors skip snapshots; steps of ~0.1 s would reach the crash
-    # first. Slowing the survivors' steps 4-7 (time only: the trajectory is the same) leaves it room.
-    slow = "; ".join(f"slow:replica={r},from=4,to=8,factor=40" for r in (0, 1))
+    # and node 0's agent has given up the encode it had begun with the dead one (agents' collective
+    # timeout: 15 s), parity cannot complete and survivors skip snapshots; steps of ~0.1 s would reach
+    # the crash first. Slowing the survivors' steps 4-7 to ~5 s each (time only: the trajectory is
+    # the same) leaves room for both.
+    slow = "; ".join(f"slow:replica={r},from=4,to=8,factor=100" for r in (0, 1))
     out, events = run(tmp_path, f"node:node=1,step=3; crash-all:step=8; {slow}", *XOR2)
     on_trajectory(reference, out)
     got = restored(events, "memory", reference)
