@@ -44,6 +44,11 @@ class Plan:
     weights: dict[int, float]
 
 
+def parse_weights(raw: bytes | str | dict) -> dict[int, float]:
+    """Quota weights as stored (JSON, replica ids as strings) -> {replica: speed}."""
+    return {int(k): v for k, v in (raw if isinstance(raw, dict) else json.loads(raw)).items()}
+
+
 def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
     """A client of the coordinator's store at `host:port`. One per thread: clients are not thread-safe."""
     host, _, port = address.rpartition(":")
@@ -102,12 +107,7 @@ class Coordination:
         """Compare-and-set `mine` as the plan of `step`; returns the plan that won, ours or the stored one."""
         value = json.dumps({"epoch": mine.epoch, "members": list(mine.members), "weights": mine.weights})
         won = json.loads(self.store.compare_set(f"plan/{step}", "", value))
-        return Plan(won["epoch"], tuple(won["members"]), {int(k): v for k, v in won["weights"].items()})
-
-    def plan(self, step: int) -> Plan:
-        """The step's plan in two round trips (weights read now): for callers without a sidecar."""
-        weights = {int(k): v for k, v in json.loads(self.store.get("weights")).items()}
-        return self.agree_plan(step, self.proposal(weights))
+        return Plan(won["epoch"], tuple(won["members"]), parse_weights(won["weights"]))
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> int:
         """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so."""

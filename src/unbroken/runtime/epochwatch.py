@@ -13,6 +13,7 @@ recovery can afford, and it costs ~100 store round trips a second per member (~0
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from torch.distributed import Store
@@ -22,33 +23,25 @@ class EpochWatch:
     """`current` is the newest epoch seen (a plain int read: no store round trip).
 
     Create once per process per generation; `get("epoch")` blocks until the coordinator wrote it.
-    `stop()` is optional (the thread is a daemon, and workers leave with os._exit).
+    The thread is a daemon and runs until the process leaves (workers leave with os._exit).
     """
 
     def __init__(self, store: Store, every_s: float = 0.01):
         self._store = store  # a client of its own: store clients are not thread-safe
         self.current = int(store.get("epoch"))
         self._every = every_s
-        self._stop = threading.Event()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="epoch-watch", daemon=True)
         self._thread.start()
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
-        """Block until `ready()` (checked on every epoch change and every `poke`) or `timeout_s`."""
+        """Block until `ready()` (checked on every epoch change) or `timeout_s`."""
         with self._cond:
             return self._cond.wait_for(ready, timeout_s)
 
-    def poke(self) -> None:
-        """Wake `wait_until` callers to re-check their condition (any thread may call it)."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def stop(self) -> None:
-        self._stop.set()
-
     def _run(self) -> None:
-        while not self._stop.wait(self._every):
+        while True:
+            time.sleep(self._every)
             try:
                 epoch = int(self._store.get("epoch"))
             except Exception:  # noqa: BLE001 - the store went away: the run is over for this process

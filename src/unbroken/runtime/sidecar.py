@@ -14,13 +14,12 @@ sha256 (holding every peer at the next all-reduce) were ~5% of a small model's s
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from unbroken.events import EventLog
-from unbroken.runtime.coordination import Coordination, Plan
+from unbroken.runtime.coordination import Coordination, Plan, parse_weights
 
 
 class Sidecar:
@@ -31,7 +30,7 @@ class Sidecar:
 
     def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str]):
         self.coord, self.log, self.digest = coord, log, digest
-        self.weights: dict[int, float] = _weights(coord.store.get("weights"))
+        self.weights: dict[int, float] = parse_weights(coord.store.get("weights"))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
 
@@ -56,8 +55,4 @@ class Sidecar:
             owners = self.coord.held(step, epoch, members)
             self.log.emit("step", **record, epoch=epoch, members=list(members), replicas=len(members),
                           owners={str(m): v for m, v in owners.items()}, param_digest=self.digest())
-        self.weights = _weights(self.coord.store.get("weights"))
-
-
-def _weights(raw: bytes) -> dict[int, float]:
-    return {int(k): v for k, v in json.loads(raw).items()}
+        self.weights = parse_weights(self.coord.store.get("weights"))

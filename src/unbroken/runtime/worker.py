@@ -63,9 +63,12 @@ def run(factories: Factories) -> int:
     run_id = os.environ.get("UNBROKEN_RUN_ID", "run-local")
     log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
     raw = connect(address)
-    watch = EpochWatch(PrefixStore(f"g{generation}/", connect(address)))  # its own client: a thread of its own
-    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch,
-                         reconnect=lambda: PrefixStore(f"g{generation}/", connect(address)))
+
+    def client() -> PrefixStore:  # a client of its own for each thread (and each epoch's group)
+        return PrefixStore(f"g{generation}/", connect(address))
+
+    watch = EpochWatch(client())
+    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch, reconnect=client)
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
                           on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")
     heartbeat.start()
@@ -75,9 +78,8 @@ def run(factories: Factories) -> int:
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
             persist = lambda model, opt: Persistence(cfg, me, raw, run_id, run_dir, model, opt, log)  # noqa: E731
-        # the sidecar thread's own client, as the heartbeat's and the epoch watch's
-        sidecar = Coordination(PrefixStore(f"g{generation}/", connect(address)), me, watch)
-        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, sidecar, persist)
+        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, Coordination(client(), me, watch),
+                          persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
         trainer.fit(first)
         if trainer.persist:
