@@ -40,3 +40,19 @@ def test_redistribution_keeps_survivors_work_and_covers_orphans(m, r, data):
 def test_loss_weights_sum_to_one():
     tokens = [37, 256, 1, 90]
     assert abs(sum(workload.loss_weight(t, sum(tokens)) for t in tokens) - 1) < 1e-12
+
+
+def test_replanning_waits_for_a_real_gain():
+    members = [0, 1, 2, 3]
+    half = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+    # 28 microbatches: equal quotas (7 each) under a 2x slow replica take 14 units; 8,8,8,4 take 8
+    assert workload.makespan(workload.assign(28, members, half), half) == 8.0
+    assert workload.worth_replanning(28, members, {}, half)
+    # jitter of the slow replica's estimate near a rounding boundary moves nothing (at 0.38 one
+    # microbatch less is a real gain: 3 / 0.38 = 7.9 < 4 / 0.38 = 10.5)
+    for jitter in (0.44, 0.47, 0.52, 0.55):
+        assert not workload.worth_replanning(28, members, half, {**half, 3: jitter})
+    # recovery to full speed is worth it: 8 units -> 7
+    assert workload.worth_replanning(28, members, half, {m: 1.0 for m in members})
+    # a tiny fleet change in membership never divides by zero
+    assert not workload.worth_replanning(0, [], half, {})

@@ -57,6 +57,32 @@ def assign(num_microbatches: int, members: Sequence[int], weights: Mapping[int, 
     return tuple(owners)
 
 
+def makespan(owners: Sequence[int], speeds: Mapping[int, float]) -> float:
+    """Predicted step time of `owners`, in healthy-microbatch units: the busiest replica's count over its
+    speed (a replica missing from `speeds` counts as 1.0). Equal-cost microbatches assumed."""
+    counts: dict[int, int] = {}
+    for o in owners:
+        counts[o] = counts.get(o, 0) + 1
+    return max((n / max(speeds.get(r, 1.0), 1e-9) for r, n in counts.items()), default=0.0)
+
+
+def worth_replanning(total: int, members: Sequence[int], current: Mapping[int, float],
+                     proposed: Mapping[int, float], min_gain: float = 0.05) -> bool:
+    """Whether quotas from `proposed` speeds beat the quotas in force (from `current`) by more than
+    `min_gain` of predicted step time, both judged under `proposed`, the newer estimate.
+
+    Call when the detector's speeds change, before publishing them as weights. Why: speed estimates
+    jitter by a few percent from step to step, and near a rounding boundary each jitter would move one
+    microbatch back and forth (and a changed plan can cost members a redo) for no gain. A replica that
+    turns slow or recovers changes the predicted time by far more than `min_gain`.
+    """
+    if not members:
+        return False
+    now = makespan(assign(total, members, current), proposed)
+    new = makespan(assign(total, members, proposed), proposed)
+    return new < (1.0 - min_gain) * now
+
+
 def redistribute(owners: Sequence[int], members: Sequence[int], weights: Mapping[int, float] | None = None) -> tuple[int, ...]:
     """Give the microbatches of replicas no longer in `members` to the survivors, by quota weight.
 

@@ -15,6 +15,7 @@ from torch.distributed import TCPStore
 from unbroken.events import EventLog
 from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
 from unbroken.policy.predictor import MicrobatchTiming
+from unbroken.policy.workload import worth_replanning
 
 
 class SlownessMonitor:
@@ -34,10 +35,12 @@ class SlownessMonitor:
             if timings:
                 self.detector.observe(self.next_step, timings)
                 self._log(self.detector.take_events())
-                # Two decimals, written only on change: members cache the weights for their plan
-                # proposals, and a proposal that differs from the agreed plan can cost a redo.
+                # Written only when the quotas they give are predicted to be worth it: members cache
+                # the weights for their plan proposals (a proposal that differs from the agreed plan
+                # can cost a redo), and jitter in the estimates must not move microbatches to and fro.
                 speeds = {r: round(v, 2) for r, v in self.detector.speeds().items()}
-                if self.follow_speed and speeds != self.published:
+                total = sum(len(t) for t in timings.values())  # every microbatch is held once: M
+                if self.follow_speed and worth_replanning(total, sorted(timings), self.published, speeds):
                     self.store.set("weights", json.dumps(speeds))
                     self.published = speeds
             self.next_step += 1
