@@ -67,9 +67,12 @@ def test_two_of_four_lost_at_different_steps(reference, tmp_path):
 def test_hang_is_detected_and_the_zombie_fenced(reference, tmp_path):
     # replica 2 stops mid-all-reduce for 3 s; heartbeats stop, it is declared dead after 2 s, the
     # survivors blocked inside gloo are freed by the epoch change; when it wakes it must leave.
-    # A slow replica 0 (a sleep, not a trajectory change) keeps the 8 remaining steps going for
+    # A slow replica 0 (a sleep, not a trajectory change) keeps steps 3-7 going for
     # several seconds, so the zombie wakes while the run is still on.
-    r, out = run_with(tmp_path, "hang:replica=2,step=3,phase=allreduce,for=3; slow:replica=0,from=3,factor=30")
+    # (progress_timeout raised: on a loaded host one slowed microbatch could pass the default 20 s and
+    # get replica 0 declared stuck too; the hang is caught by the heartbeat timeout, 2 s)
+    r, out = run_with(tmp_path, "hang:replica=2,step=3,phase=allreduce,for=3; slow:replica=0,from=3,to=8,factor=30",
+                      "--coord.progress_timeout=120")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=1)
     dead = [e for e in events if e["event"] == "member_dead"]
@@ -79,10 +82,13 @@ def test_hang_is_detected_and_the_zombie_fenced(reference, tmp_path):
     zombie_writes = [e for e in events if e.get("replica") == 2 and e["event"] in ("applied", "compute")
                      and e["step"] > 3]
     assert zombie_writes == []
-    # recovery cost a step, not the 30 s gloo timeout
-    step3 = next(e for e in events if e["event"] == "step" and e["step"] == 3)
-    fault = next(e for e in events if e["event"] == "fault")
-    assert step3["t"] - fault["t"] < 10
+    # recovery cost a step, not the 30 s gloo timeout: replicas 1 and 3, blocked inside the all-reduce
+    # with the hung peer, are freed by the epoch change (replica 0 is still in its slowed compute then,
+    # so the step's end depends on the host's speed, not on the protocol)
+    moved = next(e for e in events if e["event"] == "epoch" and e["epoch"] == 1)
+    for r in (1, 3):
+        freed = next(e for e in events if e["event"] == "recovery" and e["replica"] == r and e["step"] == 3)
+        assert freed["t"] - moved["t"] < 5, (r, freed["t"] - moved["t"])
 
 
 def test_every_replica_lost_is_a_clear_error(tmp_path):

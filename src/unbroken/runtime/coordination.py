@@ -68,6 +68,7 @@ class Coordination:
         self.store, self.me, self.watch = store, me, watch
         self._reconnect = reconnect
         self._members: dict[int, tuple[int, ...]] = {}
+        self._staged: tuple[int, int, tuple[int, ...]] | None = None  # the done record last written
 
     def group_store(self) -> Store:
         """A store for one epoch's collective group to rendezvous on: a client of its own when we can
@@ -109,10 +110,19 @@ class Coordination:
         won = json.loads(self.store.compare_set(f"plan/{step}", "", value))
         return Plan(won["epoch"], tuple(won["members"]), parse_weights(won["weights"]))
 
+    def stage(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> None:
+        """Write this member's done record of (step, epoch) ahead of `publish`: call while the all-reduce
+        is in flight, so the write overlaps it instead of following it. Harmless if the reduce then
+        fails: done records are read only for an epoch whose decision is commit, which needs every
+        member's `publish`."""
+        self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps({"held": list(held), "timings": timings}))
+        self._staged = (step, epoch, tuple(held))
+
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> int:
-        """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so."""
-        record = {"held": list(held), "timings": timings}
-        self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps(record))
+        """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so.
+        The done record is written first unless `stage` already wrote this very one."""
+        if self._staged != (step, epoch, tuple(held)):
+            self.stage(step, epoch, held, timings)
         return self.store.add(f"ndone/{step}/{epoch}", 1)
 
     def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:

@@ -175,9 +175,15 @@ class Trainer:
         if epoch not in self.groups:
             self.groups[epoch] = EpochGroup(self.coord.group_store(), epoch, self.coord.members(epoch), self.me,
                                             self.cfg.coord.collective_timeout)
+        held = tuple(sorted(self.timings))  # what this member computed in the step: the policy's `held`
+
+        def issued() -> None:  # the done record is written while the reduction runs (off the path)
+            self.faults.at(step, "allreduce")
+            self.coord.stage(step, epoch, held, [self.timings[i] for i in held])
+
         try:
             result = self.groups[epoch].allreduce(self.acc.buffer, lambda: self.coord.epoch() > epoch,
-                                                  on_issued=lambda: self.faults.at(step, "allreduce"))
+                                                  on_issued=issued)
         except EpochMoved:
             return rec.EpochChanged(self.coord.chain_after(epoch))
         except CollectiveError as e:
