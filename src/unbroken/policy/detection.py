@@ -44,7 +44,8 @@ class DetectorConfig:
     regime_move: float = math.log(1.15)  # a replica "moved" when its raw score is beyond +-15% ...
     regime_quorum: float = 0.5  # ... and more than this share moving the same way is a regime change
     min_fleet: int = 3  # replicas of a class needed to normalize by the fleet median (else: shared move)
-    speed_window: int = 5  # recent steps whose median gives a Slow replica's speed estimate
+    speed_window: int = 8  # recent steps whose median gives a Slow replica's speed estimate (a
+    # burst of host noise over a few steps must not halve it: its quotas would follow)
     min_speed: float = 0.1  # lowest speed reported, so a slow replica keeps some work and can show recovery
 
 
