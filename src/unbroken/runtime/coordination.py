@@ -7,6 +7,7 @@ Does not own: liveness verdicts and epoch changes (coordinator.py), or what a me
 Keys (all values utf-8):
   epoch                 current membership epoch (int)          written by the coordinator
   members/{e}           JSON list of member ids of epoch e       coordinator, before `epoch`
+  epochs/{e}            "1" once epoch e began (wakes watches)   coordinator, after `epoch`
   dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
   hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
@@ -89,8 +90,8 @@ class Coordination:
     def chain_after(self, epoch: int) -> Chain:
         """Every epoch after `epoch` up to the current one, with its members, oldest first.
 
-        Reads the epoch from the store, not the watch (which may lag 10 ms): a member that sees a
-        peer's retry decision must find the epoch that peer saw."""
+        Reads the epoch from the store, not the watch (which learns of a change a round trip later):
+        a member that sees a peer's retry decision must find the epoch that peer saw."""
         latest = int(self.store.get("epoch"))
         return tuple((e, self.members(e)) for e in range(epoch + 1, latest + 1))
 

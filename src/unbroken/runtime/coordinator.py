@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from torch.distributed import PrefixStore
 import json
 import sys
 import time
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
+from unbroken.runtime.epochwatch import epoch_key
 from unbroken.runtime.slowness import SlownessMonitor
 
 
@@ -91,6 +91,7 @@ class Coordinator:
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
         self.store.set("epoch", str(new.epoch))
+        self.store.set(epoch_key(new.epoch), "1")  # wakes the members' epoch watches
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members))
         self.membership = new
 
