@@ -38,6 +38,11 @@ class Accumulator:
     def zero(self) -> None:
         """Clear the buffer; call once at the start of a step, never inside one."""
         self.buffer.zero_()
+        self.attach()
+
+    def attach(self) -> None:
+        """Point each `.grad` at its slice of the buffer again (float32 mode), keeping what it holds:
+        after anything set `.grad` elsewhere (`load_grads`, `zero_grad`) within a step that goes on."""
         if self.views:
             offset = 0
             for p, n in zip(self.params, self.sizes):

@@ -11,6 +11,7 @@ A step, read top to bottom (`train_step`, `run_plan`):
   before anything leaves the process        -> the agreed plan: adopt it, or redo the step under it
   policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved)
   policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
+                                               (waiting, the optimizer steps ahead; undone on retry)
   on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
   policy says Apply                         -> load reduced grads, optimizer step, digest, events;
                                                the step record is claimed and written by the sidecar
@@ -38,6 +39,7 @@ from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
 from unbroken.runtime.sidecar import Sidecar
+from unbroken.runtime.speculation import Rollback
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Trainer:
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
+        self.rollback = Rollback(self.params, self.optimizer)
+        self.ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
 
     def fit(self, first_step: int = 0) -> None:
         """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
@@ -137,7 +141,12 @@ class Trainer:
                     self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
                 return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
-                kind, value = self.coord.wait_for(step, epoch, isinstance(action, rec.AwaitDecision), self.wait_s)
+                decision = isinstance(action, rec.AwaitDecision)
+                if decision and self.rollback.affordable():
+                    self.step_ahead(step, epoch)  # a peer will decide: step the optimizer meanwhile
+                kind, value = self.coord.wait_for(step, epoch, decision, self.wait_s)
+                if self.ahead is not None and (kind, value) != ("decided", "commit"):
+                    self.undo_ahead(step, epoch)
                 if kind == "decided":
                     return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
                 return rec.EpochChanged(value)
@@ -193,16 +202,36 @@ class Trainer:
         self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True, seconds=round(result.seconds, 6))
         return rec.Reduced(epoch)
 
-    def apply(self, step: int, epoch: int) -> None:
-        """The committed step: reduced gradient into .grad, optimizer step, digest, step record."""
-        self.hb.at(step, "optimizer", epoch=epoch)
-        self.faults.at(step, "optimizer")
+    def step_optimizer(self) -> float:
+        """Reduced gradient into .grad, optimizer step; returns the step's loss."""
         loss = self.acc.load_grads(self.reduced)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         self.sidecar.wait_records()  # the last step record's hash must have read the parameters first
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def step_ahead(self, step: int, epoch: int) -> None:
+        """The optimizer step before the decision (speculation.py): memory only, undone on retry."""
+        self.rollback.save()
+        self.ahead = (step, epoch, self.step_optimizer())
+
+    def undo_ahead(self, step: int, epoch: int) -> None:
+        self.rollback.restore()
+        self.acc.attach()  # the step goes on: backward must add into the buffer again
+        self.ahead = None
+        self.log.emit("undone", step=step, replica=self.me, epoch=epoch)
+
+    def apply(self, step: int, epoch: int) -> None:
+        """The committed step: optimizer step (unless taken ahead), digest, events, step record."""
+        self.hb.at(step, "optimizer", epoch=epoch)
+        self.faults.at(step, "optimizer")
+        if self.ahead is not None and self.ahead[:2] == (step, epoch):
+            loss, self.ahead = self.ahead[2], None
+            self.rollback.drop()
+        else:
+            loss = self.step_optimizer()
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))

@@ -1,0 +1,61 @@
+"""An optimizer step taken before the commit decision is known, and its undo.
+
+Owns: a copy of the parameters and the optimizer state taken just before a speculative optimizer step,
+and putting them back when the step's decision turns out to be retry. Does not own: when to speculate
+(trainer.py: a member that has published its done record and waits for a peer's commit decision) or
+the decision itself (coordination.py).
+
+Why: after the all-reduce every member but the last to publish waits for the commit decision; on a
+busy machine that wait (a store round trip or two plus the time to be scheduled again) is a few
+milliseconds a step, and the optimizer step could run meanwhile. Nothing leaves the process before the
+decision (no event, no store write, no snapshot), so a retry, rare, only has to restore memory: the
+copies are exact, so `--exact` stays bit for bit. The copy costs a memcpy of the state, so speculation is
+for states up to `MAX_BYTES` (where a step is short and the wait matters); larger ones wait as before.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+MAX_BYTES = 64 << 20  # parameters + optimizer state: ~0.3 ms to copy at memcpy speed
+
+
+class Rollback:
+    """`save()` right before a speculative optimizer step, then `drop()` on commit or `restore()` on
+    retry. One saved state at a time; `restore` without `save` raises RuntimeError."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer):
+        self.params, self.optimizer = params, optimizer
+        self._params: list[torch.Tensor] | None = None
+        self._state: dict[nn.Parameter, dict] = {}
+
+    def affordable(self) -> bool:
+        """Whether the state is small enough to copy every step (parameters and optimizer state)."""
+        n = sum(p.numel() * p.element_size() for p in self.params)
+        n += sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                 for v in s.values() if isinstance(v, torch.Tensor))
+        return n <= MAX_BYTES
+
+    def save(self) -> None:
+        self._params = [p.detach().clone() for p in self.params]
+        self._state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                           for k, v in self.optimizer.state[p].items()}
+                       for p in self.params if p in self.optimizer.state}
+
+    def drop(self) -> None:
+        self._params, self._state = None, {}
+
+    def restore(self) -> None:
+        if self._params is None:
+            raise RuntimeError("nothing saved to restore")
+        with torch.no_grad():
+            for p, saved in zip(self.params, self._params):
+                p.copy_(saved)
+        for p in self.params:  # the saved copies become the state again (before step 0: no state)
+            if p in self._state:
+                self.optimizer.state[p] = self._state[p]
+            else:
+                self.optimizer.state.pop(p, None)
+        self.drop()
