@@ -2,7 +2,8 @@
 
 Owns: one background thread with its own store client (clients are not thread-safe) that, for the step
 loop, (1) compare-and-sets the step's plan while the member already computes under its own proposal,
-(2) after each committed step claims the step record (one member writes it), and for the claimant reads
+(2) compare-and-sets a commit decision while the member steps its optimizer ahead, (3) after each
+committed step claims the step record (one member writes it), and for the claimant reads
 the commit epoch's owners, hashes the parameters (sha256, ~2 ms for 1M of them) and writes the record,
 and refreshes the quota weights the next proposal carries.
 Does not own: what a plan or a decision means (policy.recovery, coordination.py), or the step record's
@@ -23,8 +24,9 @@ from unbroken.runtime.coordination import Coordination, Plan, parse_weights
 
 
 class Sidecar:
-    """Call `plan` at the start of a step, `record` after applying, and `wait_records` before the
-    parameters change again and before leaving. Jobs run in that order, one at a time, on one thread.
+    """Call `plan` at the start of a step, `propose` for a commit decision, `record` after applying,
+    and `wait_records` before the parameters change again and before leaving. Jobs run in that order,
+    one at a time, on one thread.
     `digest()` runs on that thread and may only read the parameters.
     """
 
@@ -37,6 +39,10 @@ class Sidecar:
     def plan(self, step: int, mine: Plan) -> Future:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
         return self._pool.submit(self.coord.agree_plan, step, mine)
+
+    def propose(self, step: int, epoch: int, outcome: str) -> Future:
+        """Compare-and-set the decision of (step, epoch); the future holds (outcome, proposer) that won."""
+        return self._pool.submit(self.coord.propose, step, epoch, outcome)
 
     def record(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
         """Queue the bookkeeping of committed `step`; `record` holds the step record's other fields."""

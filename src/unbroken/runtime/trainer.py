@@ -136,7 +136,14 @@ class Trainer:
                 self.faults.at(step, "commit")
                 return rec.Published(epoch, count)
             case rec.Propose(step, epoch, outcome):
-                won, who = self.coord.propose(step, epoch, outcome)
+                if outcome == "commit" and self.rollback.affordable():
+                    pending = self.sidecar.propose(step, epoch, outcome)  # the CAS runs beside ...
+                    self.step_ahead(step, epoch)  # ... the optimizer step, undone if retry won
+                    won, who = pending.result()
+                    if won != "commit":
+                        self.undo_ahead(step, epoch)
+                else:
+                    won, who = self.coord.propose(step, epoch, outcome)
                 if who == self.me:
                     self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
                 return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
