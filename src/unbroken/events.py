@@ -20,6 +20,7 @@ runs alike. Kinds and their fields:
   epoch          epoch, members
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)
   replan         step, replica, proposed, agreed      (computed under its own plan, another won: redone)
+  undone         step, replica, epoch                 (optimizer stepped ahead of a retry decision: undone)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step
