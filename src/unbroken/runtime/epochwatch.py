@@ -31,8 +31,9 @@ class EpochWatch:
     The thread is a daemon and runs until the process leaves (workers leave with os._exit).
     """
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
         self._store = store  # a client of its own: store clients are not thread-safe
+        self._reconnect = reconnect  # after a timed-out wait: a fresh client, no stale waiter on the server
         self.current = int(store.get("epoch"))
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="epoch-watch", daemon=True)
@@ -49,6 +50,8 @@ class EpochWatch:
                 self._store.wait([epoch_key(self.current + 1)], _WAIT)
                 epoch = int(self._store.get("epoch"))  # the authority: changes may have come in a burst
             except DistStoreError:  # a day without a change: wait again
+                if self._reconnect is not None:
+                    self._store = self._reconnect()
                 continue
             except Exception:  # noqa: BLE001 - the store went away: the run is over for this process
                 return

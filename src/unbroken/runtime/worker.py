@@ -67,7 +67,7 @@ def run(factories: Factories) -> int:
     def client() -> PrefixStore:  # a client of its own for each thread (and each epoch's group)
         return PrefixStore(f"g{generation}/", connect(address))
 
-    watch = EpochWatch(client())
+    watch = EpochWatch(client(), reconnect=client)
     coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch, reconnect=client)
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
                           on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")

@@ -1,0 +1,36 @@
+"""The epoch watch: woken by the coordinator's per-epoch key, also after timed-out waits.
+
+Runs in a subprocess that leaves with os._exit, as workers do: the watch's daemon thread blocks in a
+C++ store wait that interpreter shutdown would abort."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = r'''
+import datetime, os, time
+import unbroken.runtime.epochwatch as ew
+from torch.distributed import TCPStore, PrefixStore
+ew._WAIT = datetime.timedelta(seconds=0.3)  # a day in production
+srv = TCPStore("127.0.0.1", 0, 1, True)
+s = PrefixStore("g0/", srv)
+s.set("epoch", "0")
+connect = lambda: PrefixStore("g0/", TCPStore("127.0.0.1", srv.port, 1, False))
+w = ew.EpochWatch(connect(), reconnect=connect)
+time.sleep(1.0)  # timed-out waits, each followed by a fresh client
+s.set("epoch", "1"); s.set(ew.epoch_key(1), "1")
+print("first", w.wait_until(lambda: w.current == 1, 5.0), w.current, flush=True)
+s.set("epoch", "3"); s.set(ew.epoch_key(2), "1"); s.set(ew.epoch_key(3), "1")  # a burst: 2 and 3
+print("burst", w.wait_until(lambda: w.current == 3, 5.0), w.current, flush=True)
+os._exit(0)
+'''
+
+
+def test_watch_wakes_on_each_new_epoch_and_after_timed_out_waits():
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["first", "True", "1", "burst", "True", "3"]
