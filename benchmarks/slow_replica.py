@@ -1,12 +1,12 @@
 """Throughput with one 2x slow replica: speed-weighted quotas against equal quotas, and against the ideal.
 
-Owns: running both quota policies and a failure-free run alternately through unbroken's own launcher
-on real processes, picking each run's steady state from its event log, and the ideal it is measured
-against. Does not own: detection (the coordinator's detector decides the speeds from measured times;
-it never sees the fault spec) or the slowness injection (runtime/faults.py: (factor-1) x the measured compute after each microbatch, here with
-how=spin: the CPU is burnt meanwhile, so on 2 cores shared by 4 replicas the slow one keeps its share of
-the CPU and is `factor` times slower at it, as a throttled GPU beside healthy ones; a sleeping replica
-would hand its core to the others and show ~2.4x for factor 2, see README).
+Owns: running both quota policies and a failure-free run alternately through unbroken's own launcher on
+real processes, picking each run's steady state from its event log, and the ideal it is measured against.
+Does not own: detection (the coordinator's detector decides the speeds from measured times; it never sees
+the fault spec) or the slowness injection (runtime/faults.py: (factor-1) x the measured compute after
+each microbatch, here with how=spin: the CPU is burnt meanwhile, so on 2 cores shared by 4 replicas the
+slow one keeps its share of the CPU and is `factor` times slower at it, as a throttled GPU beside healthy
+ones; a sleeping replica would hand its core to the others and show ~2.4x for factor 2, see README).
 
 Setup: R replicas (default 4), replica R-1 slowed `--factor` (2x) from step 0, fixed-length sequences (so
 every microbatch holds the same work and "one healthy microbatch's time" is well defined), a model big
