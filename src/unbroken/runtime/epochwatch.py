@@ -7,11 +7,12 @@ reducing, while a collective runs, while waiting for a decision); with the watch
 read, and waits wake on the change instead of sleeping and polling the store themselves.
 Does not own: membership itself (coordinator.py) or what a member does on a change (policy.recovery).
 
-Why a blocking wait rather than reading `epoch` every 10 ms (the first version): the reads cost 100
+Why a blocking wait rather than reading `epoch` every 10 ms (an earlier version): the reads cost 100
 store round trips a second per member, each a wake-up of the member's thread and of the store's server
 thread; with 4 members on 2 cores, per-thread CPU times from /proc put that near 3% of the machine,
 all of it taken from the training. The wait costs nothing until the epoch moves and wakes at once.
-Its timeout is a day (a timed-out wait logs two C++ warnings), after which it simply waits again.
+Its timeout is a day (a timed-out wait logs two C++ warnings), after which it waits again on a fresh
+client (`reconnect`), so no stale waiter is left on the server.
 """
 from __future__ import annotations
 

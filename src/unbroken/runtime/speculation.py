@@ -30,12 +30,18 @@ class Rollback:
         self.params, self.optimizer = params, optimizer
         self._params: list[torch.Tensor] | None = None
         self._state: dict[nn.Parameter, dict] = {}
+        self._bytes: int | None = None  # known once every parameter has optimizer state (after a step)
 
     def affordable(self) -> bool:
-        """Whether the state is small enough to copy every step (parameters and optimizer state)."""
+        """Whether the state is small enough to copy every step (parameters and optimizer state).
+        Called every step: the size is summed until the optimizer state is complete, then kept."""
+        if self._bytes is not None:
+            return self._bytes <= MAX_BYTES
         n = sum(p.numel() * p.element_size() for p in self.params)
         n += sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                  for v in s.values() if isinstance(v, torch.Tensor))
+        if all(p in self.optimizer.state for p in self.params):
+            self._bytes = n
         return n <= MAX_BYTES
 
     def save(self) -> None:
