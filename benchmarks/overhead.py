@@ -60,23 +60,26 @@ def run_unbroken(cfg, out: Path, warmup: int) -> tuple[list[float], dict[str, li
     committed = sorted((r for r in records if r["event"] == "step"), key=lambda r: r["step"])
     # Per replica and step: time between its own optimizer steps ("applied"), its forward/backward
     # seconds, its all-reduce seconds (which include waiting for the slowest peer); the rest is data,
-    # the store protocol (plan, done count, decision), the optimizer step, the digest and event writes.
-    applied, compute, reduce = {}, {}, {}
+    # the store protocol (plan, done count, decision), the optimizer step, the digest and event writes;
+    # "waited" is the part of the rest a member spent waiting for the peer that proposes the commit (a
+    # second synchronisation point a step, which DDP does not have: its ranks part after the all-reduce).
+    applied, waited, compute, reduce = {}, {}, {}, {}
     for r in records:
         key = (r.get("replica"), r.get("step"))
         if r["event"] == "applied":
-            applied[key] = r["t"]
+            applied[key], waited[key] = r["t"], r["waited"]
         elif r["event"] == "compute":
             compute[key] = compute.get(key, 0.0) + r["seconds"]
         elif r["event"] == "reduce" and r["ok"]:
             reduce[key] = reduce.get(key, 0.0) + r["seconds"]
-    parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": []}
+    parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": [], "waited": []}
     for (rep, s), t in applied.items():
         if s > warmup and (rep, s - 1) in applied:
             interval = t - applied[(rep, s - 1)]
             parts["compute"].append(compute.get((rep, s), 0.0))
             parts["reduce"].append(reduce.get((rep, s), 0.0))
             parts["rest"].append(interval - parts["compute"][-1] - parts["reduce"][-1])
+            parts["waited"].append(waited[(rep, s)])  # part of the rest
     return [r["t"] for r in committed], parts
 
 
@@ -106,7 +109,7 @@ def main() -> None:
     extras = ["unbroken --exact", "unbroken quotas=speed"][:args.extras]
     samples: dict[str, list[float]] = {"unbroken": [], "ddp": [], **{x: [] for x in extras}}
     per_run: dict[str, list[float]] = {k: [] for k in samples}
-    parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": []}
+    parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": [], "waited": []}
     tmp = tempfile.mkdtemp(prefix="overhead-")  # removed on success; kept to read when a run fails
 
     def measure(name: str, rnd: int) -> list[float]:
@@ -150,7 +153,8 @@ def main() -> None:
     m = {k: 1e3 * statistics.median(v) for k, v in parts.items()}
     console.print(f"unbroken default, per replica and step (medians): forward/backward {m['compute']:.1f} ms, "
                   f"all-reduce incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, "
-                  f"optimizer, digest, events) {m['rest']:.1f} ms")
+                  f"optimizer, digest, events) {m['rest']:.1f} ms; of the rest, waiting for a peer's commit "
+                  f"decision after stepping ahead: mean {1e3 * statistics.fmean(parts['waited']):.1f} ms")
     console.print(f"wall time {time.time() - t_start:.0f} s")
     for x in (x for x in extras if x in med):
         print(f"ratio overhead {x.removeprefix('unbroken ').removeprefix('--')} {med[x] / med['ddp']:.3f}")

@@ -11,7 +11,8 @@ runs alike. Kinds and their fields:
   step           step, loss, microbatches, replicas (members of the commit epoch), epoch, tokens, t,
                  param_digest (sha256 of all float32 params after the optimizer step, fixed order),
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
-  applied        step, replica, state_digest          (each member after its optimizer step; XXH3-128)
+  applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
+                 waited: s spent waiting for a peer's decision or a new epoch in the step)
   compute        step, replica, epoch, microbatch, seconds, tokens, sumsq   (one per microbatch)
   reduce         step, replica, epoch, seconds, ok, wait
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)

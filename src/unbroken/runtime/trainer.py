@@ -85,6 +85,7 @@ class Trainer:
 
     def train_step(self, step: int) -> rec.StepState:
         self.step_started = time.time()
+        self.waited = 0.0  # s this step spent waiting on peers' decisions or epochs (after any step ahead)
         self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
         # Compute under our own proposal while the sidecar compare-and-sets it; nothing leaves this
         # process (reduce, publish) before the plan that won is known. If another plan won (the epoch
@@ -151,7 +152,9 @@ class Trainer:
                 decision = isinstance(action, rec.AwaitDecision)
                 if decision and self.rollback.affordable():
                     self.step_ahead(step, epoch)  # a peer will decide: step the optimizer meanwhile
+                t = time.perf_counter()
                 kind, value = self.coord.wait_for(step, epoch, decision, self.wait_s)
+                self.waited += time.perf_counter() - t
                 if self.ahead is not None and (kind, value) != ("decided", "commit"):
                     self.undo_ahead(step, epoch)
                 if kind == "decided":
@@ -239,7 +242,8 @@ class Trainer:
             self.rollback.drop()
         else:
             loss = self.step_optimizer()
-        self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params))
+        self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params),
+                      waited=round(self.waited, 6))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
         # Claiming and writing the step record (sha256 included) and refreshing the quota weights run
