@@ -32,6 +32,7 @@ from .shm import Kind, SlotFile, State, data_path, parity_path
 
 POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few ms of a copy
 POLL_STORE_S = 0.02  # store round trips: alloc requests and commands
+SLOW_COMMAND_S = 2.0  # a command this long is logged (a stalled peer, a loaded host)
 
 
 def doc_digest(doc: dict) -> int:
@@ -58,8 +59,11 @@ class SnapshotAgent:
         self._stop = threading.Event()
         self._scan()  # commit copies a previous agent left COPIED
         self.publish()
+        # `since`: the first command this agent serves; peers waiting on an older one for this node
+        # give up at once instead of after their timeout (commands._given_up)
         store.set(self.keys.agent(node), json.dumps(
-            {"topology": topology_dict(topo), "nonce": nonce, "pid": os.getpid()}))
+            {"topology": topology_dict(topo), "nonce": nonce, "pid": os.getpid(),
+             "since": self._cmd_seen + 1}))
 
     # -- slot files -------------------------------------------------------------------------
     def _adopt(self, path: Path, rank: int) -> SlotFile | None:
@@ -173,13 +177,17 @@ class SnapshotAgent:
             self._cmd_seen += 1
             i = self._cmd_seen
             cmd = json.loads(self.store.get(self.keys.cmd(i)))
+            t0 = time.monotonic()
             try:
                 step = commands.run(self, i, cmd)
                 answer = f"ok {step}"
             except Exception as e:  # noqa: BLE001 - reported to the requester, agent keeps serving
                 answer = f"error {type(e).__name__} {' '.join(str(e).split())}"
-                print(f"[agent {self.node}] command {i} {cmd['op']}: {answer}", file=sys.stderr,
-                      flush=True)
+                commands.abandon(self, i, answer)
+            took = time.monotonic() - t0
+            if answer.startswith("error") or took > SLOW_COMMAND_S:
+                print(f"[agent {self.node}] command {i} {cmd['op']} (step {cmd.get('step')}): "
+                      f"{answer} after {took:.2f} s", file=sys.stderr, flush=True)
             if cmd["op"] == "parity":  # trainers may now overwrite the older slots (see client.py)
                 self.store.set(self.keys.pdone(self.node), str(cmd["step"]))
             self.store.set(self.keys.cmd(i, "done", self.node), answer)

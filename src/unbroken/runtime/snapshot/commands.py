@@ -8,14 +8,15 @@ slot files. Does not own the stripe math (parity.py) or the queue (control.py, a
 
 from __future__ import annotations
 
-import datetime
 import json
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import errors
 from .checksum import checksum
+from .control import get_json
 from .erasure import RSCodec, gloo_group
 from .layout import shard_bounds
 from .parity import Member, StripePlan, encode, rebuild
@@ -23,6 +24,8 @@ from .shm import Kind, State, data_path, parity_path
 
 if TYPE_CHECKING:
     from .agent import SnapshotAgent
+
+BARRIER_POLL_S = 0.02  # store round trips while waiting for peer agents (commands take 0.1-1 s)
 
 
 def run(agent: SnapshotAgent, i: int, cmd: dict) -> int:
@@ -35,15 +38,43 @@ def run(agent: SnapshotAgent, i: int, cmd: dict) -> int:
 
 
 def _barrier(a: SnapshotAgent, i: int, members: list[int], name: str, value: str) -> list[str]:
-    """Post `value` for this node and wait for every member's; returns them in member order."""
+    """Post `value` for this node and wait for every member's; returns them in member order.
+
+    Raises errors.Unrecoverable after a.timeout_s, or at once when the command was abandoned by a
+    member of the group or a missing member's agent was replaced after the command was posted (a
+    replacement serves only newer commands): a dead peer costs one timeout, not one per queued
+    command. Polls with check() rather than a timed wait(), whose timeout leaves a stale waiter on
+    the server that can answer a later request on this client."""
     a.store.set(a.keys.cmd(i, name, a.node), value)
     keys = [a.keys.cmd(i, name, n) for n in members]
-    try:
-        a.store.wait(keys, datetime.timedelta(seconds=a.timeout_s))
-    except Exception:  # noqa: BLE001
-        raise errors.Unrecoverable(f"peer agents of nodes {members} did not all answer "
-                                   f"within {a.timeout_s:g} s") from None
+    deadline = time.monotonic() + a.timeout_s
+    while not a.store.check(keys):
+        missing = [n for n, k in zip(members, keys) if not a.store.check([k])]
+        why = _given_up(a, i, members, missing)
+        if why is None and time.monotonic() > deadline:
+            why = f"peer agents of nodes {missing} did not answer within {a.timeout_s:g} s"
+        if why is not None:
+            raise errors.Unrecoverable(why)
+        time.sleep(BARRIER_POLL_S)
     return [a.store.get(k).decode() for k in keys]
+
+
+def _given_up(a: SnapshotAgent, i: int, members: list[int], missing: list[int]) -> str | None:
+    """Why command i can no longer complete in this group, or None while it still may."""
+    key = a.keys.cmd(i, "abandoned", members[0])
+    if a.store.check([key]):
+        return a.store.get(key).decode()
+    for n in missing:
+        since = get_json(a.store, a.keys.agent(n), {}).get("since", 0)
+        if since > i:
+            return f"node {n}'s agent was replaced after command {i} was posted"
+    return None
+
+
+def abandon(a: SnapshotAgent, i: int, why: str) -> None:
+    """Tell the group's peers still waiting at a barrier of command i that it will not complete."""
+    members = a.topo.group_of(a.node)
+    a.store.set(a.keys.cmd(i, "abandoned", members[0]), f"node {a.node} gave up: {why}")
 
 
 def _ready(a: SnapshotAgent, i: int, members: list[int], err: Exception | None) -> None:
