@@ -6,6 +6,8 @@ Runs here use 4 replicas and 12 steps, as the reference in conftest does.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import BASE, unbroken
@@ -32,20 +34,31 @@ def on_trajectory(reference, out):
     assert audit(out, 8) == []
 
 
-def restored(events, source, reference=None):
+def restored(events, source, reference=None, out=None):
     """The `restored` records of `source`; with `reference`, each must have loaded exactly the
     failure-free run's parameters of the step it restored."""
     got = [e for e in events if e["event"] == "restored" and e["source"] == source]
     if reference is not None:
         ref = {e["step"]: e["param_digest"] for e in read_events(reference) if e["event"] == "step"}
-        assert got and all(e["param_digest"] == ref[e["step"]] for e in got)
+        assert got, why_not_restored(events, out)
+        assert all(e["param_digest"] == ref[e["step"]] for e in got)
     return got
+
+
+def why_not_restored(events, out) -> str:
+    """What a failed restore expectation needs to be diagnosed: where each restore came from, which
+    snapshots were skipped (their agents behind), and what the agents reported."""
+    logs = sorted(Path(out, "logs").glob("agent*.log")) if out else []
+    lines = [line for f in logs for line in f.read_text().splitlines() if line.startswith("[agent")]
+    return (f"restored: {[(e['replica'], e['source'], e['step']) for e in events if e['event'] == 'restored']}; "
+            f"skipped: {[(e['share'], e['step']) for e in events if e['event'] == 'snapshot_skipped']}; "
+            f"agents: {lines}")
 
 
 def test_crash_all_resumes_from_memory_at_the_last_snapshot(reference, tmp_path):
     out, events = run(tmp_path, "crash-all:step=6", *XOR2)
     on_trajectory(reference, out)
-    got = restored(events, "memory", reference)
+    got = restored(events, "memory", reference, out)
     # a snapshot from before the crash (the newest whose parity was complete: saves are skipped, never
     # waited on, while parity lags), loaded bit-exactly: restored() checked its digest
     assert len(got) >= 4 and len({e["step"] for e in got}) == 1 and 0 <= got[0]["step"] <= 5
@@ -56,7 +69,7 @@ def test_node_loss_rebuilt_from_xor_parity(reference, tmp_path):
     on_trajectory(reference, out)
     rebuilt = [e for e in events if e["event"] == "rebuilt"]
     assert rebuilt and rebuilt[0]["nodes"] == [1] and rebuilt[0]["parity"] == "xor"
-    got = restored(events, "memory", reference)
+    got = restored(events, "memory", reference, out)
     assert len(got) >= 4 and got[0]["step"] <= rebuilt[0]["step"]
 
 
@@ -67,7 +80,7 @@ def test_two_nodes_lost_rebuilt_from_reed_solomon(reference, tmp_path):
     on_trajectory(reference, out)
     rebuilt = [e for e in events if e["event"] == "rebuilt"]
     assert rebuilt and rebuilt[0]["nodes"] == [1, 2] and rebuilt[0]["parity"] == "rs"
-    assert len(restored(events, "memory", reference)) >= 4
+    assert len(restored(events, "memory", reference, out)) >= 4
 
 
 def test_corrupted_shard_is_caught_and_never_loaded(reference, tmp_path):
@@ -77,14 +90,14 @@ def test_corrupted_shard_is_caught_and_never_loaded(reference, tmp_path):
     assert corrupt["corrupted_step"] is not None
     # whatever step was restored, the state loaded was the failure-free one (on_trajectory), so the
     # flipped bytes were either rebuilt from parity or refused in favour of an older whole snapshot
-    assert len(restored(events, "memory", reference)) >= 4
+    assert len(restored(events, "memory", reference, out)) >= 4
 
 
 def test_trainer_killed_during_its_snapshot_copy(reference, tmp_path):
     out, events = run(tmp_path, "tear:replica=0,step=5", "--run.recovery=restart-memory",
                       "--snapshot.enabled=true")
     on_trajectory(reference, out)
-    got = restored(events, "memory", reference)
+    got = restored(events, "memory", reference, out)
     assert len(got) >= 4 and max(e["step"] for e in got) <= 5  # the torn copy (if torn) is never used
 
 
@@ -93,7 +106,7 @@ def test_restart_disk_baseline_loses_the_work_since_the_checkpoint(reference, tm
                       "--checkpoint.every=3")
     on_trajectory(reference, out)
     # checkpoints at 0, 3, 6: the newest *complete* one (an async save of 6 may still be on its way)
-    got = restored(events, "disk", reference)
+    got = restored(events, "disk", reference, out)
     assert len(got) >= 4 and got[0]["step"] in (3, 6)
 
 
@@ -108,7 +121,7 @@ def test_live_node_loss_then_crash_all_restores_adopted_shares(reference, tmp_pa
     out, events = run(tmp_path, f"node:node=1,step=3; crash-all:step=8; {slow}", *XOR2,
                       "--coord.progress_timeout=120")
     on_trajectory(reference, out)
-    got = restored(events, "memory", reference)
+    got = restored(events, "memory", reference, out)
     assert len(got) >= 4 and 3 <= got[0]["step"] <= 7  # adopted shares kept snapshots after the loss
 
 

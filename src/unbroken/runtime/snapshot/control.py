@@ -6,7 +6,10 @@ launcher calls: `start_agent`, `stop_agent`, `request_rebuild`, `remove_run`. Do
 
 Keys live under `unbroken/snap/<run_id>/`. Commands are appended by anyone (`cmd/n` counter, then
 `cmd/<i>` JSON) and executed in order by every agent that was up when they were posted; each agent
-answers `cmd/<i>/done/<node>` with "ok <step>" or "error <Type> <message>".
+answers `cmd/<i>/done/<node>` with "ok <step>" or "error <Type> <message>". An agent's record
+`agent/<node>` names the first command it serves (`since`: a replacement skips older ones), and an
+agent whose command fails sets `cmd/<i>/abandoned/<group's first node>`: either tells the group's
+peers waiting on that command to give it up at once rather than after their timeout.
 """
 
 from __future__ import annotations
