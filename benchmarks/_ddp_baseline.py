@@ -60,7 +60,7 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from unbroken.model.data import DataSource, mix
+    from unbroken.model.data import DataSource, mix, seed_microbatch
     from unbroken.model.gpt import GPT
     from unbroken.policy.workload import loss_weight
 
@@ -81,7 +81,7 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
         step_tokens = data.step_tokens(step, M)
         for n, i in enumerate(mine):
             mb = data.microbatch(step, i)
-            torch.manual_seed(mix(cfg.run.seed, step, i))
+            seed_microbatch(mix(cfg.run.seed, step, i))
             # DDP averages over ranks; x world turns that back into unbroken's token-weighted sum
             sync = n == per - 1
             with contextlib.nullcontext() if sync else model.no_sync():

@@ -29,6 +29,19 @@ def mix(*parts: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def seed_microbatch(seed: int) -> None:
+    """Seed the generators a microbatch's randomness (dropout) draws from: the CPU generator and, once
+    CUDA is initialized, the current device's. Call before each microbatch's forward.
+
+    The same streams as `torch.manual_seed(seed)` gives that work, at ~2 us instead of ~0.7 ms:
+    torch.manual_seed also seeds every CUDA, XPU and MTIA device lazily, and each lazy call records a
+    Python stack trace (traceback.format_stack) while its backend is not initialized, three a call on a
+    CPU-only build; at two microbatches a step that was ~2.5% of a replica's time (py-spy)."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed(seed)
+
+
 @dataclass(frozen=True)
 class Microbatch:
     x: torch.Tensor  # (B, T) int64 inputs

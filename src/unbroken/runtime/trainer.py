@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from unbroken.config import Config
 from unbroken.events import EventLog
-from unbroken.model.data import mix
+from unbroken.model.data import mix, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
@@ -173,7 +173,7 @@ class Trainer:
             self.hb.at(step, "compute", i)
             mb = self.data.microbatch(step, i)
             t = time.perf_counter()
-            torch.manual_seed(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
+            seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
             loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, self.step_tokens)
             loss.backward()
             self.acc.add(loss)
