@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unbroken.policy import recovery as rec
+from unbroken.policy.membership import Membership
 
 
 class World:
@@ -112,6 +113,20 @@ def test_zombie_fences_itself():
     state, _ = rec.start(3, me=2, epoch=0, members=[0, 1, 2], num_microbatches=6)
     state, actions = rec.on_event(state, rec.EpochChanged(((1, (0, 1)),)))
     assert state.phase is rec.Phase.FENCED and isinstance(actions[0], rec.Fence)
+
+
+def test_reformed_epoch_keeps_the_work_and_reduces_again():
+    """A group broken with nobody dead (a collective timed out on a straggler): the coordinator starts
+    the same members in a new epoch; the step keeps its work and reduces in that epoch."""
+    epoch = Membership(0, (0, 1, 2)).reformed()
+    assert epoch == Membership(1, (0, 1, 2))
+    state, actions = rec.start(3, me=1, epoch=0, members=[0, 1, 2], num_microbatches=6)
+    state, actions = rec.on_event(state, rec.Computed(actions[0].microbatches))
+    state, actions = rec.on_event(state, rec.ReduceFailed(0, "timed out"))
+    assert actions == (rec.AwaitEpoch(3, 0),)
+    state, actions = rec.on_event(state, rec.EpochChanged(((1, epoch.members),)))
+    state, actions = rec.on_event(state, rec.Decided(0, "retry", ((1, epoch.members),)))
+    assert actions == (rec.Reduce(3, 1),) and state.held == frozenset({2, 3})
 
 
 def test_unexpected_event_is_rejected():

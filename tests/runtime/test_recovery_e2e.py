@@ -91,6 +91,19 @@ def test_hang_is_detected_and_the_zombie_fenced(reference, tmp_path):
         assert freed["t"] - moved["t"] < 5, (r, freed["t"] - moved["t"])
 
 
+def test_collective_timeout_on_a_live_straggler_reforms_the_epoch(reference, tmp_path):
+    """A straggler slower than the collective timeout breaks the epoch's group with nobody dead (it
+    beats, and progress_timeout is long): the waiting members ask for the same members in a new epoch
+    and the step goes on when it arrives, instead of every member waiting for an epoch change that
+    never comes and the run failing."""
+    r, out = run_with(tmp_path, "slow:replica=1,from=3,to=4,factor=400", "--coord.collective_timeout=2",
+                      "--coord.progress_timeout=120")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = assert_trajectory(reference, out, lost=0)
+    reforms = [e for e in events if e["event"] == "epoch" and "reform" in e]
+    assert reforms and all(e["members"] == [0, 1, 2, 3] for e in reforms)
+
+
 def test_every_replica_lost_is_a_clear_error(tmp_path):
     out = tmp_path / "run"
     r = unbroken("train", "--replicas", "2", "--steps", "6", "--microbatches", "4", "--run.progress=false",

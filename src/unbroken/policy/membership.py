@@ -27,6 +27,11 @@ class Membership:
             return self
         return Membership(self.epoch + 1, tuple(m for m in self.members if m not in gone))
 
+    def reformed(self) -> "Membership":
+        """The next epoch with the same members: a fresh collective group for an epoch whose group
+        broke while nobody died (a collective timed out waiting for a straggler)."""
+        return Membership(self.epoch + 1, self.members)
+
 
 @dataclass(frozen=True)
 class Beat:

@@ -9,6 +9,7 @@ Keys (all values utf-8):
   members/{e}           JSON list of member ids of epoch e       coordinator, before `epoch`
   epochs/{e}            "1" once epoch e began (wakes watches)   coordinator, after `epoch`
   dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
+  reform/{e}            JSON {"replica", "reason"}: epoch e's group broke, nobody died   member
   hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
   weights               JSON {replica: speed}, {} = equal        coordinator (detector's speeds; always set)
@@ -167,6 +168,14 @@ class Coordination:
                 time.sleep(min(pause, left))
             pause = min(pause * 1.5, 0.002)
         raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
+
+    def request_reform(self, epoch: int, reason: str) -> None:
+        """Ask the coordinator for a new epoch with the same members (a fresh collective group).
+
+        For a member whose wait for a decision or a new epoch in `epoch` timed out: a collective that
+        timed out on a live straggler breaks the group without a death, so no epoch would follow by
+        itself. Idempotent; a request for an epoch already past is ignored."""
+        self.store.set(f"reform/{epoch}", json.dumps({"replica": self.me, "reason": reason}))
 
     def first_to_apply(self, step: int) -> bool:
         first = self.store.add(f"applied/{step}", 1) == 1

@@ -36,6 +36,7 @@ class Coordinator:
         self.beats: dict[int, Beat] = {}
         self.exits_seen = 0
         self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
+        self.next_reform_check = 0.0  # ... that looks for a member's request to re-form the epoch
         self.beat_every = beat_every
         store.set("weights", "{}")  # equal quotas until the detector says otherwise
         store.set("members/0", json.dumps(list(self.membership.members)))
@@ -65,6 +66,9 @@ class Coordinator:
                     verdicts.setdefault(m, f"process exited with code {self.store.get(f'exit/{m}').decode()}")
         if verdicts:
             self._remove(verdicts)
+        elif now >= self.next_reform_check:
+            self.next_reform_check = now + self.beat_every
+            self._reform()
         self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
 
@@ -90,9 +94,22 @@ class Coordinator:
             self.store.set(f"dead/{m}", json.dumps({"epoch": new.epoch, "reason": reason}))
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
+        self._begin(new)
+
+    def _reform(self) -> None:
+        """A member whose epoch's group broke while nobody died asked for a fresh one (`reform/{e}`,
+        coordination.request_reform): the same members in a new epoch."""
+        key = f"reform/{self.membership.epoch}"
+        if self.store.check([key]):
+            new = self.membership.reformed()
+            self.store.set(f"members/{new.epoch}", json.dumps(list(new.members)))
+            self._begin(new, reform=json.loads(self.store.get(key))["reason"])
+
+    def _begin(self, new: Membership, **why: str) -> None:
+        """Publish epoch `new` (its member list already written) and wake the members."""
         self.store.set("epoch", str(new.epoch))
         self.store.set(epoch_key(new.epoch), "1")  # wakes the members' epoch watches
-        self.log.emit("epoch", epoch=new.epoch, members=list(new.members))
+        self.log.emit("epoch", epoch=new.epoch, members=list(new.members), **why)
         self.membership = new
 
     def fail(self) -> None:

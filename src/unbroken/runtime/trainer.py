@@ -72,6 +72,7 @@ class Trainer:
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
+        self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
         self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
         self.rollback = Rollback(self.params, self.optimizer)
         self.ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
@@ -153,7 +154,7 @@ class Trainer:
                 if decision and self.rollback.affordable():
                     self.step_ahead(step, epoch)  # a peer will decide: step the optimizer meanwhile
                 t = time.perf_counter()
-                kind, value = self.coord.wait_for(step, epoch, decision, self.wait_s)
+                kind, value = self.wait(step, epoch, decision)
                 self.waited += time.perf_counter() - t
                 if self.ahead is not None and (kind, value) != ("decided", "commit"):
                     self.undo_ahead(step, epoch)
@@ -166,6 +167,19 @@ class Trainer:
             case rec.Fence(step, reason):
                 self.fence(step, reason)
         raise AssertionError(f"unhandled action {action!r}")
+
+    def wait(self, step: int, epoch: int, decision: bool) -> tuple[str, object]:
+        """Wait for the decision of (step, epoch) (if `decision`) or a new epoch.
+
+        A collective that timed out on a live straggler leaves the epoch's group broken with nobody
+        dead, so the coordinator would never start a new epoch: after `reform_after` s (time enough
+        for it to find a real death first) ask it for the same members in a new epoch, then wait
+        on. Raises TimeoutError after wait_s more."""
+        try:
+            return self.coord.wait_for(step, epoch, decision, self.reform_after)
+        except TimeoutError:
+            self.coord.request_reform(epoch, f"replica {self.me} waited {self.reform_after:g} s in step {step}")
+            return self.coord.wait_for(step, epoch, decision, self.wait_s)
 
     def compute(self, step: int, microbatches: tuple[int, ...]) -> rec.Event:
         """Forward/backward each microbatch into the accumulator. Randomness is a function of (seed, step, i)."""
