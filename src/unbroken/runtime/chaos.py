@@ -4,7 +4,8 @@ Owns: firing `node`, `crash-all` and `corrupt` faults of the spec (worker-side k
 node:node=n,step=s     once step s-1 is committed: SIGKILL node n's agent and trainers, delete its memory
 crash-all:step=s       once step s-1 is committed: SIGKILL every trainer at once
 corrupt:replica=r,step=s   at the first restart after step s: flip bytes in replica r's newest stored
-                           shard (what a restore will read), so the checksum path must catch it
+                           shard (what a restore will read; once its parity is encoded), so the
+                           checksum path must catch it
 Each fault fires once per run, whatever restarts follow. Does not own: recovering (launcher, agents).
 """
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 from unbroken.runtime.agents import AgentSet, node_dir, node_of
+from unbroken.runtime.snapshot.control import Keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
 
@@ -60,12 +63,30 @@ class Chaos:
         if not done:
             return None
         newest = max(done, key=lambda s: s.get("step"))
+        self._settle(node_of(self.cfg, replica), newest.get("step"))
         payload = newest.payload()
         payload[:64] = payload[:64] ^ 0xFF
         step = newest.get("step")
         for s in slots:
             s.close()
         return step
+
+    def _settle(self, node: int, step: int, timeout_s: float = 20.0) -> None:
+        """Wait until the node's agent has encoded the parity of `step`, if it will: bit rot hits a
+        stored snapshot. (Bytes flipped while the agents still encode would go into the parity too;
+        the rebuilt shard then fails its checksum and an older snapshot is used: also never loaded,
+        but not the rebuild path this fault is for.) A step that not every rank committed gets no
+        parity: after 2 s without its whole-state digest, go on."""
+        if self.agents is None or self.cfg.snapshot.parity == "none":
+            return
+        keys, store = Keys(self.run_id), self.agents.store
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if store.check([keys.pdone(node)]) and int(store.get(keys.pdone(node))) >= step:
+                return
+            if time.monotonic() - t0 > 2 and not store.check([keys.digest(step)]):
+                return
+            time.sleep(0.02)
 
     def take_lost_nodes(self) -> list[int]:
         lost, self.lost_nodes = self.lost_nodes, []
