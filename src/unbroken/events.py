@@ -18,7 +18,8 @@ runs alike. Kinds and their fields:
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
   member_dead    replica, epoch (the new epoch without it), reason
-  epoch          epoch, members
+  epoch          epoch, members, reform (only when the same members re-form a group that broke with
+                 nobody dead: the reason a member gave)
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)
   replan         step, replica, proposed, agreed      (computed under its own plan, another won: redone)
   undone         step, replica, epoch                 (optimizer stepped ahead of a retry decision: undone)
