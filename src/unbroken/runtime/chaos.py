@@ -18,7 +18,7 @@ import time
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 from unbroken.runtime.agents import AgentSet, node_dir, node_of
-from unbroken.runtime.snapshot.control import Keys
+from unbroken.runtime.snapshot.control import Keys, get_json
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
 
@@ -82,7 +82,7 @@ class Chaos:
         keys, store = Keys(self.run_id), self.agents.store
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            if store.check([keys.pdone(node)]) and int(store.get(keys.pdone(node))) >= step:
+            if int(get_json(store, keys.pdone(node), -1)) >= step:
                 return
             if time.monotonic() - t0 > 2 and not store.check([keys.digest(step)]):
                 return

@@ -48,8 +48,7 @@ def _barrier(a: SnapshotAgent, i: int, members: list[int], name: str, value: str
     a.store.set(a.keys.cmd(i, name, a.node), value)
     keys = [a.keys.cmd(i, name, n) for n in members]
     deadline = time.monotonic() + a.timeout_s
-    while not a.store.check(keys):
-        missing = [n for n, k in zip(members, keys) if not a.store.check([k])]
+    while missing := [n for n, k in zip(members, keys) if not a.store.check([k])]:
         why = _given_up(a, i, members, missing)
         if why is None and time.monotonic() > deadline:
             why = f"peer agents of nodes {missing} did not answer within {a.timeout_s:g} s"
