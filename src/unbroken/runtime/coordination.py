@@ -20,6 +20,7 @@ Keys (all values utf-8):
   applied/{s}           counter; the first to apply writes the step record
   last_commit           last committed step                      first member to apply it
   finished/{r}          "1" once a member has applied the last step     member
+  nfinished             count of finished/{r} keys (watchers re-read those only when it moves)   member
   failed                JSON {"reason","last_committed_step"}    coordinator: every replica lost
 """
 from __future__ import annotations
@@ -49,6 +50,14 @@ class Plan:
 def parse_weights(raw: bytes | str | dict) -> dict[int, float]:
     """Quota weights as stored (JSON, replica ids as strings) -> {replica: speed}."""
     return {int(k): v for k, v in (raw if isinstance(raw, dict) else json.loads(raw)).items()}
+
+
+def read(store: Store, key: str) -> bytes | None:
+    """The value of `key`, or None when it is missing: one round trip, where check-then-get is two.
+    A compare_set against a value no key of ours holds returns that value when the key is missing
+    (and writes nothing), the stored value otherwise."""
+    value = store.compare_set(key, _MISSING, _MISSING)
+    return None if value == _MISSING.encode() else value
 
 
 def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
@@ -138,10 +147,9 @@ class Coordination:
         return kind, int(who)
 
     def decision(self, step: int, epoch: int) -> str | None:
-        """The decided outcome of (step, epoch), or None: one round trip. A compare_set against a value
-        no decision can hold returns that value when the key is missing (and writes nothing)."""
-        value = self.store.compare_set(f"decision/{step}/{epoch}", _MISSING, _MISSING)
-        return None if value == _MISSING.encode() else value.decode().partition(":")[0]
+        """The decided outcome of (step, epoch), or None: one round trip."""
+        value = read(self.store, f"decision/{step}/{epoch}")
+        return None if value is None else value.decode().partition(":")[0]
 
     def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
         """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
@@ -186,6 +194,7 @@ class Coordination:
     def finish(self) -> None:
         """Call once after the last step: the coordinator stops judging this member's liveness."""
         self.store.set(f"finished/{self.me}", "1")
+        self.store.add("nfinished", 1)  # after the key: a watcher that sees the count finds the key
 
     def failed(self) -> dict | None:
         return json.loads(self.store.get("failed")) if self.store.check(["failed"]) else None

@@ -36,7 +36,7 @@ class Coordinator:
         self.beats: dict[int, Beat] = {}
         self.exits_seen = 0
         self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
-        self.next_reform_check = 0.0  # ... that looks for a member's request to re-form the epoch
+        self.finished: set[int] = set()  # members that applied their last step (no longer judged)
         self.beat_every = beat_every
         store.set("weights", "{}")  # equal quotas until the detector says otherwise
         store.set("members/0", json.dumps(list(self.membership.members)))
@@ -46,15 +46,18 @@ class Coordinator:
     def poll(self, now: float) -> bool:
         """One round: read exits (and beats every `beat_every` s), declare the dead, publish a new epoch.
 
-        Returns False once every member is gone. Call every few ms: a round without beats is two store
-        round trips (exits reported by the launcher are the fast path to a verdict; beats are seconds)."""
+        Returns False once every member is gone. Call every few ms: a round without beats is one store
+        round trip (exits reported by the launcher are the fast path to a verdict); a beat round (heart-
+        beats, finished members, re-form requests, the detector's new steps) is about five."""
         verdicts: dict[int, str] = {}
-        members = self.membership.members
-        if now >= self.next_beats:
+        beats = now >= self.next_beats
+        if beats:
             self.next_beats = now + self.beat_every
-            members = tuple(m for m in members if not self.store.check([f"finished/{m}"]))
-            if not members:
-                return True  # every remaining member finished its last step
+            self._read_finished()
+        members = tuple(m for m in self.membership.members if m not in self.finished)
+        if not members:
+            return True  # every remaining member finished its last step
+        if beats:
             self._read_beats(members, now)
             verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
                              self.startup_timeout)
@@ -66,11 +69,17 @@ class Coordinator:
                     verdicts.setdefault(m, f"process exited with code {self.store.get(f'exit/{m}').decode()}")
         if verdicts:
             self._remove(verdicts)
-        elif now >= self.next_reform_check:
-            self.next_reform_check = now + self.beat_every
+        elif beats:
             self._reform()
-        self.slowness.poll(self.membership.epoch)
+        if beats:  # the detector needs committed steps' timings, not within 20 ms of the commit
+            self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
+
+    def _read_finished(self) -> None:
+        # One round trip a beat round: members' finished keys are read only when their count moved.
+        n = self.store.add("nfinished", 0)
+        if n != len(self.finished):
+            self.finished = {m for m in self.membership.members if self.store.check([f"finished/{m}"])}
 
     def _read_beats(self, members: tuple[int, ...], now: float) -> None:
         # Members that beat before: one multi_get; the rest (start-up) one check each.

@@ -30,7 +30,7 @@ from unbroken.progress import LiveView
 from unbroken.report import summarize
 from unbroken.runtime.agents import AgentSet
 from unbroken.runtime.chaos import Chaos
-from unbroken.runtime.coordination import connect
+from unbroken.runtime.coordination import connect, read
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 MAX_RESTARTS = 20
@@ -175,6 +175,9 @@ class _Watch:
     def run(self, store, workers: dict[int, subprocess.Popen]) -> tuple[str, str | None]:
         reported: set[int] = set()
         rounds = 0
+        self.seen: tuple[bytes | None, int] = (None, 0)  # (epoch, nfinished) of this generation, last read
+        self.dead: set[int] = set()
+        self.finished: set[int] = set()
         while True:
             if rounds:
                 time.sleep(0.02)
@@ -198,11 +201,12 @@ class _Watch:
             self._tail(workers)
             if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
                 return "failed", self.worker_error
-            finished = [r for r in workers if store.check([f"finished/{r}"])]
-            lost = [r for r in workers if r not in finished and (store.check([f"dead/{r}"])
+            finished, dead = self._read_store(store, workers)
+            lost = [r for r in workers if r not in finished and (r in dead
                                                                  or (r in reported and workers[r].returncode))]
             live = len(workers) - len(lost) - len(finished)
-            last = int(store.get("last_commit")) if store.check(["last_commit"]) else self.last_step
+            last = read(store, "last_commit")
+            last = self.last_step if last is None else int(last)
             if lost and not finished and needs_restart(self.cfg.run.recovery, len(lost), live):
                 why = f"{len(lost)} of {len(workers)} replicas lost at step {last + 1}"
                 if self.persistent:
@@ -214,6 +218,18 @@ class _Watch:
                 return "failed", f"every replica was lost; last committed step: {last}"
             if time.time() - self.t0 > self.cfg.coord.run_timeout:
                 return "timeout", f"run timed out after {self.cfg.coord.run_timeout:.0f} s"
+
+    def _read_store(self, store, workers: dict[int, subprocess.Popen]) -> tuple[set[int], set[int]]:
+        """The finished and the dead among `workers`: two round trips, unless a count moved.
+        Members are declared dead only in a new epoch, so `dead/{r}` is re-read when `epoch` moves;
+        `finished/{r}` when `nfinished` does."""
+        epoch, nfinished = read(store, "epoch"), store.add("nfinished", 0)
+        if epoch != self.seen[0]:
+            self.dead = {r for r in workers if store.check([f"dead/{r}"])}
+        if nfinished != self.seen[1]:
+            self.finished = {r for r in workers if store.check([f"finished/{r}"])}
+        self.seen = (epoch, nfinished)
+        return self.finished, self.dead
 
     def _tail(self, workers: dict[int, subprocess.Popen]) -> None:
         with open(self.events, "rb") as f:

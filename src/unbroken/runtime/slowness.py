@@ -16,16 +16,19 @@ from unbroken.events import EventLog
 from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
 from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
+from unbroken.runtime.coordination import read
 
 
 class SlownessMonitor:
-    """Call `poll(epoch)` every coordinator round; `forget(r)` when a member is declared dead."""
+    """Call `poll(epoch)` every beat round of the coordinator (a round trip, plus two for each step
+    committed since); `forget(r)` when a member is declared dead."""
 
     def __init__(self, store: TCPStore, log: EventLog, follow_speed: bool):
         self.store, self.log, self.follow_speed = store, log, follow_speed
         self.detector = Detector()
         self.next_step = 0
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
+        self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
 
     def poll(self, epoch: int) -> None:
         value = self.store.compare_set("last_commit", "-1", "-1")  # one round trip; "-1" when missing
@@ -51,9 +54,11 @@ class SlownessMonitor:
     def _timings(self, step: int, epoch: int) -> dict[int, list[MicrobatchTiming]]:
         """Every commit-epoch member's timings of `step`: (tokens, sumsq, seconds) per microbatch."""
         for e in range(epoch, -1, -1):  # the commit is usually in the newest epoch: search down
-            key = f"decision/{step}/{e}"
-            if self.store.check([key]) and self.store.get(key).decode().startswith("commit"):
-                members = json.loads(self.store.get(f"members/{e}"))
+            decision = read(self.store, f"decision/{step}/{e}")
+            if decision is not None and decision.startswith(b"commit"):
+                if e not in self.members:  # members/{e} never changes once written
+                    self.members[e] = json.loads(self.store.get(f"members/{e}"))
+                members = self.members[e]
                 done = self.store.multi_get([f"done/{step}/{e}/{m}" for m in members])
                 return {m: [MicrobatchTiming(*t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
         return {}
