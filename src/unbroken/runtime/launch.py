@@ -13,10 +13,13 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +67,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     agents: AgentSet | None = None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
     error: str | None = "launcher failed"
+    restore_sigterm = _sigterm_interrupts()
     try:
         coordinator, address = _start_coordinator(cfg, run_dir)
         procs.append(coordinator)
@@ -96,6 +100,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     except KeyboardInterrupt:
         error = "interrupted"
     finally:
+        restore_sigterm()
         view.close()
         if agents is not None:
             agents.close()  # before the coordinator: agents talk to its store until they die
@@ -104,6 +109,21 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                 p.kill()
                 p.wait()
     return _finish(cfg, run_dir, log, t0, error)
+
+
+def _sigterm_interrupts() -> Callable[[], None]:
+    """Make SIGTERM (`kill PID`, a scheduler's preemption) end the run as Ctrl-C does: the children
+    (coordinator, agents, trainers) are killed and the summary written, none left orphaned. Python's
+    default SIGTERM ends the launcher at once and skips that. Returns the undo; a no-op off the main
+    thread, where signal handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, before)
 
 
 def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, last_step: int,
