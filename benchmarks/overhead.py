@@ -13,8 +13,9 @@ because this machine is shared and its speed drifts from minute to minute; each 
 median of its steady-state intervals; the overhead is unbroken's best run over DDP's best run (shared
 machine: interference only adds time, so the fastest of repeated runs estimates the undisturbed speed,
 as timeit takes the minimum); the median over rounds of each round's ratio and the pooled ratio of all
-intervals are printed too. unbroken runs with `run.quotas=equal` (M/R microbatches per replica, DDP's
-split); the extras are --exact and the default `quotas=speed`, which rebalances toward faster replicas
+intervals are printed too, with a 95% bootstrap interval of the per-round median (how tightly one
+run pins the ratio down on this machine). unbroken runs with `run.quotas=equal` (M/R microbatches per
+replica, DDP's split); the extras are --exact and the default `quotas=speed`, which rebalances toward faster replicas
 (their ratios are pooled medians of one run each).
 
 Prints a table, extra ratio lines for --exact (float64 accumulation and reduction) and quotas=speed, and
@@ -26,6 +27,7 @@ Usage: python benchmarks/overhead.py [--rounds 8] [--steps 25] [--replicas 4] [-
 from __future__ import annotations
 
 import argparse
+import random
 import socket
 import shutil
 import statistics
@@ -81,6 +83,14 @@ def run_unbroken(cfg, out: Path, warmup: int) -> tuple[list[float], dict[str, li
             parts["rest"].append(interval - parts["compute"][-1] - parts["reduce"][-1])
             parts["waited"].append(waited[(rep, s)])  # part of the rest
     return [r["t"] for r in committed], parts
+
+
+def bootstrap_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of `ratios` (rounds resampled with replacement):
+    how far this machine's drift lets one run of the benchmark pin the ratio down."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def free_port() -> int:
@@ -164,8 +174,9 @@ def main() -> None:
     # interference only ever adds time, so, as timeit does, the fastest of repeated runs estimates the
     # undisturbed speed. Both sides get the same number of runs, interleaved ABBA.
     best = min(per_run["unbroken"]) / min(per_run["ddp"])
-    console.print(f"median over rounds of unbroken / DDP: {statistics.median(paired):.3f}; "
-                  f"best run over best run: {best:.3f}")
+    lo, hi = bootstrap_ci(paired)
+    console.print(f"median over rounds of unbroken / DDP: {statistics.median(paired):.3f} (95% bootstrap "
+                  f"interval over rounds {lo:.3f}-{hi:.3f}); best run over best run: {best:.3f}")
     print(f"ratio overhead {best:.3f}")
 
 
