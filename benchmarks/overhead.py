@@ -15,8 +15,8 @@ machine: interference only adds time, so the fastest of repeated runs estimates 
 as timeit takes the minimum); the median over rounds of each round's ratio and the pooled ratio of all
 intervals are printed too, with a 95% bootstrap interval of the per-round median (how tightly one
 run pins the ratio down on this machine). unbroken runs with `run.quotas=equal` (M/R microbatches per
-replica, DDP's split); the extras are --exact and the default `quotas=speed`, which rebalances toward faster replicas
-(their ratios are pooled medians of one run each).
+replica, DDP's split); the extras are --exact and the default `quotas=speed`, which rebalances toward
+faster replicas (their ratios are pooled medians of one run each).
 
 Prints a table, extra ratio lines for --exact (float64 accumulation and reduction) and quotas=speed, and
 last `ratio overhead <unbroken / DDP>` for the default float32 mode with equal quotas, the fair
