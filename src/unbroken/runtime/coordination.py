@@ -60,6 +60,15 @@ def read(store: Store, key: str) -> bytes | None:
     return None if value == _MISSING.encode() else value
 
 
+def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple[int, frozenset[int]]:
+    """(nfinished, the members of `ids` that finished): one round trip while the count equals the one in
+    `seen` (returned as is), plus a check per id when it moved. Start with (0, frozenset())."""
+    n = store.add("nfinished", 0)
+    if n == seen[0]:
+        return seen
+    return n, frozenset(r for r in ids if store.check([f"finished/{r}"]))
+
+
 def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
     """A client of the coordinator's store at `host:port`. One per thread: clients are not thread-safe."""
     host, _, port = address.rpartition(":")

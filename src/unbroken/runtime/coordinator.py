@@ -20,6 +20,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
+from unbroken.runtime.coordination import finished_among, read
 from unbroken.runtime.epochwatch import epoch_key
 from unbroken.runtime.slowness import SlownessMonitor
 
@@ -36,7 +37,8 @@ class Coordinator:
         self.beats: dict[int, Beat] = {}
         self.exits_seen = 0
         self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
-        self.finished: set[int] = set()  # members that applied their last step (no longer judged)
+        # (nfinished, members that applied their last step): no longer judged
+        self.finished: tuple[int, frozenset[int]] = (0, frozenset())
         self.beat_every = beat_every
         store.set("weights", "{}")  # equal quotas until the detector says otherwise
         store.set("members/0", json.dumps(list(self.membership.members)))
@@ -53,8 +55,8 @@ class Coordinator:
         beats = now >= self.next_beats
         if beats:
             self.next_beats = now + self.beat_every
-            self._read_finished()
-        members = tuple(m for m in self.membership.members if m not in self.finished)
+            self.finished = finished_among(self.store, self.membership.members, self.finished)
+        members = tuple(m for m in self.membership.members if m not in self.finished[1])
         if not members:
             return True  # every remaining member finished its last step
         if beats:
@@ -74,12 +76,6 @@ class Coordinator:
         if beats:  # the detector needs committed steps' timings, not within 20 ms of the commit
             self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
-
-    def _read_finished(self) -> None:
-        # One round trip a beat round: members' finished keys are read only when their count moved.
-        n = self.store.add("nfinished", 0)
-        if n != len(self.finished):
-            self.finished = {m for m in self.membership.members if self.store.check([f"finished/{m}"])}
 
     def _read_beats(self, members: tuple[int, ...], now: float) -> None:
         # Members that beat before: one multi_get; the rest (start-up) one check each.
@@ -122,7 +118,7 @@ class Coordinator:
         self.membership = new
 
     def fail(self) -> None:
-        last = int(self.store.get("last_commit")) if self.store.check(["last_commit"]) else -1
+        last = int(read(self.store, "last_commit") or -1)
         record = {"reason": "every replica was lost", "last_committed_step": last}
         self.store.set("failed", json.dumps(record))
         self.log.emit("run_failed", **record)

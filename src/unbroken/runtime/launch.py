@@ -33,7 +33,7 @@ from unbroken.progress import LiveView
 from unbroken.report import summarize
 from unbroken.runtime.agents import AgentSet
 from unbroken.runtime.chaos import Chaos
-from unbroken.runtime.coordination import connect, read
+from unbroken.runtime.coordination import connect, finished_among, read
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 MAX_RESTARTS = 20
@@ -195,9 +195,9 @@ class _Watch:
     def run(self, store, workers: dict[int, subprocess.Popen]) -> tuple[str, str | None]:
         reported: set[int] = set()
         rounds = 0
-        self.seen: tuple[bytes | None, int] = (None, 0)  # (epoch, nfinished) of this generation, last read
-        self.dead: set[int] = set()
-        self.finished: set[int] = set()
+        # this generation's store, as last read: (epoch, the dead) and (nfinished, the finished)
+        self.dead: tuple[bytes | None, set[int]] = (None, set())
+        self.finished: tuple[int, frozenset[int]] = (0, frozenset())
         while True:
             if rounds:
                 time.sleep(0.02)
@@ -239,17 +239,14 @@ class _Watch:
             if time.time() - self.t0 > self.cfg.coord.run_timeout:
                 return "timeout", f"run timed out after {self.cfg.coord.run_timeout:.0f} s"
 
-    def _read_store(self, store, workers: dict[int, subprocess.Popen]) -> tuple[set[int], set[int]]:
+    def _read_store(self, store, workers: dict[int, subprocess.Popen]) -> tuple[frozenset[int], set[int]]:
         """The finished and the dead among `workers`: two round trips, unless a count moved.
-        Members are declared dead only in a new epoch, so `dead/{r}` is re-read when `epoch` moves;
-        `finished/{r}` when `nfinished` does."""
-        epoch, nfinished = read(store, "epoch"), store.add("nfinished", 0)
-        if epoch != self.seen[0]:
-            self.dead = {r for r in workers if store.check([f"dead/{r}"])}
-        if nfinished != self.seen[1]:
-            self.finished = {r for r in workers if store.check([f"finished/{r}"])}
-        self.seen = (epoch, nfinished)
-        return self.finished, self.dead
+        Members are declared dead only in a new epoch, so `dead/{r}` is re-read when `epoch` moves."""
+        epoch = read(store, "epoch")
+        if epoch != self.dead[0]:
+            self.dead = (epoch, {r for r in workers if store.check([f"dead/{r}"])})
+        self.finished = finished_among(store, workers, self.finished)
+        return self.finished[1], self.dead[1]
 
     def _tail(self, workers: dict[int, subprocess.Popen]) -> None:
         with open(self.events, "rb") as f:

@@ -31,8 +31,7 @@ class SlownessMonitor:
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
 
     def poll(self, epoch: int) -> None:
-        value = self.store.compare_set("last_commit", "-1", "-1")  # one round trip; "-1" when missing
-        last = int(value)
+        last = int(read(self.store, "last_commit") or -1)
         while self.next_step <= last:
             timings = self._timings(self.next_step, epoch)
             if timings:
