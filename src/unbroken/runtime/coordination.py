@@ -10,8 +10,10 @@ Keys (all values utf-8):
   epochs/{e}            "1" once epoch e began (wakes watches)   coordinator, after `epoch`
   dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
   reform/{e}            JSON {"replica", "reason"}: epoch e's group broke, nobody died   member
-  hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread
+  hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread (CAS);
+                        "fenced" once r was declared dead         coordinator, after dead/{r}
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
+  wakes, wake/{n}       (unprefixed) the coordinator's wake-ups  launcher (epochwatch.wake)
   weights               JSON {replica: speed}, {} = equal        coordinator (detector's speeds; always set)
   plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
   done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member

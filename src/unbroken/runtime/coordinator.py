@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 
@@ -20,15 +21,17 @@ from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
-from unbroken.runtime.coordination import finished_among, read
-from unbroken.runtime.epochwatch import epoch_key
+from unbroken.runtime.coordination import connect, finished_among, read
+from unbroken.runtime.epochwatch import WakeWatch, epoch_key
+
+FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
 from unbroken.runtime.slowness import SlownessMonitor
 
 
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
                  progress_timeout: float, startup_timeout: float, follow_speed: bool = True,
-                 beat_every: float = 0.05):
+                 beat_every: float = 0.1):
         self.store, self.log = store, log
         self.slowness = SlownessMonitor(store, log, follow_speed)
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
@@ -45,12 +48,13 @@ class Coordinator:
         store.set("epoch", "0")
         log.emit("epoch", epoch=0, members=list(self.membership.members))
 
-    def poll(self, now: float) -> bool:
-        """One round: read exits (and beats every `beat_every` s), declare the dead, publish a new epoch.
+    def poll(self, now: float, exits: bool = True) -> bool:
+        """One round: read exits (if `exits` or on a beat round) and beats (every `beat_every` s), declare
+        the dead, publish a new epoch. Returns False once every member is gone.
 
-        Returns False once every member is gone. Call every few ms: a round without beats is one store
-        round trip (exits reported by the launcher are the fast path to a verdict); a beat round (heart-
-        beats, finished members, re-form requests, the detector's new steps) is about five."""
+        Call every `beat_every` s and whenever the launcher wakes the loop (`exits`: the fast path to
+        a verdict, a kill costs no heartbeat timeout). A beat round (heartbeats, exits, finished members,
+        re-form requests, the detector's new steps) is about five store round trips."""
         verdicts: dict[int, str] = {}
         beats = now >= self.next_beats
         if beats:
@@ -63,7 +67,7 @@ class Coordinator:
             self._read_beats(members, now)
             verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
                              self.startup_timeout)
-        nexits = self.store.add("nexits", 0)
+        nexits = self.store.add("nexits", 0) if exits or beats else self.exits_seen
         if nexits != self.exits_seen:
             self.exits_seen = nexits
             for m in members:
@@ -97,6 +101,7 @@ class Coordinator:
         self.store.set(f"members/{new.epoch}", json.dumps(list(new.members)))
         for m, reason in sorted(verdicts.items()):
             self.store.set(f"dead/{m}", json.dumps({"epoch": new.epoch, "reason": reason}))
+            self.store.set(f"hb/{m}", FENCED)  # its next beat's compare-and-set fails: it leaves
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
         self._begin(new)
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress-timeout", type=float, default=20.0)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
-    ap.add_argument("--poll", type=float, default=0.02, help="s between liveness rounds")
+    ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
     a = ap.parse_args(argv)
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
@@ -144,22 +149,33 @@ def main(argv: list[str] | None = None) -> int:
     def fresh(generation: int) -> Coordinator:
         # A whole-job restart (launcher) starts a generation: new membership under its own prefix.
         return Coordinator(PrefixStore(f"g{generation}/", store), a.replicas, log, a.heartbeat_timeout,
-                           a.progress_timeout, a.startup_timeout, follow_speed=a.quotas == "speed")
+                           a.progress_timeout, a.startup_timeout, follow_speed=a.quotas == "speed",
+                           beat_every=a.poll)
 
-    generation, coord, alive, rounds = 0, fresh(0), True, 0
+    def client():
+        return connect(f"{a.host}:{store.port}")
+
+    # The launcher wakes this loop after it reports an exit, starts a generation or ends the run
+    # (epochwatch.wake); otherwise it runs a liveness round every --poll s.
+    wakes = WakeWatch(client(), reconnect=client)
+    generation, coord, alive, rounds, seen = 0, fresh(0), True, 0, wakes.current
     while True:
         rounds += 1
-        if rounds % 5 == 0:  # shutdown and restarts are rare: every fifth round is soon enough
+        woken, seen = wakes.current != seen, wakes.current
+        if woken or rounds % 10 == 0:  # (every tenth round too: a wake lost to a launcher's crash)
             if store.check(["shutdown"]):
                 return 0
             if store.check(["generation"]) and int(store.get("generation")) != generation:
                 generation = int(store.get("generation"))
                 coord, alive = fresh(generation), True
-        if alive and not coord.poll(time.monotonic()):
+        if alive and not coord.poll(time.monotonic(), exits=woken):
             coord.fail()
             alive = False
-        time.sleep(a.poll)
+        wakes.wait_until(lambda: wakes.current != seen, a.poll)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the wake watch's thread blocks in a C++ store wait: no interpreter shutdown

@@ -72,9 +72,14 @@ class Accumulator:
 
 
 def _chunks(params: list[nn.Parameter]):
-    """Each parameter's float32 bytes, in the fixed order of `unique_parameters`, without a copy."""
+    """Each parameter's float32 bytes, in the fixed order of `unique_parameters`, without a copy.
+    (A float32 contiguous parameter is hashed as it is: the `.to().contiguous()` no-ops and the cast
+    cost ~3 us of dispatch each, ~0.1 ms a digest for 28 parameters, more than xxh3 takes to hash them.)"""
     for p in params:
-        yield memoryview(p.detach().to(torch.float32).contiguous().numpy()).cast("B")
+        t = p.detach()
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            t = t.to(torch.float32).contiguous()
+        yield t.numpy()  # C-contiguous: the hashes read its buffer as bytes
 
 
 def param_digest(params: list[nn.Parameter]) -> str:

@@ -1,9 +1,12 @@
 """A member's heartbeat thread: says where the replica is, and fences it once it was declared dead.
 
 Owns: a background thread with its own store client (clients are not thread-safe) that writes
-`hb/{r}` every interval with (seq, step, phase, microbatch, epoch), and that ends the process when
-`dead/{r}` appears: a zombie (stopped, then continued after the coordinator gave up on it) learns it is
+`hb/{r}` every interval with (seq, step, phase, microbatch, epoch), and that ends the process once it
+was declared dead: a zombie (stopped, then continued after the coordinator gave up on it) learns it is
 no longer a member within one interval of waking and leaves without writing anything into a later step.
+A beat is one round trip: a compare-and-set from the value it wrote last, which fails once the
+coordinator, after writing `dead/{r}`, overwrote `hb/{r}` with its fence mark (where a write and a
+`dead/{r}` check were two: 80 of the store's ~800 requests a second in a 4-replica run).
 Does not own: judging liveness (coordinator) or the member's own fence checks in the step (trainer).
 """
 from __future__ import annotations
@@ -27,10 +30,12 @@ class Heartbeat:
         self._on_fenced = on_fenced
         self._stop = threading.Event()
         self._seq = 0
+        self._last = ""  # the value of our last beat ("": none yet, the key is missing)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        self._beat()
+        if not self._beat():
+            self._fence()
         self._thread.start()
 
     def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
@@ -41,14 +46,21 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def _beat(self) -> None:
+    def _beat(self) -> bool:
+        """Write the next beat; False if the coordinator's fence mark stands where our last beat was."""
         self._seq += 1
-        self._store.set(f"hb/{self.me}", json.dumps({"seq": self._seq, **self.where}))
+        value = json.dumps({"seq": self._seq, **self.where})
+        if self._store.compare_set(f"hb/{self.me}", self._last, value) != value.encode():
+            return False
+        self._last = value
+        return True
+
+    def _fence(self) -> None:
+        reason = json.loads(self._store.get(f"dead/{self.me}"))["reason"]
+        self._on_fenced(f"declared dead ({reason})")
+        os._exit(3)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            if self._store.check([f"dead/{self.me}"]):
-                reason = json.loads(self._store.get(f"dead/{self.me}"))["reason"]
-                self._on_fenced(f"declared dead ({reason})")
-                os._exit(3)
-            self._beat()
+            if not self._beat():
+                self._fence()

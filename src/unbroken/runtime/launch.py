@@ -34,9 +34,13 @@ from unbroken.report import summarize
 from unbroken.runtime.agents import AgentSet
 from unbroken.runtime.chaos import Chaos
 from unbroken.runtime.coordination import connect, finished_among, read
+from unbroken.runtime.epochwatch import wake
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 MAX_RESTARTS = 20
+# Records the watch neither acts on nor shows: most of the log (a few per replica and step), so they
+# are skipped unparsed (every record starts with its kind, events.py).
+_UNREAD = tuple(f'{{"event":"{kind}"'.encode() for kind in ("compute", "reduce", "applied"))
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
         chaos = Chaos(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps), cfg, log, agents,
                       run_id)
-        watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents)
+        watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw))
         generation, resume = 0, ""
         while True:
             workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
@@ -91,8 +95,10 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             resume = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
             generation += 1
             raw.set("generation", str(generation))
+            wake(raw)
             log.emit("restart", generation=generation, reason=error, source=resume)
         raw.set("shutdown", "1")
+        wake(raw)
         try:
             coordinator.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -186,8 +192,9 @@ class _Watch:
     """Watches one generation of workers until it finishes, fails, needs a restart, or times out."""
 
     def __init__(self, cfg: Config, log: EventLog, view: LiveView, run_dir: Path, t0: float, chaos: Chaos,
-                 agents: AgentSet | None):
+                 agents: AgentSet | None, wake: Callable[[], None]):
         self.cfg, self.log, self.view, self.t0, self.chaos, self.agents = cfg, log, view, t0, chaos, agents
+        self.wake = wake  # the coordinator's loop: an exit is a verdict it should reach at once
         self.events, self.offset, self.last_step = run_dir / "events.jsonl", 0, -1
         self.persistent = cfg.snapshot.enabled or cfg.checkpoint.every > 0
         self.worker_error: str | None = None
@@ -212,6 +219,7 @@ class _Watch:
                     if code != 0:  # a clean exit is a finished replica, not a failure
                         store.set(f"exit/{r}", str(code))
                         store.add("nexits", 1)
+                        self.wake()
             # Exits are reported within 20 ms (the coordinator's fast path to a verdict); the rest
             # (events, store reads) every 100 ms or after an exit: it is CPU the trainers could use.
             # Launcher-side faults still pending (node, crash-all) keep the 20 ms pace: they fire
@@ -254,7 +262,8 @@ class _Watch:
             chunk = f.read()
         end = chunk.rfind(b"\n") + 1
         self.offset += end
-        records = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        records = [json.loads(line) for line in chunk[:end].splitlines()
+                   if line.strip() and not line.startswith(_UNREAD)]
         for r in records:
             if r["event"] == "worker_error":
                 self.worker_error = f"replica {r['replica']} failed: {r['error']}"

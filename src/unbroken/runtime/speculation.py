@@ -24,13 +24,19 @@ MAX_BYTES = 64 << 20  # parameters + optimizer state: ~0.3 ms to copy at memcpy 
 
 class Rollback:
     """`save()` right before a speculative optimizer step, then `drop()` on commit or `restore()` on
-    retry. One saved state at a time; `restore` without `save` raises RuntimeError."""
+    retry. One saved state at a time; `restore` without `save` raises RuntimeError.
+
+    The copies live in buffers kept from step to step and are filled by one `_foreach_copy_`: cloning
+    each tensor (28 parameters x 3 for a 2-layer GPT under AdamW) cost ~0.46 ms a step in allocation
+    and dispatch alone, more than the bytes (1.4 MB) take to copy."""
 
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer):
         self.params, self.optimizer = params, optimizer
-        self._params: list[torch.Tensor] | None = None
-        self._state: dict[nn.Parameter, dict] = {}
         self._bytes: int | None = None  # known once every parameter has optimizer state (after a step)
+        self._saved = False
+        self._layout: tuple = ()  # what the buffers were shaped for: (param index, key, shape, dtype)...
+        self._buffers: list[torch.Tensor] = []  # parameters first, then each state tensor, as _sources
+        self._state: dict[nn.Parameter, dict] = {}  # per parameter with state: key -> saved value
 
     def affordable(self) -> bool:
         """Whether the state is small enough to copy every step (parameters and optimizer state).
@@ -45,23 +51,37 @@ class Rollback:
         return n <= MAX_BYTES
 
     def save(self) -> None:
-        self._params = [p.detach().clone() for p in self.params]
-        self._state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                           for k, v in self.optimizer.state[p].items()}
-                       for p in self.params if p in self.optimizer.state}
+        # Read the state's tensors afresh each time: an optimizer may replace them instead of
+        # updating them in place; the buffers are reused while the shapes stay the same.
+        state = self.optimizer.state
+        entries = [(i, k, v) for i, p in enumerate(self.params) if p in state for k, v in state[p].items()]
+        tensors = [(i, k, v) for i, k, v in entries if isinstance(v, torch.Tensor)]
+        sources = [p.detach() for p in self.params] + [v for _, _, v in tensors]
+        layout = tuple((i, k, v.shape, v.dtype, v.device) for i, k, v in tensors)
+        if layout != self._layout or not self._buffers:
+            self._buffers = [torch.empty_like(t) for t in sources]
+            self._layout = layout
+        with torch.no_grad():
+            torch._foreach_copy_(self._buffers, sources)
+        saved = iter(self._buffers[len(self.params):])
+        self._state = {}
+        for i, k, v in entries:
+            self._state.setdefault(self.params[i], {})[k] = (next(saved) if isinstance(v, torch.Tensor)
+                                                             else copy.deepcopy(v))
+        self._saved = True
 
     def drop(self) -> None:
-        self._params, self._state = None, {}
+        self._saved = False
 
     def restore(self) -> None:
-        if self._params is None:
+        if not self._saved:
             raise RuntimeError("nothing saved to restore")
         with torch.no_grad():
-            for p, saved in zip(self.params, self._params):
-                p.copy_(saved)
+            torch._foreach_copy_([p.detach() for p in self.params], self._buffers[:len(self.params)])
         for p in self.params:  # the saved copies become the state again (before step 0: no state)
             if p in self._state:
                 self.optimizer.state[p] = self._state[p]
             else:
                 self.optimizer.state.pop(p, None)
+        self._buffers, self._state = [], {}  # the state now holds them: fresh buffers next time
         self.drop()
