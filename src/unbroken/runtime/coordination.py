@@ -15,6 +15,7 @@ Keys (all values utf-8):
   exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
   wakes, wake/{n}       (unprefixed) the coordinator's wake-ups  launcher (epochwatch.wake)
   weights               JSON {replica: speed}, {} = equal        coordinator (detector's speeds; always set)
+  nweights, weights/{n} how many times weights changed            coordinator (epochwatch.publish_weights)
   plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
   done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
   ndone/{s}/{e}         counter                                  member
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from torch.distributed import Store, TCPStore
 
 from unbroken.policy.recovery import Chain
-from unbroken.runtime.epochwatch import EpochWatch
+from unbroken.runtime.epochwatch import CounterWatch, EpochWatch
 
 
 _MISSING = "\x00missing"
@@ -86,8 +87,8 @@ class Coordination:
     """
 
     def __init__(self, store: Store, me: int, watch: EpochWatch | None = None,
-                 reconnect: Callable[[], Store] | None = None):
-        self.store, self.me, self.watch = store, me, watch
+                 reconnect: Callable[[], Store] | None = None, weights: CounterWatch | None = None):
+        self.store, self.me, self.watch, self._weights_watch = store, me, watch, weights
         self._reconnect = reconnect
         self._members: dict[int, tuple[int, ...]] = {}
         self._staged: tuple[int, int, tuple[int, ...]] | None = None  # the done record last written
@@ -118,6 +119,14 @@ class Coordination:
 
     def is_dead(self) -> bool:
         return self.store.check([f"dead/{self.me}"])
+
+    def weights(self, known: tuple[int, dict[int, float]] | None = None) -> tuple[int, dict[int, float]]:
+        """(version, the quota weights): `known` as is while the weights watch saw no new version,
+        else read from the store (one round trip; every call without a watch)."""
+        version = self._weights_watch.current if self._weights_watch else -1
+        if known is not None and version == known[0] >= 0:
+            return known
+        return version, parse_weights(self.store.get("weights"))
 
     # the step ---------------------------------------------------------------------------------------
     def proposal(self, weights: dict[int, float]) -> Plan:

@@ -1,11 +1,13 @@
 """Counters published as numbered keys, each watched by a thread of its own that pushes changes to readers.
 
 Owns: the watch thread (its own store client) that blocks in `store.wait` on the key set when the
-counter reaches `current + 1` and, when it moves, wakes whoever waits in `wait_until`; two such counters:
+counter reaches `current + 1` and, when it moves, wakes whoever waits in `wait_until`; three counters:
 - the membership epoch (`epochs/{e}`, set by the coordinator after `epoch` itself). The step loop asks
   "has the epoch moved?" many times a step (before reducing, while a collective runs, while waiting for
   a decision); with the watch that is a plain int read, and waits wake on the change instead of
   sleeping and polling the store themselves.
+- the quota weights' version (`weights/{n}`, set by the coordinator after `weights`): members re-read
+  the weights when the detector changed them, not after every step.
 - the coordinator's wake-up calls (`wake/{n}`, set by the launcher through `wake` after a worker exits,
   a generation starts, or the run ends): its loop sleeps a liveness round (100 ms) unless woken, where
   it read an exit count every 20 ms before.
@@ -74,6 +76,24 @@ class EpochWatch(CounterWatch):
 
     def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
         super().__init__(store, epoch_key, lambda s: int(s.get("epoch")), reconnect, "epoch-watch")
+
+
+class WeightsWatch(CounterWatch):
+    """How many times the coordinator published quota weights (`publish_weights`): a member re-reads
+    `weights` only when this moved, where it read them after every step before (a round trip a step)."""
+
+    def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
+        super().__init__(store, _weights_key, lambda s: s.add("nweights", 0), reconnect, "weights-watch")
+
+
+def publish_weights(store: Store, weights: str) -> None:
+    """Write the quota weights (JSON), then wake the members' weights watches."""
+    store.set("weights", weights)
+    store.set(_weights_key(store.add("nweights", 1)), "1")
+
+
+def _weights_key(n: int) -> str:
+    return f"weights/{n}"
 
 
 class WakeWatch(CounterWatch):

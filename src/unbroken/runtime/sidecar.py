@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from unbroken.events import EventLog
-from unbroken.runtime.coordination import Coordination, Plan, parse_weights
+from unbroken.runtime.coordination import Coordination, Plan
 
 
 class Sidecar:
@@ -32,7 +32,7 @@ class Sidecar:
 
     def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str]):
         self.coord, self.log, self.digest = coord, log, digest
-        self.weights: dict[int, float] = parse_weights(coord.store.get("weights"))
+        self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
 
@@ -61,4 +61,9 @@ class Sidecar:
             owners = self.coord.held(step, epoch, members)
             self.log.emit("step", **record, epoch=epoch, members=list(members), replicas=len(members),
                           owners={str(m): v for m, v in owners.items()}, param_digest=self.digest())
-        self.weights = parse_weights(self.coord.store.get("weights"))
+        self._weights = self.coord.weights(self._weights)
+
+    @property
+    def weights(self) -> dict[int, float]:
+        """The quota weights as last read (after the last committed step): the next proposal's."""
+        return self._weights[1]

@@ -17,6 +17,7 @@ from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
 from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
 from unbroken.runtime.coordination import read
+from unbroken.runtime.epochwatch import publish_weights
 
 
 class SlownessMonitor:
@@ -43,7 +44,7 @@ class SlownessMonitor:
                 speeds = {r: round(v, 2) for r, v in self.detector.speeds().items()}
                 total = sum(len(t) for t in timings.values())  # every microbatch is held once: M
                 if self.follow_speed and worth_replanning(total, sorted(timings), self.published, speeds):
-                    self.store.set("weights", json.dumps(speeds))
+                    publish_weights(self.store, json.dumps(speeds))
                     self.published = speeds
             self.next_step += 1
 

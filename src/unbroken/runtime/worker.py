@@ -26,7 +26,7 @@ from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.coordination import Coordination, connect
-from unbroken.runtime.epochwatch import EpochWatch
+from unbroken.runtime.epochwatch import EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.heartbeat import Heartbeat
 from unbroken.runtime.persistence import Persistence
@@ -78,8 +78,8 @@ def run(factories: Factories) -> int:
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
             persist = lambda model, opt: Persistence(cfg, me, raw, run_id, run_dir, model, opt, log)  # noqa: E731
-        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, Coordination(client(), me, watch),
-                          persist)
+        sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client))
+        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, sidecar, persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
         trainer.fit(first)
         if trainer.persist:
