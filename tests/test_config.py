@@ -59,6 +59,7 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"data.path": "/no/such/corpus.txt"}, "data.path='/no/such/corpus.txt': no such file"),
     ({}, {"data.seq_len": "long"}, "data.seq_len='long'"),
     ({}, {"data.seq_len": "65"}, "data.seq_len='65'"),
+    ({}, {"run.step_ahead": "always"}, "run.step_ahead='always'"),
 ])
 def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:

@@ -66,6 +66,9 @@ class RunConfig:
     faults: str = ""  # see faultspec.py
     quotas: str = "speed"  # "speed": the detector's speed estimates weight the quotas; "equal": never
     recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
+    # the optimizer step taken while waiting for a peer's commit decision, undone on retry
+    # (runtime/speculation.py): "auto" = only when every replica has a core of its own to do it on
+    step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich
 
@@ -168,6 +171,7 @@ def validate(cfg: Config) -> None:
         (r.microbatches >= 1, f"run.microbatches={r.microbatches}: need at least 1 microbatch"),
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
         (r.quotas in ("speed", "equal"), f"run.quotas={r.quotas!r}: expected 'speed' or 'equal'"),
+        (r.step_ahead in ("auto", "on", "off"), f"run.step_ahead={r.step_ahead!r}: expected 'auto', 'on' or 'off'"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),

@@ -36,9 +36,10 @@ def assert_trajectory(reference, out, lost: int):
     return read_events(out)
 
 
+@pytest.mark.parametrize("step_ahead", ["off", "on"])  # the optimizer steps before the decision (or not)
 @pytest.mark.parametrize("phase", ["compute", "allreduce", "commit", "optimizer"])
-def test_kill_in_each_phase(reference, tmp_path, phase):
-    r, out = run_with(tmp_path, f"kill:replica=1,step=4,phase={phase}")
+def test_kill_in_each_phase(reference, tmp_path, phase, step_ahead):
+    r, out = run_with(tmp_path, f"kill:replica=1,step=4,phase={phase}", f"--run.step_ahead={step_ahead}")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=1)
     steps = {e["step"]: e for e in events if e["event"] == "step"}

@@ -1,11 +1,13 @@
 """The undo of an optimizer step taken before its commit decision: exact, state and all."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from unbroken.runtime.gradients import Accumulator, unique_parameters
-from unbroken.runtime.speculation import Rollback
+from unbroken.runtime.speculation import Rollback, wanted
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,3 +75,26 @@ def test_attach_points_grads_back_at_the_buffer_without_clearing_it():
     assert torch.equal(acc.buffer, held)
     model(torch.randn(4, 8)).pow(2).mean().backward()  # adds into the buffer again
     assert not torch.equal(acc.buffer, held)
+
+
+def test_step_ahead_auto_only_with_a_core_per_replica_thread():
+    cores = len(os.sched_getaffinity(0))
+    assert wanted("on", 64, 4) and not wanted("off", 1, 1)
+    assert wanted("auto", cores - 1, 1) == (cores > 1)  # a core left for the coordinator and helpers
+    assert not wanted("auto", cores, 1) and not wanted("auto", 1, cores)
+
+
+def test_saved_buffers_are_reused_and_a_restore_after_a_reuse_is_exact():
+    model, params, opt = setup()
+    rb = Rollback(params, opt)
+    for _ in range(3):  # save, commit (drop), step: the buffers are kept and filled again
+        rb.save()
+        step(model, opt)
+        rb.drop()
+    kept = [b.data_ptr() for b in rb._buffers]
+    before = snapshot(params, opt)
+    rb.save()
+    assert [b.data_ptr() for b in rb._buffers] == kept
+    step(model, opt)
+    rb.restore()
+    assert same(before, snapshot(params, opt))
