@@ -164,7 +164,7 @@ def main() -> None:
     console.print(f"unbroken default, per replica and step (medians): forward/backward {m['compute']:.1f} ms, "
                   f"all-reduce incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, "
                   f"optimizer, digest, events) {m['rest']:.1f} ms; of the rest, waiting for a peer's commit "
-                  f"decision after stepping ahead: mean {1e3 * statistics.fmean(parts['waited']):.1f} ms")
+                  f"decision (after any step ahead, run.step_ahead): mean {1e3 * statistics.fmean(parts['waited']):.1f} ms")
     console.print(f"wall time {time.time() - t_start:.0f} s")
     for x in (x for x in extras if x in med):
         print(f"ratio overhead {x.removeprefix('unbroken ').removeprefix('--')} {med[x] / med['ddp']:.3f}")
