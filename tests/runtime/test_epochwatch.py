@@ -34,3 +34,27 @@ def test_watch_wakes_on_each_new_epoch_and_after_timed_out_waits():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["first", "True", "1", "burst", "True", "3"]
+
+
+COUNTERS = r'''
+import os
+import unbroken.runtime.epochwatch as ew
+from torch.distributed import TCPStore
+srv = TCPStore("127.0.0.1", 0, 1, True)
+connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
+wakes, weights = ew.WakeWatch(connect(), reconnect=connect), ew.WeightsWatch(connect(), reconnect=connect)
+print("start", wakes.current, weights.current, flush=True)
+ew.wake(srv); ew.wake(srv)
+print("woken", wakes.wait_until(lambda: wakes.current == 2, 5.0), flush=True)
+ew.publish_weights(srv, '{"1": 0.5}')
+print("weights", weights.wait_until(lambda: weights.current == 1, 5.0), srv.get("weights").decode(), flush=True)
+os._exit(0)
+'''
+
+
+def test_wake_and_weights_watches_move_on_each_call():
+    """The launcher's wake-ups reach the coordinator's loop and new quota weights reach the members'
+    sidecars through the same numbered-key watch, without polling."""
+    r = subprocess.run([sys.executable, "-c", COUNTERS], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["start", "0", "0", "woken", "True", "weights", "True", '{"1":', '0.5}']

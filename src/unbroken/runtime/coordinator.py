@@ -6,7 +6,8 @@ member lists, dead verdicts (heartbeat silence, no progress, or an exit the laun
 or starting processes (launch.py).
 
 Run as `python -m unbroken.runtime.coordinator --replicas R --run-dir DIR [...]`; it prints
-`UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears.
+`UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears
+(the launcher wakes its loop after writing it, as after an exit: epochwatch.wake).
 """
 from __future__ import annotations
 
