@@ -82,6 +82,8 @@ def test_step_ahead_auto_only_with_a_core_per_replica_thread():
     assert wanted("on", 64, 4) and not wanted("off", 1, 1)
     assert wanted("auto", cores - 1, 1) == (cores > 1)  # a core left for the coordinator and helpers
     assert not wanted("auto", cores, 1) and not wanted("auto", 1, cores)
+    _, params, opt = setup()
+    assert Rollback(params, opt).affordable() and not Rollback(params, opt, enabled=False).affordable()
 
 
 def test_saved_buffers_are_reused_and_a_restore_after_a_reuse_is_exact():

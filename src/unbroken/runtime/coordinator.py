@@ -24,9 +24,9 @@ from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
 from unbroken.runtime.coordination import connect, finished_among, read
 from unbroken.runtime.epochwatch import WakeWatch, epoch_key
+from unbroken.runtime.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
-from unbroken.runtime.slowness import SlownessMonitor
 
 
 class Coordinator:

@@ -46,8 +46,8 @@ class Rollback:
     each tensor (28 parameters x 3 for a 2-layer GPT under AdamW) cost ~0.46 ms a step in allocation
     and dispatch alone, more than the bytes (1.4 MB) take to copy."""
 
-    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer):
-        self.params, self.optimizer = params, optimizer
+    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, enabled: bool = True):
+        self.params, self.optimizer, self.enabled = params, optimizer, enabled  # enabled: see `wanted`
         self._bytes: int | None = None  # known once every parameter has optimizer state (after a step)
         self._saved = False
         self._layout: tuple = ()  # what the buffers were shaped for: (param index, key, shape, dtype)...
@@ -55,8 +55,11 @@ class Rollback:
         self._state: dict[nn.Parameter, dict] = {}  # per parameter with state: key -> saved value
 
     def affordable(self) -> bool:
-        """Whether the state is small enough to copy every step (parameters and optimizer state).
-        Called every step: the size is summed until the optimizer state is complete, then kept."""
+        """Whether to step ahead this step: enabled, and the state (parameters and optimizer state) small
+        enough to copy every step. Called every step: the size is summed until the optimizer state is
+        complete, then kept."""
+        if not self.enabled:
+            return False
         if self._bytes is not None:
             return self._bytes <= MAX_BYTES
         n = sum(p.numel() * p.element_size() for p in self.params)

@@ -39,8 +39,7 @@ from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
 from unbroken.runtime.sidecar import Sidecar
-from unbroken.runtime import speculation
-from unbroken.runtime.speculation import Rollback
+from unbroken.runtime.speculation import Rollback, wanted
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,8 @@ class Trainer:
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
         self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
-        self.rollback = Rollback(self.params, self.optimizer)
-        self.step_ahead_ok = speculation.wanted(cfg.run.step_ahead, cfg.run.replicas, cfg.run.threads)
+        self.rollback = Rollback(self.params, self.optimizer,
+                                 wanted(cfg.run.step_ahead, cfg.run.replicas, cfg.run.threads))
         self.ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
 
     def fit(self, first_step: int = 0) -> None:
@@ -140,7 +139,7 @@ class Trainer:
                 self.faults.at(step, "commit")
                 return rec.Published(epoch, count)
             case rec.Propose(step, epoch, outcome):
-                if outcome == "commit" and self.ahead_affordable():
+                if outcome == "commit" and self.rollback.affordable():
                     pending = self.sidecar.propose(step, epoch, outcome)  # the CAS runs beside ...
                     self.step_ahead(step, epoch)  # ... the optimizer step, undone if retry won
                     won, who = pending.result()
@@ -153,7 +152,7 @@ class Trainer:
                 return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
                 decision = isinstance(action, rec.AwaitDecision)
-                if decision and self.ahead_affordable():
+                if decision and self.rollback.affordable():
                     self.step_ahead(step, epoch)  # a peer will decide: step the optimizer meanwhile
                 t = time.perf_counter()
                 kind, value = self.wait(step, epoch, decision)
@@ -237,9 +236,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
-
-    def ahead_affordable(self) -> bool:
-        return self.step_ahead_ok and self.rollback.affordable()
 
     def step_ahead(self, step: int, epoch: int) -> None:
         """The optimizer step before the decision (speculation.py): memory only, undone on retry."""
