@@ -1,4 +1,4 @@
-"""The epoch watch: woken by the coordinator's per-epoch key, also after timed-out waits.
+"""The store watches: epochs, wake-ups and weights by numbered keys, also after timed-out waits; and decisions.
 
 Runs in a subprocess that leaves with os._exit, as workers do: the watch's daemon thread blocks in a
 C++ store wait that interpreter shutdown would abort."""
@@ -58,3 +58,42 @@ def test_wake_and_weights_watches_move_on_each_call():
     r = subprocess.run([sys.executable, "-c", COUNTERS], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["start", "0", "0", "woken", "True", "weights", "True", '{"1":', '0.5}']
+
+
+DECISIONS = r'''
+import os, time
+import unbroken.runtime.epochwatch as ew
+from torch.distributed import TCPStore
+from unbroken.runtime.coordination import Coordination
+srv = TCPStore("127.0.0.1", 0, 1, True)
+connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
+srv.set("epoch", "0"); srv.set("members/0", "[0, 1]"); srv.set("members/1", "[0]")
+watch = ew.EpochWatch(connect(), reconnect=connect)
+me = Coordination(connect(), 0, watch, decisions=ew.DecisionWatch(connect(), watch.cond, reconnect=connect))
+peer = Coordination(connect(), 1)
+# a decision written while we wait is pushed to us
+me.watch_decision(3, 0)
+peer.propose(3, 0, "commit")
+print("decided", *me.wait_for(3, 0, True, 5.0), flush=True)
+# the epoch moves before any decision: we learn that, propose retry ourselves, and the watch's
+# thread (blocked on decision/4/0 until our own compare-and-set) goes on to the next decision
+srv.set("epoch", "1"); srv.set(ew.epoch_key(1), "1")
+kind, chain = me.wait_for(4, 0, True, 5.0)
+print("moved", kind, chain, me.propose(4, 0, "retry")[0], flush=True)
+t = time.monotonic()
+me.propose(4, 1, "commit")
+print("next", *me.wait_for(4, 1, True, 5.0), flush=True)
+# nothing happens: a TimeoutError after the timeout, not a hang
+try:
+    me.wait_for(5, 1, True, 0.5)
+except TimeoutError:
+    print("timeout", round(time.monotonic() - t) < 3, flush=True)
+os._exit(0)
+'''
+
+
+def test_decision_watch_pushes_decisions_and_epoch_changes_without_polling():
+    r = subprocess.run([sys.executable, "-c", DECISIONS], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["decided", "decided", "commit", "moved", "moved", "((1,", "(0,)),)", "retry",
+                                "next", "decided", "commit", "timeout", "True"]

@@ -19,7 +19,8 @@ Keys (all values utf-8):
   plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
   done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
   ndone/{s}/{e}         counter                                  member
-  decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r
+  decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r (members wait
+                                                                 on it: epochwatch.DecisionWatch)
   applied/{s}           counter; the first to apply writes the step record
   last_commit           last committed step                      first member to apply it
   finished/{r}          "1" once a member has applied the last step     member
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from torch.distributed import Store, TCPStore
 
 from unbroken.policy.recovery import Chain
-from unbroken.runtime.epochwatch import CounterWatch, EpochWatch
+from unbroken.runtime.epochwatch import CounterWatch, DecisionWatch, EpochWatch, decision_key
 
 
 _MISSING = "\x00missing"
@@ -83,12 +84,15 @@ class Coordination:
     """A member's view of the store. Every method is at most a few store round trips (~0.1 ms locally).
 
     With an `EpochWatch` (the worker always gives one) `epoch()` is a local read; member lists are
-    cached, since `members/{e}` never changes once written.
+    cached, since `members/{e}` never changes once written. With a `DecisionWatch` too (sharing the epoch
+    watch's condition), `wait_for` blocks until a decision or an epoch change instead of polling.
     """
 
     def __init__(self, store: Store, me: int, watch: EpochWatch | None = None,
-                 reconnect: Callable[[], Store] | None = None, weights: CounterWatch | None = None):
+                 reconnect: Callable[[], Store] | None = None, weights: CounterWatch | None = None,
+                 decisions: DecisionWatch | None = None):
         self.store, self.me, self.watch, self._weights_watch = store, me, watch, weights
+        self._decisions = decisions
         self._reconnect = reconnect
         self._members: dict[int, tuple[int, ...]] = {}
         self._staged: tuple[int, int, tuple[int, ...]] | None = None  # the done record last written
@@ -162,38 +166,53 @@ class Coordination:
 
     def propose(self, step: int, epoch: int, outcome: str) -> tuple[str, int]:
         """Compare-and-set the decision of (step, epoch); returns the winning (outcome, proposer)."""
-        won = self.store.compare_set(f"decision/{step}/{epoch}", "", f"{outcome}:{self.me}").decode()
+        won = self.store.compare_set(decision_key(step, epoch), "", f"{outcome}:{self.me}").decode()
         kind, _, who = won.partition(":")
         return kind, int(who)
 
     def decision(self, step: int, epoch: int) -> str | None:
         """The decided outcome of (step, epoch), or None: one round trip."""
-        value = read(self.store, f"decision/{step}/{epoch}")
+        value = read(self.store, decision_key(step, epoch))
         return None if value is None else value.decode().partition(":")[0]
+
+    def watch_decision(self, step: int, epoch: int) -> None:
+        """Start watching for the decision of (step, epoch) now, so that a later `wait_for` finds it
+        without a round trip. A no-op without a decision watch."""
+        if self._decisions is not None:
+            self._decisions.watch(step, epoch)
 
     def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
         """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
 
         Returns ("decided", outcome) or ("moved", chain); a decision wins when both hold. Raises
-        TimeoutError after `timeout_s`. The decision is read (one round trip) every 0.2 ms at first,
-        backing off to 2 ms, so a fast commit costs little latency; with the watch, an epoch change
-        wakes the wait at once. (A blocking `store.wait` on the decision key, then a `get`, was tried on
-        a client of its own: once it yielded an empty outcome, cause not found; reads cannot.)
+        TimeoutError after `timeout_s`. With the decision and epoch watches (the worker's case) the
+        wait blocks until either pushes a change; without a decision watch it reads the decision every
+        0.2 ms at first, backing off to 2 ms.
         """
-        deadline, pause = time.monotonic() + timeout_s, 0.0002
-        watch = self.watch
+        deadline = time.monotonic() + timeout_s
+        decisions = self._decisions if want_decision else None
+        if self.watch is not None and (decisions is not None or not want_decision):
+            if decisions is not None:
+                decisions.watch(step, epoch)
+            outcome = lambda: decisions.outcome(step, epoch) if decisions is not None else None  # noqa: E731
+            while True:
+                self.watch.wait_until(lambda: outcome() is not None or self.watch.current > epoch,
+                                      max(0.0, deadline - time.monotonic()))
+                if outcome() is not None:
+                    return "decided", outcome()
+                if self.epoch() > epoch:
+                    return "moved", self.chain_after(epoch)
+                if time.monotonic() >= deadline:
+                    break
+        pause = 0.0002
         while time.monotonic() < deadline:
             if want_decision:
-                outcome = self.decision(step, epoch)
-                if outcome is not None:
-                    return "decided", outcome
+                decided = self.decision(step, epoch)
+                if decided is not None:
+                    return "decided", decided
             if self.epoch() > epoch:
                 return "moved", self.chain_after(epoch)
-            left = max(0.0, deadline - time.monotonic())
-            if watch is not None:
-                watch.wait_until(lambda: watch.current > epoch, min(pause, left) if want_decision else left)
-            else:
-                time.sleep(min(pause, left))
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 1.5, 0.002)
         raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
 

@@ -11,6 +11,8 @@ counter reaches `current + 1` and, when it moves, wakes whoever waits in `wait_u
 - the coordinator's wake-up calls (`wake/{n}`, set by the launcher through `wake` after a worker exits,
   a generation starts, or the run ends): its loop sleeps a liveness round (100 ms) unless woken, where
   it read an exit count every 20 ms before.
+And one watch of keys that are not counters: `DecisionWatch`, the commit/retry decision of each (step,
+epoch) a member waits for, pushed to it the moment the proposer compare-and-sets it.
 Does not own: membership itself (coordinator.py) or what a member does on a change (policy.recovery).
 
 Why blocking waits rather than reading `epoch` every 10 ms (an earlier version): the reads cost 100
@@ -23,6 +25,7 @@ client (`reconnect`), so no stale waiter is left on the server.
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 from collections.abc import Callable
 
@@ -45,14 +48,14 @@ class CounterWatch:
         self._reconnect = reconnect  # after a timed-out wait: a fresh client, no stale waiter on the server
         self._key, self._read = key, read
         self.current = read(store)
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()  # notified on every change; other watches may share it
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Block until `ready()` (checked on every change) or `timeout_s`."""
-        with self._cond:
-            return self._cond.wait_for(ready, timeout_s)
+        with self.cond:
+            return self.cond.wait_for(ready, timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -66,9 +69,9 @@ class CounterWatch:
             except Exception:  # noqa: BLE001 - the store went away: the run is over for this process
                 return
             if value > self.current:
-                with self._cond:
+                with self.cond:
                     self.current = value
-                    self._cond.notify_all()
+                    self.cond.notify_all()
 
 
 class EpochWatch(CounterWatch):
@@ -84,6 +87,67 @@ class WeightsWatch(CounterWatch):
 
     def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
         super().__init__(store, _weights_key, lambda s: s.add("nweights", 0), reconnect, "weights-watch")
+
+
+class DecisionWatch:
+    """The decisions of the (step, epoch)s a member waits for, each pushed to it when it is written.
+
+    Call `watch(step, epoch)` before waiting for that decision, then wait on `cond` (the epoch watch's,
+    so one wait wakes on either a decision or a new epoch) until `outcome(step, epoch)` is not None.
+    The thread (its own client) blocks in `store.wait` on one `decision/{s}/{e}` key at a time, in
+    the order asked, then reads it: two round trips per decision, where reading the key every 0.2-2 ms
+    cost a waiting member ~6 (each a wake-up of it and of the store's server on cores the trainers
+    share) and up to 2 ms of latency on the step's critical path.
+    Every key asked for is written in the end: the decision is compare-and-set by the member that saw
+    every member done (commit) or, once the epoch moved, by the waiting member itself (retry, policy
+    .recovery), and a member that stops waiting otherwise leaves the process (fenced, or an error).
+    """
+
+    def __init__(self, store: Store, cond: threading.Condition, reconnect: Callable[[], Store] | None = None):
+        self._store, self._reconnect, self.cond = store, reconnect, cond
+        self._asked: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._decided: dict[tuple[int, int], str] = {}  # (step, epoch) -> "commit" | "retry"
+        self._watched: set[tuple[int, int]] = set()
+        threading.Thread(target=self._run, name="decision-watch", daemon=True).start()
+
+    def watch(self, step: int, epoch: int) -> None:
+        """Ask for the decision of (step, epoch); idempotent. Forgets the decisions of older steps."""
+        if (step, epoch) in self._watched:
+            return
+        with self.cond:
+            for old in [k for k in self._decided if k[0] < step - 1]:
+                del self._decided[old]
+        self._watched = {k for k in self._watched if k[0] >= step - 1} | {(step, epoch)}
+        self._asked.put((step, epoch))
+
+    def outcome(self, step: int, epoch: int) -> str | None:
+        """"commit" or "retry" once the decision of (step, epoch) was seen here, else None."""
+        return self._decided.get((step, epoch))
+
+    def _run(self) -> None:
+        while True:
+            step, epoch = self._asked.get()
+            key = decision_key(step, epoch)
+            while True:
+                try:
+                    self._store.wait([key], _WAIT)
+                    # the key exists: a compare-and-set that cannot match returns its value (one round
+                    # trip, where `get` is two)
+                    value = self._store.compare_set(key, "\x00", "\x00").decode()
+                    break
+                except DistStoreError:  # a day without the decision: wait again on a fresh client
+                    if self._reconnect is not None:
+                        self._store = self._reconnect()
+                except Exception:  # noqa: BLE001 - the store went away: the run is over for this process
+                    return
+            with self.cond:
+                self._decided[(step, epoch)] = value.partition(":")[0]
+                self.cond.notify_all()
+
+
+def decision_key(step: int, epoch: int) -> str:
+    """The key of the single commit/retry decision of (step, epoch): "commit:{r}" | "retry:{r}"."""
+    return f"decision/{step}/{epoch}"
 
 
 def publish_weights(store: Store, weights: str) -> None:

@@ -26,7 +26,7 @@ from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.coordination import Coordination, connect
-from unbroken.runtime.epochwatch import EpochWatch, WeightsWatch
+from unbroken.runtime.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.heartbeat import Heartbeat
 from unbroken.runtime.persistence import Persistence
@@ -68,7 +68,8 @@ def run(factories: Factories) -> int:
         return PrefixStore(f"g{generation}/", connect(address))
 
     watch = EpochWatch(client(), reconnect=client)
-    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch, reconnect=client)
+    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch, reconnect=client,
+                         decisions=DecisionWatch(client(), watch.cond, reconnect=client))
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
                           on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")
     heartbeat.start()
