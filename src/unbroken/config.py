@@ -66,8 +66,8 @@ class RunConfig:
     faults: str = ""  # see faultspec.py
     quotas: str = "speed"  # "speed": the detector's speed estimates weight the quotas; "equal": never
     recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
-    # the optimizer step taken while waiting for a peer's commit decision, undone on retry
-    # (runtime/speculation.py): "auto" = only when every replica has a core of its own to do it on
+    # commit pipelining: the optimizer steps and the next step computes before the commit decision
+    # is read; undone on retry (runtime/speculation.py). "auto": states up to 64 MiB; "on": any size
     step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich

@@ -21,7 +21,8 @@ runs alike. Kinds and their fields:
   epoch          epoch, members, reform (only when the same members re-form a group that broke with
                  nobody dead: the reason a member gave)
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)
-  replan         step, replica, proposed, agreed      (computed under its own plan, another won: redone)
+  replan         step, replica, proposed, agreed, why (the step's work was dropped and redone: "another
+                 plan won" over our own, or "previous step retried" after we had stepped ahead of it)
   undone         step, replica, epoch                 (optimizer stepped ahead of a retry decision: undone)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)

@@ -11,6 +11,11 @@
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
 
+Phases of step s (kill and hang): `compute` after the replica's first microbatch, `allreduce` as its
+all-reduce is issued, `commit` once the all-reduce succeeded, before the replica adds itself to the
+done count (so the step can only be retried: its peers, which may have stepped their optimizers ahead,
+must undo that), `optimizer` once the commit decision is known, before the replica applies it.
+
 Steps count from 0. Owns parsing and validation against the run's size; every error is a FaultSpecError
 whose message names the offending token in one line.
 """

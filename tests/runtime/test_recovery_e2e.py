@@ -48,6 +48,10 @@ def test_kill_in_each_phase(reference, tmp_path, phase, step_ahead):
     # one, when it died after that step's commit), not by a restart
     recovered = {e["step"] for e in events if e["event"] == "recovery"}
     assert recovered & {4, 5}
+    if phase == "commit":  # dead before its done count: step 4 is retried; pipelined peers undo their step
+        assert 4 in recovered
+        undone = {e["replica"] for e in events if e["event"] == "undone" and e["step"] == 4}
+        assert (undone and undone <= {0, 2, 3}) if step_ahead == "on" else not undone
 
 
 def test_two_kills_in_one_step(reference, tmp_path):

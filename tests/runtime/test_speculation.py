@@ -1,13 +1,11 @@
 """The undo of an optimizer step taken before its commit decision: exact, state and all."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from unbroken.runtime.gradients import Accumulator, unique_parameters
-from unbroken.runtime.speculation import Rollback, wanted
+from unbroken.runtime.speculation import MAX_BYTES, Rollback, limit
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,13 +75,12 @@ def test_attach_points_grads_back_at_the_buffer_without_clearing_it():
     assert not torch.equal(acc.buffer, held)
 
 
-def test_step_ahead_auto_only_with_a_core_per_replica_thread():
-    cores = len(os.sched_getaffinity(0))
-    assert wanted("on", 64, 4) and not wanted("off", 1, 1)
-    assert wanted("auto", cores - 1, 1) == (cores > 1)  # a core left for the coordinator and helpers
-    assert not wanted("auto", cores, 1) and not wanted("auto", 1, cores)
+def test_step_ahead_limits_the_state_it_copies():
+    assert limit("auto") == MAX_BYTES and limit("on") > 1 << 40 and limit("off") < 0
     _, params, opt = setup()
-    assert Rollback(params, opt).affordable() and not Rollback(params, opt, enabled=False).affordable()
+    assert Rollback(params, opt).affordable() and not Rollback(params, opt, limit("off")).affordable()
+    small = sum(p.numel() * p.element_size() for p in params) - 1  # the parameters alone do not fit
+    assert not Rollback(params, opt, small).affordable()
 
 
 def test_saved_buffers_are_reused_and_a_restore_after_a_reuse_is_exact():

@@ -5,16 +5,25 @@ accumulator, an all-reduce of a copy, store reads and compare-and-sets, the opti
 outcome into the next event; the per-microbatch RNG; the events of this replica. Does not own: decisions
 (policy), membership (coordinator), process start-up (worker.py, launch.py).
 
-A step, read top to bottom (`train_step`, `run_plan`):
+A step, read top to bottom (`train_step`, `run_plan`, `drive`):
   plan = our proposal (epoch, members, quota weights); the sidecar compare-and-sets it meanwhile
-  policy says Compute(owned microbatches)   -> forward/backward each into the accumulator
-  before anything leaves the process        -> the agreed plan: adopt it, or redo the step under it
+  policy says Compute(owned microbatches)   -> forward/backward each into this step's accumulator
+  before anything leaves the process        -> settle the previous step (below); the agreed plan:
+                                               adopt it, or redo the step under it
   policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved)
   policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
-                                               (waiting, the optimizer may step ahead: run.step_ahead)
   on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
   policy says Apply                         -> load reduced grads, optimizer step, digest, events;
                                                the step record is claimed and written by the sidecar
+
+Commit pipelining (run.step_ahead): where the policy would wait for the commit decision (or for our
+own commit compare-and-set to return), the optimizer steps at once, from a saved copy of the state
+(speculation.py), and the next step starts computing; that step settles this one's decision before
+anything of its own leaves the process (its reduce). Commit, the usual case: the step's events and
+record are written then. Retry: the state is put back, this step goes on from its own intact
+accumulator (two alternate between steps), and the next step starts over. DDP's ranks part after the
+all-reduce; without pipelining ours would wait for the last member to publish: a second
+synchronisation point each step.
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -39,7 +48,7 @@ from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
 from unbroken.runtime.sidecar import Sidecar
-from unbroken.runtime.speculation import Rollback, wanted
+from unbroken.runtime.speculation import Rollback, limit
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,29 @@ class Factories:
     optimizer: Callable[[list[nn.Parameter], Config], torch.optim.Optimizer]
 
 
+@dataclass
+class StepWork:
+    """What one step holds while it runs, and while its decision is pending: its accumulator (the
+    step's local sum, kept for a retry), per-microbatch (tokens, sumsq, seconds), token count, times."""
+    step: int
+    acc: Accumulator
+    tokens: int
+    started: float  # time.time() at the step's start
+    timings: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    waited: float = 0.0  # s spent waiting on peers' decisions or epochs (after any step ahead)
+    stepped: float = 0.0  # time.time() after its optimizer step
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A step whose optimizer stepped ahead of its decision: `action` is what the policy asked for
+    (AwaitDecision, or Propose commit whose compare-and-set runs in `proposal`)."""
+    work: StepWork
+    state: rec.StepState
+    action: rec.AwaitDecision | rec.Propose
+    proposal: Future | None
+
+
 class Trainer:
     def __init__(self, cfg: Config, me: int, coord: Coordination, factories: Factories, log: EventLog,
                  heartbeat: Heartbeat, injector: Injector, sidecar: Coordination,
@@ -67,65 +99,138 @@ class Trainer:
         self.data = factories.data(cfg)
         self.params = unique_parameters(self.model)
         self.optimizer = factories.optimizer(self.params, cfg)
-        self.acc = Accumulator(self.params, torch.float64 if cfg.run.exact else torch.float32)
+        dtype = torch.float64 if cfg.run.exact else torch.float32
+        self.accs = (Accumulator(self.params, dtype), Accumulator(self.params, dtype))  # steps alternate
         self.persist = persistence(self.model, self.optimizer) if persistence else None
         self.groups: dict[int, EpochGroup] = {}
         self.reduced: torch.Tensor | None = None
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
         self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
-        self.rollback = Rollback(self.params, self.optimizer,
-                                 wanted(cfg.run.step_ahead, cfg.run.replicas, cfg.run.threads))
+        self.rollback = Rollback(self.params, self.optimizer, limit(cfg.run.step_ahead))
         self.ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
+        self.pending: Pending | None = None  # a step stepped ahead, its decision not yet read
+        self.work: StepWork  # the step whose actions run now
 
     def fit(self, first_step: int = 0) -> None:
         """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
         self.model.train()
         for step in range(first_step, self.cfg.run.steps):
             self.train_step(step)
+        while self.pending is not None:  # the last step's decision (retried, it may step ahead again)
+            self.settle()
         self.sidecar.wait_records()
 
     def train_step(self, step: int) -> rec.StepState:
-        self.step_started = time.time()
-        self.waited = 0.0  # s this step spent waiting on peers' decisions or epochs (after any step ahead)
-        self.step_tokens = self.data.step_tokens(step, self.cfg.run.microbatches)
         # Compute under our own proposal while the sidecar compare-and-sets it; nothing leaves this
         # process (reduce, publish) before the plan that won is known. If another plan won (the epoch
         # or the weights changed at the step's start) and it assigns us other microbatches, the work
-        # is dropped and the step starts over under it (a `replan` event).
+        # is dropped and the step starts over under it (a `replan` event); so it is when the previous
+        # step, stepped ahead, turns out retried (our work used parameters that were undone).
+        work = StepWork(step, self.accs[step % 2], self.data.step_tokens(step, self.cfg.run.microbatches),
+                        time.time())
         plan = self.coord.proposal(self.sidecar.weights)
         agreed = self.sidecar.plan(step, plan)
         while True:
-            state = self.run_plan(step, plan, agreed)
-            if state is not None:
+            state = self.run_plan(work, plan, agreed)
+            if isinstance(state, rec.StepState):
                 return state
-            self.log.emit("replan", step=step, replica=self.me, proposed=plan.epoch, agreed=agreed.result().epoch)
+            self.log.emit("replan", step=step, replica=self.me, proposed=plan.epoch, agreed=agreed.result().epoch,
+                          why=state)
             plan = agreed.result()
 
-    def run_plan(self, step: int, plan: Plan, agreed: Future) -> rec.StepState | None:
-        """Run the step's state machine from `plan`; None if `plan` turns out not to be the agreed one."""
-        self.acc.zero()
-        self.timings: dict[int, tuple[int, int, float]] = {}  # microbatch -> (tokens, sumsq, seconds)
-        state, actions = rec.start(step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches, plan.weights)
-        queue, checked = deque(actions), False
+    def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | str:
+        """Run the step's state machine from `plan`; or why the step must start over (another plan won,
+        or the previous step was retried)."""
+        work.acc.zero()
+        work.timings = {}
+        state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
+                                   plan.weights)
+
+        why = ""
+
+        def before_leaving(state: rec.StepState) -> rec.StepState | None:
+            nonlocal why
+            if not self.settle():
+                why = "previous step retried"
+                return None
+            self.work = work
+            won = agreed.result()
+            if won == plan:
+                return state
+            why = "another plan won"  # keep our work if it is still ours under it
+            return rec.adopt(state, won.epoch, won.members, won.weights)
+
+        return self.drive(work, state, deque(actions), before_leaving) or why
+
+    def drive(self, work: StepWork, state: rec.StepState, queue: deque,
+              before_leaving: Callable[[rec.StepState], rec.StepState | None] | None = None) -> rec.StepState | None:
+        """Execute the policy's actions for `work` until the step commits (or is pending: pipelining).
+        `before_leaving` runs once, before the first action that is not a Compute; its None aborts."""
+        self.work = work
         while queue:
             action = queue.popleft()
-            if not checked and not isinstance(action, rec.Compute):
-                won, checked = agreed.result(), True
-                if won != plan:  # another member's proposal won: keep our work if it is still ours
-                    state = rec.adopt(state, won.epoch, won.members, won.weights)
-                    if state is None:
-                        return None
+            if before_leaving is not None and not isinstance(action, rec.Compute):
+                state, before_leaving = before_leaving(state), None
+                if state is None:
+                    return None
+            if self.can_step_ahead(action):
+                self.step_ahead(state, action)
+                return state
             event = self.execute(action)
             if event is None:
                 continue
             before = state
             state, more = rec.on_event(state, event)
             if state.epoch != before.epoch and not state.phase.terminal:
-                self.log.emit("recovery", step=step, replica=self.me, from_epoch=before.epoch,
+                self.log.emit("recovery", step=work.step, replica=self.me, from_epoch=before.epoch,
                               to_epoch=state.epoch, redo=sorted(state.owed))
             queue.extend(more)
         return state
+
+    def can_step_ahead(self, action: rec.Action) -> bool:
+        """Pipeline this step's decision: only while no other step is pending, and when the state is
+        small enough to copy each step (speculation.Rollback.affordable)."""
+        waits = isinstance(action, rec.AwaitDecision) or (isinstance(action, rec.Propose)
+                                                         and action.outcome == "commit")
+        return waits and self.pending is None and self.rollback.affordable()
+
+    def step_ahead(self, state: rec.StepState, action: rec.AwaitDecision | rec.Propose) -> None:
+        """The optimizer step before the decision (speculation.py): memory only, undone on retry. A
+        commit we propose is compare-and-set beside it on the sidecar; a peer's decision is pushed to
+        us (DecisionWatch) while the next step computes."""
+        if isinstance(action, rec.Propose):
+            proposal = self.sidecar.propose(action.step, action.epoch, "commit")
+        else:
+            proposal = None
+            self.coord.watch_decision(action.step, action.epoch)
+        self.rollback.save()
+        self.ahead = (action.step, action.epoch, self.step_optimizer())
+        self.pending = Pending(self.work, state, action, proposal)
+
+    def settle(self) -> bool:
+        """Read the pending step's decision and finish it; True unless it was retried. Call before
+        anything of a later step leaves the process, and once after the last step.
+
+        Commit: the step's events and record. Retry (or the epoch moved first): the optimizer step is
+        undone and the step goes on from its intact accumulator until it commits; the caller's step,
+        computed on the undone parameters, must start over."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return True
+        work, state, action = pending.work, pending.state, pending.action
+        self.work = work
+        if pending.proposal is not None:
+            t = time.perf_counter()
+            event = self.decided(action.step, action.epoch, *pending.proposal.result())
+            work.waited += time.perf_counter() - t
+        else:
+            event = self.await_outcome(action.step, action.epoch, decision=True)
+        if event != rec.Decided(action.epoch, "commit"):
+            self.undo_ahead(action.step, action.epoch)
+        state, more = rec.on_event(state, event)
+        self.drive(work, state, deque(more))
+        return event == rec.Decided(action.epoch, "commit")
 
     def execute(self, action: rec.Action) -> rec.Event | None:
         match action:
@@ -135,39 +240,33 @@ class Trainer:
                 return self.reduce(step, epoch)
             case rec.Publish(step, epoch, held):
                 self.hb.at(step, "commit", epoch=epoch)
-                count = self.coord.publish(step, epoch, held, [self.timings[i] for i in held])
                 self.faults.at(step, "commit")
-                return rec.Published(epoch, count)
+                return rec.Published(epoch, self.coord.publish(step, epoch, held,
+                                                               [self.work.timings[i] for i in held]))
             case rec.Propose(step, epoch, outcome):
-                if outcome == "commit" and self.rollback.affordable():
-                    pending = self.sidecar.propose(step, epoch, outcome)  # the CAS runs beside ...
-                    self.step_ahead(step, epoch)  # ... the optimizer step, undone if retry won
-                    won, who = pending.result()
-                    if won != "commit":
-                        self.undo_ahead(step, epoch)
-                else:
-                    won, who = self.coord.propose(step, epoch, outcome)
-                if who == self.me:
-                    self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
-                return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
+                return self.decided(step, epoch, *self.coord.propose(step, epoch, outcome))
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
-                decision = isinstance(action, rec.AwaitDecision)
-                if decision and self.rollback.affordable():
-                    self.step_ahead(step, epoch)  # a peer will decide: step the optimizer meanwhile
-                t = time.perf_counter()
-                kind, value = self.wait(step, epoch, decision)
-                self.waited += time.perf_counter() - t
-                if self.ahead is not None and (kind, value) != ("decided", "commit"):
-                    self.undo_ahead(step, epoch)
-                if kind == "decided":
-                    return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
-                return rec.EpochChanged(value)
+                return self.await_outcome(step, epoch, decision=isinstance(action, rec.AwaitDecision))
             case rec.Apply(step, epoch):
                 self.apply(step, epoch)
                 return None
             case rec.Fence(step, reason):
                 self.fence(step, reason)
         raise AssertionError(f"unhandled action {action!r}")
+
+    def decided(self, step: int, epoch: int, won: str, who: int) -> rec.Decided:
+        """The event for a decision that `who` compare-and-set; the proposer logs it."""
+        if who == self.me:
+            self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
+        return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
+
+    def await_outcome(self, step: int, epoch: int, decision: bool) -> rec.Decided | rec.EpochChanged:
+        t = time.perf_counter()
+        kind, value = self.wait(step, epoch, decision)
+        self.work.waited += time.perf_counter() - t
+        if kind == "decided":
+            return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
+        return rec.EpochChanged(value)
 
     def wait(self, step: int, epoch: int, decision: bool) -> tuple[str, object]:
         """Wait for the decision of (step, epoch) (if `decision`) or a new epoch.
@@ -189,12 +288,12 @@ class Trainer:
             mb = self.data.microbatch(step, i)
             t = time.perf_counter()
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
-            loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, self.step_tokens)
+            loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, self.work.tokens)
             loss.backward()
-            self.acc.add(loss)
+            self.work.acc.add(loss)
             seconds = time.perf_counter() - t
             seconds += self.faults.stretch(step, seconds)
-            self.timings[i] = (mb.tokens, mb.sumsq, seconds)
+            self.work.timings[i] = (mb.tokens, mb.sumsq, seconds)
             self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
                           tokens=mb.tokens, sumsq=mb.sumsq)
             if n == 0:
@@ -209,14 +308,14 @@ class Trainer:
         if epoch not in self.groups:
             self.groups[epoch] = EpochGroup(self.coord.group_store(), epoch, self.coord.members(epoch), self.me,
                                             self.cfg.coord.collective_timeout)
-        held = tuple(sorted(self.timings))  # what this member computed in the step: the policy's `held`
+        held = tuple(sorted(self.work.timings))  # what this member computed in the step: the policy's `held`
 
         def issued() -> None:  # the done record is written while the reduction runs (off the path)
             self.faults.at(step, "allreduce")
-            self.coord.stage(step, epoch, held, [self.timings[i] for i in held])
+            self.coord.stage(step, epoch, held, [self.work.timings[i] for i in held])
 
         try:
-            result = self.groups[epoch].allreduce(self.acc.buffer, lambda: self.coord.epoch() > epoch,
+            result = self.groups[epoch].allreduce(self.work.acc.buffer, lambda: self.coord.epoch() > epoch,
                                                   on_issued=issued)
         except EpochMoved:
             return rec.EpochChanged(self.coord.chain_after(epoch))
@@ -229,22 +328,18 @@ class Trainer:
 
     def step_optimizer(self) -> float:
         """Reduced gradient into .grad, optimizer step; returns the step's loss."""
-        loss = self.acc.load_grads(self.reduced)
+        loss = self.work.acc.load_grads(self.reduced)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         self.sidecar.wait_records()  # the last step record's hash must have read the parameters first
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.work.stepped = time.time()
         return loss
-
-    def step_ahead(self, step: int, epoch: int) -> None:
-        """The optimizer step before the decision (speculation.py): memory only, undone on retry."""
-        self.rollback.save()
-        self.ahead = (step, epoch, self.step_optimizer())
 
     def undo_ahead(self, step: int, epoch: int) -> None:
         self.rollback.restore()
-        self.acc.attach()  # the step goes on: backward must add into the buffer again
+        self.work.acc.attach()  # the step goes on: backward must add into its buffer again
         self.ahead = None
         self.log.emit("undone", step=step, replica=self.me, epoch=epoch)
 
@@ -258,14 +353,14 @@ class Trainer:
         else:
             loss = self.step_optimizer()
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params),
-                      waited=round(self.waited, 6))
+                      waited=round(self.work.waited, 6))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
         # Claiming and writing the step record (sha256 included) and refreshing the quota weights run
         # beside the next step's compute (sidecar.py), off the path every peer waits on.
         self.sidecar.record(step, epoch, self.coord.members(epoch), dict(
-            step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=self.step_tokens,
-            step_time=round(time.time() - self.step_started, 6)))
+            step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=self.work.tokens,
+            step_time=round(self.work.stepped - self.work.started, 6)))
 
     def fence(self, step: int, reason: str) -> None:
         self.log.emit("fenced", replica=self.me, step=step, reason=reason)
