@@ -7,15 +7,15 @@ global batch (M microbatches a step, rank r computes the contiguous block M/R * 
 gradient accumulation under `no_sync()` for all but the last microbatch, AdamW with the same
 hyper-parameters, one torch thread per process. No fault tolerance: a dead rank hangs or crashes the rest.
 
-`spawn(cfg, port)` starts R real processes (`python _ddp_baseline.py --rank r ...`, each imports torch and
-joins through a TCPStore rendezvous, as torchrun would give them) and returns rank 0's wall-clock time
-after each optimizer step. Run as a script it is one such rank.
+`start(cfg, port, times)` starts R real processes (`python _ddp_baseline.py --rank r ...`, each imports torch
+and joins through a TCPStore rendezvous, as torchrun would give them); rank 0 appends its wall-clock time
+after each optimizer step to the file `times`, a line a step, as it goes (as unbroken's step records
+do). `spawn(cfg, port)` runs them to the end and returns those times. Run as a script it is one rank.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -26,20 +26,25 @@ from pathlib import Path
 from unbroken.config import Config
 
 
-def spawn(cfg: Config, port: int, timeout_s: float = 600.0) -> list[float]:
-    """Run the baseline with cfg.run.replicas processes; returns rank 0's time.time() after each step."""
+def start(cfg: Config, port: int, times: Path) -> list[subprocess.Popen]:
+    """Start cfg.run.replicas rank processes; rank 0 appends time.time() after each step to `times`."""
     R, M = cfg.run.replicas, cfg.run.microbatches
     if M % R:
         raise ValueError(f"{M} microbatches do not split evenly across {R} processes")
+    conf = times.with_suffix(".config.json")
+    conf.write_text(cfg.to_json())
+    # the same environment unbroken's launcher gives its workers: one OpenMP thread each
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
+    return [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(R), "--port", str(port),
+                              "--config", str(conf), "--out", str(times)], env=env, stdin=subprocess.DEVNULL)
+            for r in range(R)]
+
+
+def spawn(cfg: Config, port: int, timeout_s: float = 600.0) -> list[float]:
+    """Run the baseline with cfg.run.replicas processes; returns rank 0's time.time() after each step."""
     with tempfile.TemporaryDirectory(prefix="ddp-baseline-") as tmp:
-        conf, out = Path(tmp) / "config.json", Path(tmp) / "times.json"
-        conf.write_text(cfg.to_json())
-        # the same environment unbroken's launcher gives its workers: one OpenMP thread each
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(R), "--port",
-                                   str(port), "--config", str(conf), "--out", str(out)],
-                                  env=env, stdin=subprocess.DEVNULL)
-                 for r in range(R)]
+        out = Path(tmp) / "times.txt"
+        procs = start(cfg, port, out)
         try:
             deadline = time.time() + timeout_s
             for p in procs:
@@ -52,7 +57,7 @@ def spawn(cfg: Config, port: int, timeout_s: float = 600.0) -> list[float]:
         codes = [p.returncode for p in procs]
         if any(codes):
             raise RuntimeError(f"DDP baseline failed: exit codes {codes}")
-        return json.loads(out.read_text())
+        return [float(x) for x in out.read_text().split()]
 
 
 def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
@@ -75,7 +80,7 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
     per = M // world
     mine = range(rank * per, (rank + 1) * per)
     model.train()
-    times = []
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if rank == 0 else -1
     dist.barrier()  # start the clock together, as unbroken's replicas start step 0 together
     for step in range(cfg.run.steps):
         step_tokens = data.step_tokens(step, M)
@@ -89,9 +94,8 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.time())
-    if rank == 0:
-        out.write_text(json.dumps(times))
+        if rank == 0:
+            os.write(fd, f"{time.time():.6f}\n".encode())
     dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while another still uses it
     dist.destroy_process_group()
 

@@ -2,35 +2,45 @@
 
 Both sides do the same work (see benchmarks/_ddp_baseline.py): the same GPT, the same microbatches, M of
 them a step split evenly across R real processes on gloo, one torch thread each, AdamW. unbroken runs
-through its own launcher (coordinator, heartbeats, store protocol, copy-then-reduce, digests, events);
-the baseline is DDP with `no_sync()` accumulation.
+through its own CLI and launcher (coordinator, heartbeats, store protocol, copy-then-reduce, digests,
+events) with `run.quotas=equal` (M/R microbatches per replica, DDP's split); the baseline is DDP with
+`no_sync()` accumulation. Step times come from each side's own clock records: unbroken's `step`
+records, and the baseline's rank 0, which appends its wall clock after each optimizer step.
 
-Step time: unbroken's from its `step` records (the median of differences of consecutive records' `t`);
-the baseline's from rank 0's wall clock after each optimizer step, the same way. The first --warmup
-intervals of every run are dropped (allocator, first bucket rebuild, page faults). The two run alternately
-in ABBA order (unbroken, DDP | DDP, unbroken | ...: --rounds rounds; an extra run after some rounds)
-because this machine is shared and its speed drifts from minute to minute; each run's figure is the
-median of its steady-state intervals; the overhead is unbroken's best run over DDP's best run (shared
-machine: interference only adds time, so the fastest of repeated runs estimates the undisturbed speed,
-as timeit takes the minimum); the median over rounds of each round's ratio and the pooled ratio of all
-intervals are printed too, with a 95% bootstrap interval of the per-round median (how tightly one
-run pins the ratio down on this machine). unbroken runs with `run.quotas=equal` (M/R microbatches per
-replica, DDP's split); the extras are --exact and the default `quotas=speed`, which rebalances toward
-faster replicas (their ratios are pooled medians of one run each).
+How: time-sliced, side by side. This machine is shared, and its speed drifts by more than the 3% this
+figure must resolve: the same DDP configuration ran at 68-117 ms a step in runs a minute apart, and
+neighbouring runs of an earlier version of this benchmark (separate 25-step runs in ABBA order)
+disagreed by up to 1.5x. So both sides run at once, each one long run, and take turns: while one runs
+for a --window of seconds, every process of the other (launcher, coordinator and trainers; or the DDP
+ranks) is frozen with SIGSTOP, then they swap (SIGCONT). Both see the machine of the same few seconds.
+A window's figure is the median of the step intervals wholly inside it, after the first --settle ones
+(a thawed run refills its caches; a step frozen half way is not a step). Each round has one window of
+each side, in ABBA order; a round's ratio is its unbroken window over its DDP window. The figure is the
+median of the rounds' ratios, with a 95% bootstrap interval over rounds (how tightly one run pins it
+down) and the pooled ratio of all intervals. Heartbeat, progress and collective timeouts are raised for
+the runs: a frozen coordinator must not count its own sleep as its members' silence, nor gloo a
+collective frozen half way as a peer's (DDP's default is 30 minutes).
 
-Prints a table, extra ratio lines for --exact (float64 accumulation and reduction) and quotas=speed, and
-last `ratio overhead <unbroken / DDP>` for the default float32 mode with equal quotas, the fair
-comparison (target <= 1.03).
-Usage: python benchmarks/overhead.py [--rounds 8] [--steps 25] [--replicas 4] [--microbatches 8]
-       [--n-layer 2] [--n-embd 64] [--extras 2]
+Extras (--extras, a comma list; one window each per round, each against the same round's DDP window):
+`exact` (float64 accumulation and reduction), `speed` (the default speed-weighted quotas, which move
+microbatches to whichever replica the machine favours), `no-pipelining` (run.step_ahead=off: every
+member waits for the commit decision before its optimizer step, the protocol without its pipelining).
+
+Prints a table, the extras' `ratio overhead <name> <value>` lines, and last `ratio overhead <unbroken /
+DDP>` for the default float32 mode with equal quotas (target <= 1.03).
+Usage: python benchmarks/overhead.py [--rounds 16] [--window 3] [--settle 3] [--replicas 4]
+       [--microbatches 8] [--n-layer 2] [--n-embd 64] [--extras exact,speed]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
-import socket
 import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,29 +54,127 @@ import _ddp_baseline  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
 from unbroken.events import read_events  # noqa: E402
-from unbroken.runtime.launch import launch  # noqa: E402
+
+LONG = 10 ** 6  # steps of each run: it is stopped when the rounds are done
+EXTRAS = {"exact": ["--run.quotas=equal", "--exact"], "speed": ["--run.quotas=speed"],
+          "no-pipelining": ["--run.quotas=equal", "--run.step_ahead=off"]}
 
 
-def intervals(times: list[float], warmup: int) -> list[float]:
-    """Differences of consecutive step times, the first `warmup` dropped."""
-    return [b - a for a, b in zip(times, times[1:])][warmup:]
+class Side:
+    """One long run of one system, frozen and thawed as a whole; `times()` are its step-end times."""
+
+    def __init__(self, name: str, procs: list[subprocess.Popen], times):
+        self.name, self.procs, self.times = name, procs, times
+        self.windows: list[tuple[float, float]] = []  # (thawed at, frozen at), time.time()
+
+    def pids(self) -> list[int]:
+        """Every live process of the run: the started ones and their descendants."""
+        children: dict[int, list[int]] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(d))
+        out, todo = [], [p.pid for p in self.procs]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += children.get(pid, [])
+        return out
+
+    def signal(self, sig: int) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def check(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{self.name}: a process ended with code {p.returncode}")
+
+    def wait_steps(self, n: int, timeout_s: float = 300.0) -> None:
+        deadline = time.time() + timeout_s
+        while len(self.times()) < n:
+            self.check()
+            if time.time() > deadline:
+                raise RuntimeError(f"{self.name}: fewer than {n} steps after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def run_window(self, seconds: float) -> None:
+        self.signal(signal.SIGCONT)
+        t0 = time.time()
+        time.sleep(seconds)
+        self.signal(signal.SIGSTOP)
+        self.windows.append((t0, time.time()))
+        self.check()
+
+    def window_intervals(self, settle: int) -> list[list[float]]:
+        """Per window, the intervals between consecutive step ends wholly inside it, the first `settle`
+        dropped."""
+        times = sorted(self.times())
+        out = []
+        for a, b in self.windows:
+            inside = [t for t in times if a <= t <= b]
+            out.append([y - x for x, y in zip(inside, inside[1:])][settle:])
+        return out
+
+    def stop(self) -> None:
+        self.signal(signal.SIGCONT)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # unbroken's launcher kills its children on SIGTERM
+        deadline = time.time() + 30
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)
 
 
-def run_unbroken(cfg, out: Path, warmup: int) -> tuple[list[float], dict[str, list[float]]]:
-    """Step times of one unbroken run, and each replica's steady-state step split into parts."""
-    result = launch(cfg, title="overhead")
-    if not result.ok:
-        raise RuntimeError(f"unbroken run failed: {result.error} (see {out})")
+def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) -> Side:
+    cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas), "--steps", str(LONG),
+           "--microbatches", str(args.microbatches), f"--model.n_layer={args.n_layer}",
+           f"--model.n_embd={args.n_embd}", "--run.progress=false", "--coord.heartbeat_timeout=3600",
+           "--coord.progress_timeout=3600", "--coord.collective_timeout=3600", "--coord.run_timeout=86400", "--out", str(out), *extra]
+    log = open(out.parent / f"{out.name}.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    events = out / "events.jsonl"
 
-    records = read_events(out / "events.jsonl")
-    committed = sorted((r for r in records if r["event"] == "step"), key=lambda r: r["step"])
-    # Per replica and step: time between its own optimizer steps ("applied"), its forward/backward
-    # seconds, its all-reduce seconds (which include waiting for the slowest peer); the rest is data,
-    # the store protocol (plan, done count, decision), the optimizer step, the digest and event writes;
-    # "waited" is the part of the rest a member spent waiting for the peer that proposes the commit (a
-    # second synchronisation point a step, which DDP does not have: its ranks part after the all-reduce).
+    def times() -> list[float]:
+        if not events.exists():
+            return []
+        return [r["t"] for r in read_events(events) if r["event"] == "step"]
+    return Side(name, [proc], times)
+
+
+def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
+    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
+                      model__n_layer=args.n_layer, model__n_embd=args.n_embd)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp / "ddp-times.txt"
+
+    def times() -> list[float]:
+        if not path.exists():
+            return []
+        text = path.read_text()
+        return [float(x) for x in text[:text.rfind("\n") + 1].split()]
+    return Side("ddp", _ddp_baseline.start(cfg, port, path), times)
+
+
+def parts(out: Path, settle: int) -> dict[str, float]:
+    """unbroken's step per replica, split (medians over every replica and step after `settle`): its
+    forward/backward, its all-reduce (which includes waiting for the slowest peer), and the rest (data,
+    the store protocol, optimizer, digest, events); `waited`: the part of the rest spent waiting for a
+    peer's commit decision (with commit pipelining, the decision is usually there when it is needed)."""
     applied, waited, compute, reduce = {}, {}, {}, {}
-    for r in records:
+    for r in read_events(out / "events.jsonl"):
         key = (r.get("replica"), r.get("step"))
         if r["event"] == "applied":
             applied[key], waited[key] = r["t"], r["waited"]
@@ -74,110 +182,90 @@ def run_unbroken(cfg, out: Path, warmup: int) -> tuple[list[float], dict[str, li
             compute[key] = compute.get(key, 0.0) + r["seconds"]
         elif r["event"] == "reduce" and r["ok"]:
             reduce[key] = reduce.get(key, 0.0) + r["seconds"]
-    parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": [], "waited": []}
+    got: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": [], "waited": []}
     for (rep, s), t in applied.items():
-        if s > warmup and (rep, s - 1) in applied:
+        if s > settle and (rep, s - 1) in applied:
             interval = t - applied[(rep, s - 1)]
-            parts["compute"].append(compute.get((rep, s), 0.0))
-            parts["reduce"].append(reduce.get((rep, s), 0.0))
-            parts["rest"].append(interval - parts["compute"][-1] - parts["reduce"][-1])
-            parts["waited"].append(waited[(rep, s)])  # part of the rest
-    return [r["t"] for r in committed], parts
+            got["compute"].append(compute.get((rep, s), 0.0))
+            got["reduce"].append(reduce.get((rep, s), 0.0))
+            got["rest"].append(interval - got["compute"][-1] - got["reduce"][-1])
+            got["waited"].append(waited[(rep, s)])
+    return {k: 1e3 * statistics.median(v) for k, v in got.items() if v}
 
 
 def bootstrap_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the median of `ratios` (rounds resampled with replacement):
-    how far this machine's drift lets one run of the benchmark pin the ratio down."""
+    """95% percentile-bootstrap interval of the median of `ratios` (rounds resampled with replacement)."""
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8, help="alternations of unbroken / DDP")
-    ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--warmup", type=int, default=4, help="step intervals dropped at the start of each run")
+    ap.add_argument("--rounds", type=int, default=16, help="windows of each side")
+    ap.add_argument("--window", type=float, default=3.0, help="s a side runs while the others are frozen")
+    ap.add_argument("--settle", type=int, default=3, help="step intervals dropped after each thaw")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
-    ap.add_argument("--extras", type=int, default=2, help="extra runs, one per round: --exact, then quotas=speed")
+    ap.add_argument("--extras", default="exact,speed", help=f"extra unbroken sides, of {','.join(EXTRAS)}")
     args = ap.parse_args()
+    names = [x for x in args.extras.split(",") if x]
+    if bad := [x for x in names if x not in EXTRAS]:
+        ap.error(f"--extras: unknown {bad[0]!r} (choose from {', '.join(EXTRAS)})")
     console = Console(width=120)
     t_start = time.time()
-    base = dict(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
-                model__n_layer=args.n_layer, model__n_embd=args.n_embd)
-    # Extras, one per round while rounds last: --exact, and the default speed-weighted quotas (which move
-    # microbatches to whichever replica this shared machine happens to favour: not the same even split).
-    extras = ["unbroken --exact", "unbroken quotas=speed"][:args.extras]
-    samples: dict[str, list[float]] = {"unbroken": [], "ddp": [], **{x: [] for x in extras}}
-    per_run: dict[str, list[float]] = {k: [] for k in samples}
-    parts: dict[str, list[float]] = {"compute": [], "reduce": [], "rest": [], "waited": []}
-    tmp = tempfile.mkdtemp(prefix="overhead-")  # removed on success; kept to read when a run fails
+    tmp = Path(tempfile.mkdtemp(prefix="overhead-"))  # removed on success; kept to read when a run fails
+    extras = [(f"unbroken {x}", EXTRAS[x]) for x in names]
+    sides: list[Side] = []
+    try:
+        # Start each side and freeze it once it is past start-up (imports, first steps), one at a time.
+        for name, extra in [("unbroken", ["--run.quotas=equal"]), ("ddp", None), *extras]:
+            with console.status(f"starting {name}"):
+                side = start_ddp(tmp, args) if extra is None else \
+                    start_unbroken(name, tmp / name.replace(" ", "-"), args, *extra)
+                sides.append(side)
+                side.wait_steps(args.settle + 2)
+                side.signal(signal.SIGSTOP)
+        unb, ddp, more = sides[0], sides[1], sides[2:]
+        for rnd in range(args.rounds):
+            pair = [unb, ddp] if rnd % 2 == 0 else [ddp, unb]  # ABBA: a drift within two rounds cancels
+            for side in pair + more:
+                with console.status(f"round {rnd + 1}/{args.rounds}: {side.name}"):
+                    side.run_window(args.window)
+    finally:
+        for side in sides:
+            side.stop()
 
-    def measure(name: str, rnd: int) -> list[float]:
-        if name == "ddp":
-            return _ddp_baseline.spawn(make_config(**base), free_port())
-        out = Path(tmp) / f"{name.replace(' --', '-').replace('=', '-')}-{rnd}"
-        # equal quotas: M/R microbatches per replica every step, the split DDP has
-        cfg = make_config(**base, exact=name.endswith("exact"), out=str(out),
-                          quotas="speed" if name.endswith("speed") else "equal")
-        times, p = run_unbroken(cfg, out, args.warmup)
-        if name == "unbroken":
-            for k in parts:
-                parts[k].extend(p[k])
-        return times
-
-    for rnd in range(args.rounds):
-        # ABBA order (unbroken, DDP | DDP, unbroken | ...): a speed drift within two rounds cancels
-        pair = ["unbroken", "ddp"] if rnd % 2 == 0 else ["ddp", "unbroken"]
-        for name in pair + extras[rnd:rnd + 1]:
-            with console.status(f"round {rnd + 1}/{args.rounds}: {name}"):
-                times = measure(name, rnd)
-            got = intervals(times, args.warmup)
-            samples[name].extend(got)
-            per_run[name].append(statistics.median(got))
-            console.print(f"round {rnd + 1} {name:>17}: median step {1e3 * per_run[name][-1]:7.1f} ms "
-                          f"({len(got)} intervals)")
-
-    med = {k: statistics.median(v) for k, v in samples.items() if v}
-    shutil.rmtree(tmp, ignore_errors=True)
+    per = {s.name: s.window_intervals(args.settle) for s in sides}
+    if any(not w for s in sides for w in per[s.name]):
+        raise RuntimeError(f"a window held fewer than {args.settle + 2} steps: raise --window (runs in {tmp})")
+    med = {n: [statistics.median(w) for w in ws] for n, ws in per.items()}
+    pooled = {n: statistics.median([x for w in ws for x in w]) for n, ws in per.items()}
     t = Table(title=f"failure-free step time: {args.replicas} processes, {args.microbatches} microbatches/step, "
-                    f"{args.rounds} rounds x {args.steps} steps", title_justify="left")
-    for col in ("system", "median step ms", "per-run medians ms", "intervals", "vs DDP"):
+                    f"{args.rounds} rounds of {args.window:g} s windows, time-sliced", title_justify="left")
+    for col in ("system", "median step ms", "per-window medians ms", "intervals", "vs DDP (rounds)"):
         t.add_column(col, justify="left" if col == "system" else "right")
-    for name, m in med.items():
-        t.add_row(name, f"{1e3 * m:.1f}", " ".join(f"{1e3 * x:.1f}" for x in per_run[name]),
-                  str(len(samples[name])), f"{m / med['ddp']:.3f}")
+    ratios = {n: [a / b for a, b in zip(m, med["ddp"])] for n, m in med.items()}
+    for s in sides:
+        t.add_row(s.name, f"{1e3 * pooled[s.name]:.1f}", " ".join(f"{1e3 * x:.0f}" for x in med[s.name]),
+                  str(sum(len(w) for w in per[s.name])), f"{statistics.median(ratios[s.name]):.3f}")
     console.print(t)
-    paired = [u / d for u, d in zip(per_run["unbroken"], per_run["ddp"])]  # same minute, similar load
-    console.print("unbroken / DDP by round (neighbouring runs): " + " ".join(f"{x:.3f}" for x in paired))
-    console.print(f"pooled medians (every interval of every round): unbroken / DDP {med['unbroken'] / med['ddp']:.3f}")
-    m = {k: 1e3 * statistics.median(v) for k, v in parts.items()}
-    console.print(f"unbroken default, per replica and step (medians): forward/backward {m['compute']:.1f} ms, "
-                  f"all-reduce incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, "
-                  f"optimizer, digest, events) {m['rest']:.1f} ms; of the rest, waiting for a peer's commit "
-                  f"decision (after any step ahead, run.step_ahead): mean {1e3 * statistics.fmean(parts['waited']):.1f} ms")
+    console.print("unbroken / DDP by round: " + " ".join(f"{x:.3f}" for x in ratios["unbroken"]))
+    m = parts(tmp / "unbroken", args.settle)
+    console.print(f"unbroken, per replica and step (medians): forward/backward {m['compute']:.1f} ms, all-reduce "
+                  f"incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, optimizer, digest, "
+                  f"events) {m['rest']:.1f} ms, of which waiting for a commit decision {m['waited']:.2f} ms")
+    lo, hi = bootstrap_ci(ratios["unbroken"])
+    console.print(f"pooled intervals: unbroken / DDP {pooled['unbroken'] / pooled['ddp']:.3f}; median of rounds "
+                  f"{statistics.median(ratios['unbroken']):.3f} (95% bootstrap interval {lo:.3f}-{hi:.3f})")
     console.print(f"wall time {time.time() - t_start:.0f} s")
-    for x in (x for x in extras if x in med):
-        print(f"ratio overhead {x.removeprefix('unbroken ').removeprefix('--')} {med[x] / med['ddp']:.3f}")
-    # The figure: each side's best run (the lowest of its per-run median step times) over the other's.
-    # This machine is shared, and a neighbour's burst slowed single runs of either side by up to 2x
-    # while the next minute was clean (per-run medians 49.6 and 98.2 ms for the same DDP config); such
-    # interference only ever adds time, so, as timeit does, the fastest of repeated runs estimates the
-    # undisturbed speed. Both sides get the same number of runs, interleaved ABBA.
-    best = min(per_run["unbroken"]) / min(per_run["ddp"])
-    lo, hi = bootstrap_ci(paired)
-    console.print(f"median over rounds of unbroken / DDP: {statistics.median(paired):.3f} (95% bootstrap "
-                  f"interval over rounds {lo:.3f}-{hi:.3f}); best run over best run: {best:.3f}")
-    print(f"ratio overhead {best:.3f}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for s in more:
+        print(f"ratio overhead {s.name.removeprefix('unbroken ')} "
+              f"{statistics.median(ratios[s.name]):.3f}")
+    print(f"ratio overhead {statistics.median(ratios['unbroken']):.3f}")
 
 
 if __name__ == "__main__":

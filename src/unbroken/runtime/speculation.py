@@ -12,12 +12,16 @@ reduces, by when it is there. Nothing leaves the process before the decision (no
 step record, no snapshot, no store write of the next step but its plan), so a retry, rare, only has
 to restore memory: the copies are exact, so `--exact` stays bit for bit.
 
-Measured (4 replicas x 1 thread on 2 cores, the overhead benchmark's model, 150 steps a run,
-alternating runs): pipelined 0.72-0.985x the step time of waiting for the decision, faster in 6 of 6
-rounds; the wait for a decision fell from ~3.4 ms to ~0.04 ms a step. (Stepping ahead *and* still
-waiting, an earlier version, was 1.055x slower on shared cores: the copy and the optimizer step
-delayed the proposer's compare-and-set, which every peer waited on.) The copy costs a memcpy of the
-state each step, so `run.step_ahead="auto"` pipelines states up to `MAX_BYTES`; "on" any size.
+Measured on this 2-core machine (benchmarks/overhead.py, time-sliced, `--extras no-pipelining`): the
+wait for a decision fell from ~3.4 ms to ~0.04 ms a step, but the step time did not move measurably
+(pooled 96.0 vs 95.9 ms with 4 replicas, 20 rounds; 75.4 vs 75.9 ms with 2, 12 rounds): where
+replicas and the coordinator share cores, a waiting member's core goes to a peer anyway. Where it
+should pay (not measured here: no such machine) is a cluster, where a waiting GPU idles and the
+store is a network hop away.
+(Stepping ahead *and* still waiting, an earlier version, was 1.055x slower on shared cores: the copy
+and the optimizer step delayed the proposer's compare-and-set, which every peer waited on.) The copy
+costs a memcpy of the state each step, so `run.step_ahead="auto"` pipelines states up to `MAX_BYTES`;
+"on" any size.
 """
 from __future__ import annotations
 
