@@ -103,7 +103,8 @@ class Trainer:
         self.accs = (Accumulator(self.params, dtype), Accumulator(self.params, dtype))  # steps alternate
         self.persist = persistence(self.model, self.optimizer) if persistence else None
         self.groups: dict[int, EpochGroup] = {}
-        self.reduced: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None  # the last all-reduce's result (`scratch`)
+        self.scratch: torch.Tensor | None = None  # reused as the all-reduce's copy until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
         self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
@@ -318,12 +319,17 @@ class Trainer:
             self.faults.at(step, "allreduce")
             self.coord.stage(step, epoch, held, [self.work.timings[i] for i in held])
 
+        buffer = self.work.acc.buffer
+        if self.scratch is None or self.scratch.dtype != buffer.dtype:
+            self.scratch = torch.empty_like(buffer)
         try:
-            result = self.groups[epoch].allreduce(self.work.acc.buffer, lambda: self.coord.epoch() > epoch,
-                                                  on_issued=issued)
+            result = self.groups[epoch].allreduce(buffer, lambda: self.coord.epoch() > epoch, on_issued=issued,
+                                                  into=self.scratch)
         except EpochMoved:
+            self.scratch = None  # the abandoned collective may still write it
             return rec.EpochChanged(self.coord.chain_after(epoch))
         except CollectiveError as e:
+            self.scratch = None
             self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e))
             return rec.ReduceFailed(epoch, str(e))
         self.reduced = result.tensor
