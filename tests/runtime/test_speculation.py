@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from unbroken.runtime.gradients import Accumulator, unique_parameters
-from unbroken.runtime.speculation import MAX_BYTES, Rollback, limit
+from unbroken.runtime.speculation import CPU_MAX_BYTES, MAX_BYTES, Rollback, limit
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +76,8 @@ def test_attach_points_grads_back_at_the_buffer_without_clearing_it():
 
 
 def test_step_ahead_limits_the_state_it_copies():
-    assert limit("auto") == MAX_BYTES and limit("on") > 1 << 40 and limit("off") < 0
+    assert limit("auto") == CPU_MAX_BYTES < limit("auto", "cuda") == MAX_BYTES
+    assert limit("on") > 1 << 40 and limit("off") < 0
     _, params, opt = setup()
     assert Rollback(params, opt).affordable() and not Rollback(params, opt, limit("off")).affordable()
     small = sum(p.numel() * p.element_size() for p in params) - 1  # the parameters alone do not fit

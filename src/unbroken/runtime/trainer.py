@@ -112,7 +112,7 @@ class Trainer:
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
         # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).
         mode = "off" if self.persist and cfg.run.step_ahead == "auto" else cfg.run.step_ahead
-        self.rollback = Rollback(self.params, self.optimizer, limit(mode))
+        self.rollback = Rollback(self.params, self.optimizer, limit(mode, self.params[0].device))
         self.ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
         self.pending: Pending | None = None  # a step stepped ahead, its decision not yet read
         self.work: StepWork  # the step whose actions run now
