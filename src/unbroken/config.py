@@ -47,7 +47,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class CoordConfig:
-    heartbeat_interval: float = 0.1  # s between a member's heartbeats
+    heartbeat_interval: float = 0.25  # s between a member's heartbeats and the coordinator's liveness rounds
     heartbeat_timeout: float = 3.0  # s without a heartbeat before a member is declared dead
     startup_timeout: float = 120.0  # s a member may take from its first heartbeat to its first step
     progress_timeout: float = 20.0  # s in one compute microbatch before a beating member is declared stuck

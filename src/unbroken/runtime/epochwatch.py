@@ -9,8 +9,8 @@ counter reaches `current + 1` and, when it moves, wakes whoever waits in `wait_u
 - the quota weights' version (`weights/{n}`, set by the coordinator after `weights`): members re-read
   the weights when the detector changed them, not after every step.
 - the coordinator's wake-up calls (`wake/{n}`, set by the launcher through `wake` after a worker exits,
-  a generation starts, or the run ends): its loop sleeps a liveness round (100 ms) unless woken, where
-  it read an exit count every 20 ms before.
+  a generation starts, or the run ends): its loop sleeps a liveness round (coord.heartbeat_interval)
+  unless woken, where it read an exit count every 20 ms before.
 And one watch of keys that are not counters: `DecisionWatch`, the commit/retry decision of each (step,
 epoch) a member waits for, pushed to it the moment the proposer compare-and-sets it.
 Does not own: membership itself (coordinator.py) or what a member does on a change (policy.recovery).
