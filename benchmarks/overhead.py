@@ -35,11 +35,11 @@ bootstrap interval; one run each, rounds scatter by +-10%):
   GPT 4 x 128 (0.8M parameters, ~250 ms steps)          0.986 (0.913-1.036)   pooled 0.983
   GPT 4 x 192 (1.8M parameters, ~400 ms steps, --window 5)  1.044 (0.970-1.093)   pooled 1.042
 The small model's gap is a fixed cost per step: ~8 ms of CPU a step (1.8 cores x 90 ms) outside the
-trainers' main threads (store server and coordinator ~2.9, the member's store thread ~3, its watch and
-heartbeat threads ~1.3, the launcher ~0.6; per-thread CPU from /proc), plus the main threads' waits
-for the GIL those threads take; on 2 shared cores all of it comes out of training. It does not grow
-with the model; what does (one member's sha256 of the parameters a step, an xxh3 on each, the copy
-that is reduced) is a few ms per million parameters.
+trainers' main threads (store server and coordinator ~2.9; summed over the 4 members, their store
+threads ~3 and watch and heartbeat threads ~1.3; the launcher ~0.6; per-thread CPU from /proc), plus
+the main threads' waits for the GIL those threads take; on 2 shared cores all of it comes out of
+training. It does not grow with the model; what does (one member's sha256 of the parameters a step,
+an xxh3 on each, the copy that is reduced) is a few ms per million parameters.
 Usage: python benchmarks/overhead.py [--rounds 16] [--window 3] [--settle 3] [--replicas 4]
        [--microbatches 8] [--n-layer 2] [--n-embd 64] [--extras exact,speed]
 """
