@@ -98,3 +98,61 @@ def test_saved_buffers_are_reused_and_a_restore_after_a_reuse_is_exact():
     step(model, opt)
     rb.restore()
     assert same(before, snapshot(params, opt))
+
+
+class Replacing(torch.optim.Optimizer):
+    """Momentum SGD that puts a new momentum tensor in its state each step (torch's own update theirs
+    in place) and keeps a mutable non-tensor value, changed in place: the cases a kept copy plan misses."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            s = self.state[p]
+            s["momentum"] = 0.9 * s.get("momentum", torch.zeros_like(p)) + p.grad  # a new tensor
+            s.setdefault("history", []).append(float(s["momentum"].sum()))  # mutated in place
+            p.sub_(0.1 * s["momentum"])
+
+
+def test_restore_is_exact_when_the_optimizer_replaces_or_mutates_its_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    params = unique_parameters(model)
+    opt = Replacing(params)
+    rb = Rollback(params, opt)
+    for _ in range(3):
+        rb.save()
+        step(model, opt)
+        rb.drop()
+    before = ([p.detach().clone() for p in params],
+              {i: (opt.state[p]["momentum"].clone(), list(opt.state[p]["history"])) for i, p in enumerate(params)})
+    rb.save()
+    step(model, opt)
+    rb.restore()
+    assert all(torch.equal(p, q) for p, q in zip(params, before[0]))
+    for i, p in enumerate(params):
+        assert torch.equal(opt.state[p]["momentum"], before[1][i][0]) and opt.state[p]["history"] == before[1][i][1]
+
+
+def test_load_grads_points_grads_at_the_reduced_buffer_and_keeps_its_views():
+    model, params, opt = setup()
+    acc = Accumulator(params, torch.float32)
+    acc.zero()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    reduced = acc.buffer * 2
+    reduced[-1] = 3.0
+    assert acc.load_grads(reduced) == 3.0
+    assert all(p.grad.data_ptr() >= reduced.data_ptr() for p in params)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    assert torch.equal(flat, reduced[:-1])
+    reduced.mul_(0.5)  # the same buffer, reduced again: the kept views see it
+    acc.load_grads(reduced)
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in params]), acc.buffer[:-1])
+    other = torch.zeros_like(reduced)  # another buffer: new views
+    acc.load_grads(other)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in params)
+    exact = Accumulator(params, torch.float64)  # exact mode: float32 copies of a float64 buffer
+    exact.load_grads(reduced.double())
+    assert all(p.grad.dtype == torch.float32 for p in params)

@@ -34,6 +34,18 @@ class Accumulator:
         # DDP's gradient_as_bucket_view: backward accumulates in place (AccumulateGrad adds into a
         # defined grad: 0 + g1 + g2 ..., the same float32 sums as copying), so nothing is copied.
         self.views = all(p.dtype == dtype for p in params)
+        # Views are made once and kept: slicing and reshaping 28 parameters' views cost ~60 us a step
+        # (at every zero() and every load_grads), setting `.grad` to a kept view ~4 us for all 28.
+        self._own = self._split(self.buffer) if self.views else []
+        self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, its views)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a flat (numel + 1,) buffer, shaped like the parameter."""
+        views, offset = [], 0
+        for p, n in zip(self.params, self.sizes):
+            views.append(flat[offset:offset + n].view_as(p))
+            offset += n
+        return views
 
     def zero(self) -> None:
         """Clear the buffer; call once at the start of a step, never inside one."""
@@ -43,11 +55,8 @@ class Accumulator:
     def attach(self) -> None:
         """Point each `.grad` at its slice of the buffer again (float32 mode), keeping what it holds:
         after anything set `.grad` elsewhere (`load_grads`, `zero_grad`) within a step that goes on."""
-        if self.views:
-            offset = 0
-            for p, n in zip(self.params, self.sizes):
-                p.grad = self.buffer[offset:offset + n].view_as(p)
-                offset += n
+        for p, view in zip(self.params, self._own):
+            p.grad = view
 
     def add(self, weighted_loss: torch.Tensor) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
@@ -63,11 +72,16 @@ class Accumulator:
         self.buffer[-1] += weighted_loss.detach().to(self.buffer.dtype)
 
     def load_grads(self, reduced: torch.Tensor) -> float:
-        """Write a reduced buffer into `.grad` as float32; returns the reduced (step) loss."""
-        offset = 0
-        for p, n in zip(self.params, self.sizes):
-            p.grad = reduced[offset:offset + n].view_as(p).to(p.dtype)
-            offset += n
+        """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced
+        (step) loss. The views of the last buffer given are kept: the all-reduce reuses one."""
+        if self.views:
+            if self._loaded is None or self._loaded[0] is not reduced:
+                self._loaded = (reduced, self._split(reduced))
+            for p, view in zip(self.params, self._loaded[1]):
+                p.grad = view
+        else:
+            for p, view in zip(self.params, self._split(reduced)):
+                p.grad = view.to(p.dtype)
         return float(reduced[-1])
 
 
