@@ -38,6 +38,7 @@ class Accumulator:
         # (at every zero() and every load_grads), setting `.grad` to a kept view ~4 us for all 28.
         self._own = self._split(self.buffer) if self.views else []
         self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, its views)
+        self._loss = self.buffer[-1:]  # (1,) view: `buffer[-1] += x` is a select, an add and a copy back
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of a flat (numel + 1,) buffer, shaped like the parameter."""
@@ -69,7 +70,8 @@ class Accumulator:
                     self.buffer[offset:offset + n].add_(p.grad.reshape(-1))
                     p.grad = None
                 offset += n
-        self.buffer[-1] += weighted_loss.detach().to(self.buffer.dtype)
+        # add_ computes in the buffer's dtype: a float32 loss is widened exactly, as `.to(float64)` did
+        self._loss.add_(weighted_loss.detach())
 
     def load_grads(self, reduced: torch.Tensor) -> float:
         """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced
