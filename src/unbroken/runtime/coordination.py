@@ -21,8 +21,10 @@ Keys (all values utf-8):
   ndone/{s}/{e}         counter                                  member
   decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r (members wait
                                                                  on it: epochwatch.DecisionWatch)
-  applied/{s}           counter; the first to apply writes the step record
-  last_commit           last committed step                      first member to apply it
+  claim/{s}             the member that writes step s's record   CAS by each member that applied s
+  last_commit           last committed step                      the claimant, once it claimed
+  recorded/{s}          "1" once step s's record is written      its writer
+  reclaim/{s}           a survivor that writes it instead         CAS (the claimant died first)
   finished/{r}          "1" once a member has applied the last step     member
   nfinished             count of finished/{r} keys (watchers re-read those only when it moves)   member
   failed                JSON {"reason","last_committed_step"}    coordinator: every replica lost
@@ -224,11 +226,29 @@ class Coordination:
         itself. Idempotent; a request for an epoch already past is ignored."""
         self.store.set(f"reform/{epoch}", json.dumps({"replica": self.me, "reason": reason}))
 
-    def first_to_apply(self, step: int) -> bool:
-        first = self.store.add(f"applied/{step}", 1) == 1
-        if first:
+    def claim_record(self, step: int) -> int:
+        """Compare-and-set ourselves as the writer of committed `step`'s record; returns the writer
+        that won (the first member to get here), who also sets `last_commit`."""
+        claimant = int(self.store.compare_set(f"claim/{step}", "", str(self.me)))
+        if claimant == self.me:
             self.store.set("last_commit", str(step))
-        return first
+        return claimant
+
+    def claimant(self, step: int) -> int | None:
+        value = read(self.store, f"claim/{step}")
+        return None if value is None else int(value)
+
+    def reclaim_record(self, step: int) -> bool:
+        """For a survivor that found `step`'s claimant dead with the record unwritten: True for the one
+        survivor that writes it instead."""
+        return self.store.compare_set(f"reclaim/{step}", "", str(self.me)) == str(self.me).encode()
+
+    def recorded(self, step: int) -> bool:
+        """Whether `step`'s record is written."""
+        return self.store.check([f"recorded/{step}"])
+
+    def mark_recorded(self, step: int) -> None:
+        self.store.set(f"recorded/{step}", "1")
 
     def finish(self) -> None:
         """Call once after the last step: the coordinator stops judging this member's liveness."""

@@ -5,7 +5,15 @@ loop, (1) compare-and-sets the step's plan while the member already computes und
 (2) compare-and-sets a commit decision while the member steps its optimizer ahead, (3) after each
 committed step claims the step record (one member writes it), and for the claimant reads
 the commit epoch's owners, hashes the parameters (sha256, ~2 ms for 1M of them) and writes the record,
-and refreshes the quota weights the next proposal carries.
+and refreshes the quota weights the next proposal carries; (4) after a recovery, writes the record of
+the step before if its claimant died with it unwritten.
+
+Every committed step gets its record: a member publishes a step (lets it commit) only after the
+record it claimed of the step before is out (`wait_records` before publishing), so a claimant that dies
+with its record unwritten leaves the next step uncommitted in its epoch; the survivors recover in that
+step, their parameters still those after the unrecorded one, and one of them writes it (`recover`).
+(Before, a claimant killed between claiming and writing, e.g. at the next step's all-reduce, left a
+committed step without a record: the run then failed with "only 11 of 12 steps committed".)
 Does not own: what a plan or a decision means (policy.recovery, coordination.py), or the step record's
 fields (events.py).
 
@@ -25,7 +33,8 @@ from unbroken.runtime.coordination import Coordination, Plan
 
 class Sidecar:
     """Call `plan` at the start of a step, `propose` for a commit decision, `record` after applying,
-    and `wait_records` before the parameters change again and before leaving. Jobs run in that order,
+    `recover` on a recovery, and `wait_records` before the parameters change again, before publishing
+    the next step and before leaving. Jobs run in that order,
     one at a time, on one thread.
     `digest()` runs on that thread and may only read the parameters.
     """
@@ -35,6 +44,7 @@ class Sidecar:
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
+        self._last: tuple[int, int, tuple[int, ...], dict] | None = None  # the last `record` call's arguments
 
     def plan(self, step: int, mine: Plan) -> Future:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
@@ -48,7 +58,16 @@ class Sidecar:
         """Queue the bookkeeping of committed `step`; `record` holds the step record's other fields."""
         self.wait_records()
         record = {**record, "t": time.time()}  # the commit's time, not the hash's
+        self._last = (step, epoch, members, record)
         self._records = self._pool.submit(self._record, step, epoch, members, record)
+
+    def recover(self, step: int, members: tuple[int, ...]) -> None:
+        """Call on a recovery in step `step + 1`, before the parameters change (its optimizer step
+        waits for this job): if `step`'s record is unwritten and its claimant is not among the new
+        epoch's `members`, one survivor writes it. A no-op unless we applied `step` last."""
+        self.wait_records()
+        if self._last is not None and self._last[0] == step:
+            self._records = self._pool.submit(self._rewrite, members, *self._last)
 
     def wait_records(self) -> None:
         """Block until the last step's bookkeeping is done; re-raises its error."""
@@ -57,11 +76,21 @@ class Sidecar:
             pending.result()
 
     def _record(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
-        if self.coord.first_to_apply(step):
-            owners = self.coord.held(step, epoch, members)
-            self.log.emit("step", **record, epoch=epoch, members=list(members), replicas=len(members),
-                          owners={str(m): v for m, v in owners.items()}, param_digest=self.digest())
+        if self.coord.claim_record(step) == self.coord.me:
+            self._write(step, epoch, members, record)
         self._weights = self.coord.weights(self._weights)
+
+    def _rewrite(self, survivors: tuple[int, ...], step: int, epoch: int, members: tuple[int, ...],
+                 record: dict) -> None:
+        if (self.coord.claimant(step) not in survivors and not self.coord.recorded(step)
+                and self.coord.reclaim_record(step)):
+            self._write(step, epoch, members, record)
+
+    def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
+        owners = self.coord.held(step, epoch, members)
+        self.log.emit("step", **record, epoch=epoch, members=list(members), replicas=len(members),
+                      owners={str(m): v for m, v in owners.items()}, param_digest=self.digest())
+        self.coord.mark_recorded(step)
 
     @property
     def weights(self) -> dict[int, float]:

@@ -190,6 +190,7 @@ class Trainer:
             if state.epoch != before.epoch and not state.phase.terminal:
                 self.log.emit("recovery", step=work.step, replica=self.me, from_epoch=before.epoch,
                               to_epoch=state.epoch, redo=sorted(state.owed))
+                self.sidecar.recover(work.step - 1, self.coord.members(state.epoch))
             queue.extend(more)
         return state
 
@@ -246,6 +247,7 @@ class Trainer:
             case rec.Publish(step, epoch, held):
                 self.hb.at(step, "commit", epoch=epoch)
                 self.faults.at(step, "commit")
+                self.sidecar.wait_records()  # the record we claimed of the step before is out (sidecar.py)
                 return rec.Published(epoch, self.coord.publish(step, epoch, held,
                                                                [self.work.timings[i] for i in held]))
             case rec.Propose(step, epoch, outcome):

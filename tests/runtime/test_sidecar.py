@@ -1,0 +1,65 @@
+"""Every committed step gets one record: written by its claimant, or by one survivor when the claimant
+died with it unwritten (a real TCPStore; members are Coordination views of it, as in a worker)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.distributed import TCPStore
+
+from unbroken.events import EventLog, read_events
+from unbroken.runtime.coordination import Coordination
+from unbroken.runtime.sidecar import Sidecar
+
+pytestmark = pytest.mark.timeout(60)
+
+MEMBERS = (0, 1, 2)
+
+
+@pytest.fixture
+def store():
+    server = TCPStore("127.0.0.1", 0, 1, True)
+    server.set("weights", "{}")
+    for m in MEMBERS:  # each member's done record of step 5, epoch 0: the step record's owners
+        server.set(f"done/5/0/{m}", json.dumps({"held": [m], "timings": [[10, 100, 0.1]]}))
+    yield server
+
+
+def member(store, me, log):
+    return Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), me), log, lambda: f"digest-{me}")
+
+
+def records(log):
+    return [r for r in read_events(log.path) if r["event"] == "step"]
+
+
+def test_a_survivor_writes_the_record_its_dead_claimant_left_unwritten(store, tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    assert Coordination(store, 1).claim_record(5) == 1  # member 1 claims step 5, then dies
+    survivors = [member(store, 0, log), member(store, 2, log)]
+    for s in survivors:
+        s.record(5, 0, MEMBERS, {"step": 5, "loss": 1.0})
+        s.wait_records()
+    assert records(log) == []  # the claim was taken: nobody else writes
+    for s in survivors:  # both recover in step 6 without member 1: exactly one writes step 5
+        s.recover(5, (0, 2))
+        s.wait_records()
+    (rec,) = records(log)
+    assert rec["step"] == 5 and rec["param_digest"] in ("digest-0", "digest-2")
+    assert rec["owners"] == {"0": [0], "1": [1], "2": [2]} and rec["members"] == list(MEMBERS)
+
+
+def test_no_second_record_when_the_claimant_lives_or_already_wrote_it(store, tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    claimant, other = member(store, 1, log), member(store, 0, log)
+    claimant.record(5, 0, MEMBERS, {"step": 5, "loss": 1.0})
+    claimant.wait_records()
+    other.record(5, 0, MEMBERS, {"step": 5, "loss": 1.0})
+    other.recover(5, (0, 1))  # the claimant lives
+    other.wait_records()
+    other.recover(5, (0, 2))  # the claimant is gone, but its record was out
+    other.wait_records()
+    other.recover(4, (0, 2))  # not the step this member applied last: nothing to do
+    other.wait_records()
+    assert [r["param_digest"] for r in records(log)] == ["digest-1"]
+    assert int(store.get("last_commit")) == 5
