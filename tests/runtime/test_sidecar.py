@@ -63,3 +63,15 @@ def test_no_second_record_when_the_claimant_lives_or_already_wrote_it(store, tmp
     other.wait_records()
     assert [r["param_digest"] for r in records(log)] == ["digest-1"]
     assert int(store.get("last_commit")) == 5
+
+
+def test_after_the_last_step_a_survivor_writes_the_record_of_a_claimant_declared_dead(store, tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    assert Coordination(store, 1).claim_record(5) == 1  # claims the last step's record, then dies
+    survivor = member(store, 0, log)
+    survivor.record(5, 0, MEMBERS, {"step": 5, "loss": 1.0})
+    survivor.finish(5, timeout_s=0.3)  # the claimant is not (yet) declared dead: wait, give up
+    assert records(log) == []
+    store.set("dead/1", json.dumps({"epoch": 1, "reason": "process exited with code -9"}))
+    survivor.finish(5, timeout_s=5.0)
+    assert [r["param_digest"] for r in records(log)] == ["digest-0"]

@@ -123,8 +123,9 @@ class Coordination:
         latest = int(self.store.get("epoch"))
         return tuple((e, self.members(e)) for e in range(epoch + 1, latest + 1))
 
-    def is_dead(self) -> bool:
-        return self.store.check([f"dead/{self.me}"])
+    def is_dead(self, member: int | None = None) -> bool:
+        """Whether `member` (default: this one) was declared dead."""
+        return self.store.check([f"dead/{self.me if member is None else member}"])
 
     def weights(self, known: tuple[int, dict[int, float]] | None = None) -> tuple[int, dict[int, float]]:
         """(version, the quota weights): `known` as is while the weights watch saw no new version,

@@ -75,6 +75,22 @@ class Sidecar:
             pending, self._records = self._records, None
             pending.result()
 
+    def finish(self, step: int, timeout_s: float) -> None:
+        """Call once after the last step, `step`: waits for its record. If its claimant is declared
+        dead with it unwritten, one survivor writes it (no next step can stand in for a recovery).
+        Gives up after `timeout_s` of a live claimant not writing it; the launcher then reports
+        the step as not committed."""
+        self.wait_records()
+        if self._last is None or self._last[0] != step:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self.coord.recorded(step) and time.monotonic() < deadline:
+            claimant = self.coord.claimant(step)
+            if claimant is not None and self.coord.is_dead(claimant):
+                self._rewrite((), *self._last)
+                return
+            time.sleep(0.05)
+
     def _record(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
         if self.coord.claim_record(step) == self.coord.me:
             self._write(step, epoch, members, record)

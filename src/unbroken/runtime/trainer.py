@@ -124,7 +124,7 @@ class Trainer:
             self.train_step(step)
         while self.pending is not None:  # the last step's decision (retried, it may step ahead again)
             self.settle()
-        self.sidecar.wait_records()
+        self.sidecar.finish(self.cfg.run.steps - 1, self.reform_after)
 
     def train_step(self, step: int) -> rec.StepState:
         # Compute under our own proposal while the sidecar compare-and-sets it; nothing leaves this
