@@ -30,16 +30,22 @@ Prints a table, the extras' `ratio overhead <name> <value>` lines, and last `rat
 DDP>` for the default float32 mode with equal quotas (target <= 1.03).
 
 Measured on the 2-core development machine, 4 replicas, 8 microbatches (median of 16 rounds, 95%
-bootstrap interval; one run each, rounds scatter by +-10%):
-  GPT 2 x 64  (0.1M parameters, ~90 ms steps)           1.108 (1.061-1.143)   pooled 1.075
+bootstrap interval; one run each, rounds scatter by +-10%, runs of the same code by +-3%):
+  GPT 2 x 64  (0.1M parameters, 50-90 ms steps)         1.108 (1.061-1.143)   pooled 1.075
+                                 (a later day, 3 runs)  1.080, 1.111, 1.100 (1.057-1.159)
   GPT 4 x 128 (0.8M parameters, ~250 ms steps)          0.986 (0.913-1.036)   pooled 0.983
+                                 (the later day, --window 4)  1.037 (0.983-1.089)   pooled 1.029
   GPT 4 x 192 (1.8M parameters, ~400 ms steps, --window 5)  1.044 (0.970-1.093)   pooled 1.042
-The small model's gap is a fixed cost per step: ~8 ms of CPU a step (1.8 cores x 90 ms) outside the
-trainers' main threads (store server and coordinator ~2.9; summed over the 4 members, their store
-threads ~3 and watch and heartbeat threads ~1.3; the launcher ~0.6; per-thread CPU from /proc), plus
-the main threads' waits for the GIL those threads take; on 2 shared cores all of it comes out of
-training. It does not grow with the model; what does (one member's sha256 of the parameters a step,
-an xxh3 on each, the copy that is reduced) is a few ms per million parameters.
+The small model's gap is CPU: the machine is saturated (~1.8 of 2 cores busy on both sides), so a
+step's time follows the CPU all processes spend on it. Per-thread CPU from /proc between two moments
+of one long run of each side, four runs interleaved (ms of CPU a step, summed over processes):
+DDP 93.1, unbroken 101.9 (1.095). Of unbroken's +8.8: the members' main threads +3.8 (of which each
+member's copy of its state for commit pipelining ~0.5 and events ~0.25, net of the ~3 ms a step
+DDP's ranks spend more inside forward/backward: its bucket hooks; thread CPU time, separate runs), their store threads 2.0 (plan and decision
+compare-and-sets, the step record, one member's sha256), the store server 1.2 (~26 requests a step;
+each costs its client and the server 5x what it does on an idle machine), the decision watches 0.5,
+the coordinator 0.35, the launcher 0.3, gloo's threads +0.7. It does not grow with the model; what
+does (the sha256, an xxh3 on each member, the copy that is reduced) is a few ms per million parameters.
 Usage: python benchmarks/overhead.py [--rounds 16] [--window 3] [--settle 3] [--replicas 4]
        [--microbatches 8] [--n-layer 2] [--n-embd 64] [--extras exact,speed]
 """
