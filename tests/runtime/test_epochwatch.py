@@ -64,7 +64,7 @@ DECISIONS = r'''
 import os, time
 import unbroken.runtime.epochwatch as ew
 from torch.distributed import TCPStore
-from unbroken.runtime.coordination import Coordination
+from unbroken.runtime.coordination import Coordination, Plan
 srv = TCPStore("127.0.0.1", 0, 1, True)
 connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
 srv.set("epoch", "0"); srv.set("members/0", "[0, 1]"); srv.set("members/1", "[0]")
@@ -73,16 +73,18 @@ me = Coordination(connect(), 0, watch, decisions=ew.DecisionWatch(connect(), wat
 peer = Coordination(connect(), 1)
 # a decision written while we wait is pushed to us
 me.watch_decision(3, 0)
-peer.propose(3, 0, "commit")
-print("decided", *me.wait_for(3, 0, True, 5.0), flush=True)
+peer.propose(3, 0, "commit", Plan(0, (0, 1), {1: 0.5}))
+kind, d = me.wait_for(3, 0, True, 5.0)  # the commit names its proposer and carries step 4's plan
+print("decided", kind, d.outcome, d.proposer, d.plan == Plan(0, (0, 1), {1: 0.5}), flush=True)
 # the epoch moves before any decision: we learn that, propose retry ourselves, and the watch's
 # thread (blocked on decision/4/0 until our own compare-and-set) goes on to the next decision
 srv.set("epoch", "1"); srv.set(ew.epoch_key(1), "1")
 kind, chain = me.wait_for(4, 0, True, 5.0)
-print("moved", kind, chain, me.propose(4, 0, "retry")[0], flush=True)
+print("moved", kind, chain, me.propose(4, 0, "retry").outcome, flush=True)
 t = time.monotonic()
-me.propose(4, 1, "commit")
-print("next", *me.wait_for(4, 1, True, 5.0), flush=True)
+me.propose(4, 1, "commit", Plan(1, (0,), {}))
+kind, d = me.wait_for(4, 1, True, 5.0)
+print("next", kind, d.outcome, d.proposer, d.plan.members, flush=True)
 # nothing happens: a TimeoutError after the timeout, not a hang
 try:
     me.wait_for(5, 1, True, 0.5)
@@ -95,5 +97,5 @@ os._exit(0)
 def test_decision_watch_pushes_decisions_and_epoch_changes_without_polling():
     r = subprocess.run([sys.executable, "-c", DECISIONS], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["decided", "decided", "commit", "moved", "moved", "((1,", "(0,)),)", "retry",
-                                "next", "decided", "commit", "timeout", "True"]
+    assert r.stdout.split() == ["decided", "decided", "commit", "1", "True", "moved", "moved", "((1,", "(0,)),)",
+                                "retry", "next", "decided", "commit", "0", "(0,)", "timeout", "True"]

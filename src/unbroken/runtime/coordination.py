@@ -16,15 +16,18 @@ Keys (all values utf-8):
   wakes, wake/{n}       (unprefixed) the coordinator's wake-ups  launcher (epochwatch.wake)
   weights               JSON {replica: speed}, {} = equal        coordinator (detector's speeds; always set)
   nweights, weights/{n} how many times weights changed            coordinator (epochwatch.publish_weights)
-  plan/{s}              JSON {"epoch","members","weights"}       first member to start step s (CAS)
+  plan/{s}              JSON {"epoch","members","weights"}       CAS by the members, for the first step
+                                                                 of a generation only: the plan of every
+                                                                 later step comes with the commit of the
+                                                                 step before
   done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
   ndone/{s}/{e}         counter                                  member
-  decision/{s}/{e}      "commit:{r}" | "retry:{r}"               CAS by the proposer r (members wait
-                                                                 on it: epochwatch.DecisionWatch)
-  claim/{s}             the member that writes step s's record   CAS by each member that applied s
-  last_commit           last committed step                      the claimant, once it claimed
-  recorded/{s}          "1" once step s's record is written      its writer
-  reclaim/{s}           a survivor that writes it instead         CAS (the claimant died first)
+  decision/{s}/{e}      "commit:{r}:{plan of s+1}" | "retry:{r}" CAS by the proposer r (members wait
+                                                                 on it: epochwatch.DecisionWatch); r
+                                                                 writes the step record of a commit
+  recorded/{s}          "1" once step s's record is written      its writer (with last_commit)
+  last_commit           last committed step whose record is out  the record's writer
+  reclaim/{s}           a survivor that writes it instead         CAS (the proposer died first)
   finished/{r}          "1" once a member has applied the last step     member
   nfinished             count of finished/{r} keys (watchers re-read those only when it moves)   member
   failed                JSON {"reason","last_committed_step"}    coordinator: every replica lost
@@ -52,6 +55,33 @@ class Plan:
     members: tuple[int, ...]
     weights: dict[int, float]
 
+    def dumps(self) -> str:
+        return json.dumps({"epoch": self.epoch, "members": list(self.members), "weights": self.weights})
+
+    @staticmethod
+    def loads(raw: bytes | str) -> Plan:
+        won = json.loads(raw)
+        return Plan(won["epoch"], tuple(won["members"]), parse_weights(won["weights"]))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The single decision of a (step, epoch). A commit carries the plan of the next step (the
+    proposer's proposal when it proposed), so that no member compare-and-sets one, and names the
+    member that writes the step record: its proposer."""
+    outcome: str  # "commit" | "retry"
+    proposer: int
+    plan: Plan | None  # the next step's, on a commit
+
+    def dumps(self) -> str:
+        tail = f":{self.plan.dumps()}" if self.plan is not None else ""
+        return f"{self.outcome}:{self.proposer}{tail}"
+
+    @staticmethod
+    def loads(raw: bytes | str) -> Decision:
+        outcome, who, *plan = (raw.decode() if isinstance(raw, bytes) else raw).split(":", 2)
+        return Decision(outcome, int(who), Plan.loads(plan[0]) if plan else None)
+
 
 def parse_weights(raw: bytes | str | dict) -> dict[int, float]:
     """Quota weights as stored (JSON, replica ids as strings) -> {replica: speed}."""
@@ -64,6 +94,21 @@ def read(store: Store, key: str) -> bytes | None:
     (and writes nothing), the stored value otherwise."""
     value = store.compare_set(key, _MISSING, _MISSING)
     return None if value == _MISSING.encode() else value
+
+
+def last_committed(store: Store) -> int | None:
+    """The last committed step as the store knows it (None before any), for verdicts on a run that
+    lost every replica, not for the step loop (a read per epoch): the last step whose record is out
+    (`last_commit`), or the step after it when a commit of that one stands but its writer died before
+    writing its record with nobody left to write it instead. At most one such step: a writer
+    publishes the next step only after its record is out."""
+    raw = read(store, "last_commit")
+    last = -1 if raw is None else int(raw)
+    for e in range(int(read(store, "epoch") or 0) + 1):
+        value = read(store, decision_key(last + 1, e))
+        if value is not None and value.startswith(b"commit"):
+            return last + 1
+    return None if raw is None else last
 
 
 def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple[int, frozenset[int]]:
@@ -135,6 +180,10 @@ class Coordination:
             return known
         return version, parse_weights(self.store.get("weights"))
 
+    def weights_moved(self, known: tuple[int, dict[int, float]]) -> bool:
+        """Whether `weights(known)` would read the store: no round trip."""
+        return not (self._weights_watch is not None and self._weights_watch.current == known[0] >= 0)
+
     # the step ---------------------------------------------------------------------------------------
     def proposal(self, weights: dict[int, float]) -> Plan:
         """The plan this member would propose now: the current epoch, its members, `weights` (the
@@ -143,10 +192,9 @@ class Coordination:
         return Plan(e, self.members(e), dict(weights))
 
     def agree_plan(self, step: int, mine: Plan) -> Plan:
-        """Compare-and-set `mine` as the plan of `step`; returns the plan that won, ours or the stored one."""
-        value = json.dumps({"epoch": mine.epoch, "members": list(mine.members), "weights": mine.weights})
-        won = json.loads(self.store.compare_set(f"plan/{step}", "", value))
-        return Plan(won["epoch"], tuple(won["members"]), parse_weights(won["weights"]))
+        """Compare-and-set `mine` as the plan of `step`; returns the plan that won, ours or the stored one.
+        For a generation's first step only: a later step's plan comes with the commit before it."""
+        return Plan.loads(self.store.compare_set(f"plan/{step}", "", mine.dumps()))
 
     def stage(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> None:
         """Write this member's done record of (step, epoch) ahead of `publish`: call while the all-reduce
@@ -167,16 +215,16 @@ class Coordination:
         values = self.store.multi_get([f"done/{step}/{epoch}/{m}" for m in members])
         return {m: json.loads(v)["held"] for m, v in zip(members, values)}
 
-    def propose(self, step: int, epoch: int, outcome: str) -> tuple[str, int]:
-        """Compare-and-set the decision of (step, epoch); returns the winning (outcome, proposer)."""
-        won = self.store.compare_set(decision_key(step, epoch), "", f"{outcome}:{self.me}").decode()
-        kind, _, who = won.partition(":")
-        return kind, int(who)
+    def propose(self, step: int, epoch: int, outcome: str, next_plan: Plan | None = None) -> Decision:
+        """Compare-and-set the decision of (step, epoch), a commit with `next_plan`, the plan of step + 1;
+        returns the decision that won, ours or another member's."""
+        mine = Decision(outcome, self.me, next_plan if outcome == "commit" else None)
+        return Decision.loads(self.store.compare_set(decision_key(step, epoch), "", mine.dumps()))
 
-    def decision(self, step: int, epoch: int) -> str | None:
-        """The decided outcome of (step, epoch), or None: one round trip."""
+    def decision(self, step: int, epoch: int) -> Decision | None:
+        """The decision of (step, epoch), or None: one round trip."""
         value = read(self.store, decision_key(step, epoch))
-        return None if value is None else value.decode().partition(":")[0]
+        return None if value is None else Decision.loads(value)
 
     def watch_decision(self, step: int, epoch: int) -> None:
         """Start watching for the decision of (step, epoch) now, so that a later `wait_for` finds it
@@ -187,7 +235,7 @@ class Coordination:
     def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
         """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
 
-        Returns ("decided", outcome) or ("moved", chain); a decision wins when both hold. Raises
+        Returns ("decided", Decision) or ("moved", chain); a decision wins when both hold. Raises
         TimeoutError after `timeout_s`. With the decision and epoch watches (the worker's case) the
         wait blocks until either pushes a change; without a decision watch it reads the decision every
         0.2 ms at first, backing off to 2 ms.
@@ -202,7 +250,7 @@ class Coordination:
                 self.watch.wait_until(lambda: outcome() is not None or self.watch.current > epoch,
                                       max(0.0, deadline - time.monotonic()))
                 if outcome() is not None:
-                    return "decided", outcome()
+                    return "decided", Decision.loads(outcome())
                 if self.epoch() > epoch:
                     return "moved", self.chain_after(epoch)
                 if time.monotonic() >= deadline:
@@ -227,21 +275,9 @@ class Coordination:
         itself. Idempotent; a request for an epoch already past is ignored."""
         self.store.set(f"reform/{epoch}", json.dumps({"replica": self.me, "reason": reason}))
 
-    def claim_record(self, step: int) -> int:
-        """Compare-and-set ourselves as the writer of committed `step`'s record; returns the writer
-        that won (the first member to get here), who also sets `last_commit`."""
-        claimant = int(self.store.compare_set(f"claim/{step}", "", str(self.me)))
-        if claimant == self.me:
-            self.store.set("last_commit", str(step))
-        return claimant
-
-    def claimant(self, step: int) -> int | None:
-        value = read(self.store, f"claim/{step}")
-        return None if value is None else int(value)
-
     def reclaim_record(self, step: int) -> bool:
-        """For a survivor that found `step`'s claimant dead with the record unwritten: True for the one
-        survivor that writes it instead."""
+        """For a survivor that found `step`'s writer (its commit's proposer) dead with the record
+        unwritten: True for the one survivor that writes it instead."""
         return self.store.compare_set(f"reclaim/{step}", "", str(self.me)) == str(self.me).encode()
 
     def recorded(self, step: int) -> bool:
@@ -249,7 +285,9 @@ class Coordination:
         return self.store.check([f"recorded/{step}"])
 
     def mark_recorded(self, step: int) -> None:
-        self.store.set(f"recorded/{step}", "1")
+        """Say `step`'s record is out; it becomes the last committed step (one round trip for both).
+        Records come out in step order: a writer publishes the next step only after its record."""
+        self.store.multi_set([f"recorded/{step}", "last_commit"], ["1", str(step)])
 
     def finish(self) -> None:
         """Call once after the last step: the coordinator stops judging this member's liveness."""

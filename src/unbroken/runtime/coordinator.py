@@ -22,7 +22,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
-from unbroken.runtime.coordination import connect, finished_among, read
+from unbroken.runtime.coordination import connect, finished_among, last_committed, read
 from unbroken.runtime.epochwatch import WakeWatch, epoch_key
 from unbroken.runtime.slowness import SlownessMonitor
 
@@ -124,8 +124,8 @@ class Coordinator:
         self.membership = new
 
     def fail(self) -> None:
-        last = int(read(self.store, "last_commit") or -1)
-        record = {"reason": "every replica was lost", "last_committed_step": last}
+        last = last_committed(self.store)
+        record = {"reason": "every replica was lost", "last_committed_step": -1 if last is None else last}
         self.store.set("failed", json.dumps(record))
         self.log.emit("run_failed", **record)
 

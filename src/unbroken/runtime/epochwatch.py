@@ -106,7 +106,7 @@ class DecisionWatch:
     def __init__(self, store: Store, cond: threading.Condition, reconnect: Callable[[], Store] | None = None):
         self._store, self._reconnect, self.cond = store, reconnect, cond
         self._asked: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-        self._decided: dict[tuple[int, int], str] = {}  # (step, epoch) -> "commit" | "retry"
+        self._decided: dict[tuple[int, int], str] = {}  # (step, epoch) -> the decision's value
         self._watched: set[tuple[int, int]] = set()
         threading.Thread(target=self._run, name="decision-watch", daemon=True).start()
 
@@ -121,7 +121,8 @@ class DecisionWatch:
         self._asked.put((step, epoch))
 
     def outcome(self, step: int, epoch: int) -> str | None:
-        """"commit" or "retry" once the decision of (step, epoch) was seen here, else None."""
+        """The decision's value ("commit:{r}:{plan}" or "retry:{r}", coordination.Decision) once the
+        decision of (step, epoch) was seen here, else None."""
         return self._decided.get((step, epoch))
 
     def _run(self) -> None:
@@ -141,12 +142,12 @@ class DecisionWatch:
                 except Exception:  # noqa: BLE001 - the store went away: the run is over for this process
                     return
             with self.cond:
-                self._decided[(step, epoch)] = value.partition(":")[0]
+                self._decided[(step, epoch)] = value
                 self.cond.notify_all()
 
 
 def decision_key(step: int, epoch: int) -> str:
-    """The key of the single commit/retry decision of (step, epoch): "commit:{r}" | "retry:{r}"."""
+    """The key of the single commit/retry decision of (step, epoch) (coordination.Decision)."""
     return f"decision/{step}/{epoch}"
 
 

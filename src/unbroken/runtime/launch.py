@@ -34,7 +34,7 @@ from unbroken.progress import LiveView
 from unbroken.report import summarize
 from unbroken.runtime.agents import AgentSet
 from unbroken.runtime.chaos import Chaos
-from unbroken.runtime.coordination import connect, finished_among, read
+from unbroken.runtime.coordination import connect, finished_among, last_committed, read
 from unbroken.runtime.epochwatch import wake
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
@@ -131,6 +131,13 @@ def _sigterm_interrupts() -> Callable[[], None]:
 
     before = signal.signal(signal.SIGTERM, interrupt)
     return lambda: signal.signal(signal.SIGTERM, before)
+
+
+def _last(store, known: int) -> int:
+    """The last committed step for a verdict: the store's (coordination.last_committed), else `known`
+    (the last step record read)."""
+    last = last_committed(store)
+    return known if last is None else last
 
 
 def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, last_step: int,
@@ -270,9 +277,9 @@ class _Watch:
             lost = [r for r in workers if r not in finished and (r in dead
                                                                  or (r in reported and workers[r].returncode))]
             live = len(workers) - len(lost) - len(finished)
-            last = read(store, "last_commit")
-            last = self.last_step if last is None else int(last)
+            last = self.last_step  # read from the store only for a verdict below
             if lost and not finished and needs_restart(self.cfg.run.recovery, len(lost), live):
+                last = _last(store, last)
                 why = f"{len(lost)} of {len(workers)} replicas lost at step {last + 1}"
                 if self.persistent:
                     return "restart", why
@@ -280,7 +287,7 @@ class _Watch:
             if all(r in reported or r in lost for r in workers):
                 if finished:
                     return "done", None  # the rest are zombies (declared dead, still stopped): killed on exit
-                return "failed", f"every replica was lost; last committed step: {last}"
+                return "failed", f"every replica was lost; last committed step: {_last(store, last)}"
             if time.time() - self.t0 > self.cfg.coord.run_timeout:
                 return "timeout", f"run timed out after {self.cfg.coord.run_timeout:.0f} s"
 

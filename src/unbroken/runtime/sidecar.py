@@ -1,19 +1,22 @@
 """A member's store work that needs no place on the step's critical path, on a thread of its own.
 
 Owns: one background thread with its own store client (clients are not thread-safe) that, for the step
-loop, (1) compare-and-sets the step's plan while the member already computes under its own proposal,
-(2) compare-and-sets a commit decision while the member steps its optimizer ahead, (3) after each
-committed step claims the step record (one member writes it), and for the claimant reads
-the commit epoch's owners, hashes the parameters (sha256, ~2 ms for 1M of them) and writes the record,
-and refreshes the quota weights the next proposal carries; (4) after a recovery, writes the record of
-the step before if its claimant died with it unwritten.
+loop, (1) compare-and-sets the plan of a generation's first step while the member already computes
+under its own proposal (every later step's plan comes with the commit of the step before), (2)
+compare-and-sets a commit decision, carrying the next step's plan, while the member steps its
+optimizer ahead, (3) after a committed step whose commit this member proposed, writes its record
+(reads the commit epoch's owners, hashes the parameters: sha256, ~2 ms for 1M of them), and
+refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
+a recovery, writes the record of the step before if its writer died with it unwritten.
 
-Every committed step gets its record: a member publishes a step (lets it commit) only after the
-record it claimed of the step before is out (`wait_records` before publishing), so a claimant that dies
-with its record unwritten leaves the next step uncommitted in its epoch; the survivors recover in that
-step, their parameters still those after the unrecorded one, and one of them writes it (`recover`).
-(Before, a claimant killed between claiming and writing, e.g. at the next step's all-reduce, left a
-committed step without a record: the run then failed with "only 11 of 12 steps committed".)
+Every committed step gets its record, written by the member that proposed its commit (the decision
+names it: no member claims anything). A member publishes a step (lets it commit) only after the
+record it writes of the step before is out (`wait_records` before publishing), so a writer that
+dies with its record unwritten leaves the next step uncommitted in its epoch; the survivors recover
+in that step, their parameters still those after the unrecorded one, and one of them writes it
+(`recover`). After the last step, a survivor writes it once the writer is declared dead (`finish`).
+(Every member compare-and-set a claim on each step's record before: 4 of the ~26 store requests of
+a 4-replica step, and the plan's compare-and-set by every member 4 more.)
 Does not own: what a plan or a decision means (policy.recovery, coordination.py), or the step record's
 fields (events.py).
 
@@ -32,11 +35,10 @@ from unbroken.runtime.coordination import Coordination, Plan
 
 
 class Sidecar:
-    """Call `plan` at the start of a step, `propose` for a commit decision, `record` after applying,
-    `recover` on a recovery, and `wait_records` before the parameters change again, before publishing
-    the next step and before leaving. Jobs run in that order,
-    one at a time, on one thread.
-    `digest()` runs on that thread and may only read the parameters.
+    """Call `plan` at the start of a generation's first step, `propose` for a commit decision, `record`
+    after applying, `recover` on a recovery, and `wait_records` before the parameters change again,
+    before publishing the next step and before leaving. Jobs run in that order, one at a time, on one
+    thread. `digest()` runs on that thread and may only read the parameters.
     """
 
     def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str]):
@@ -44,30 +46,34 @@ class Sidecar:
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
-        self._last: tuple[int, int, tuple[int, ...], dict] | None = None  # the last `record` call's arguments
+        self._last: tuple[int, int, tuple[int, ...], int, dict] | None = None  # the last `record` call's arguments
 
     def plan(self, step: int, mine: Plan) -> Future:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
         return self._pool.submit(self.coord.agree_plan, step, mine)
 
-    def propose(self, step: int, epoch: int, outcome: str) -> Future:
-        """Compare-and-set the decision of (step, epoch); the future holds (outcome, proposer) that won."""
-        return self._pool.submit(self.coord.propose, step, epoch, outcome)
+    def propose(self, step: int, epoch: int, next_plan: Plan) -> Future:
+        """Compare-and-set a commit of (step, epoch) carrying `next_plan`; the future holds the Decision
+        that won."""
+        return self._pool.submit(self.coord.propose, step, epoch, "commit", next_plan)
 
-    def record(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
-        """Queue the bookkeeping of committed `step`; `record` holds the step record's other fields."""
+    def record(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
+        """Queue the bookkeeping of committed `step`, whose record `writer` (the proposer of its
+        commit) writes; `record` holds the step record's other fields."""
         self.wait_records()
         record = {**record, "t": time.time()}  # the commit's time, not the hash's
-        self._last = (step, epoch, members, record)
-        self._records = self._pool.submit(self._record, step, epoch, members, record)
+        self._last = (step, epoch, members, writer, record)
+        write = writer == self.coord.me
+        if write or self.coord.weights_moved(self._weights):
+            self._records = self._pool.submit(self._record, write, *self._last)
 
-    def recover(self, step: int, members: tuple[int, ...]) -> None:
+    def recover(self, step: int, survivors: tuple[int, ...]) -> None:
         """Call on a recovery in step `step + 1`, before the parameters change (its optimizer step
-        waits for this job): if `step`'s record is unwritten and its claimant is not among the new
-        epoch's `members`, one survivor writes it. A no-op unless we applied `step` last."""
+        waits for this job): if `step`'s record is unwritten and its writer is not among the new
+        epoch's members, `survivors`, one survivor writes it. A no-op unless we applied `step` last."""
         self.wait_records()
-        if self._last is not None and self._last[0] == step:
-            self._records = self._pool.submit(self._rewrite, members, *self._last)
+        if self._last is not None and self._last[0] == step and self._last[3] not in survivors:
+            self._records = self._pool.submit(self._rewrite, *self._last)
 
     def wait_records(self) -> None:
         """Block until the last step's bookkeeping is done; re-raises its error."""
@@ -76,30 +82,28 @@ class Sidecar:
             pending.result()
 
     def finish(self, step: int, timeout_s: float) -> None:
-        """Call once after the last step, `step`: waits for its record. If its claimant is declared
+        """Call once after the last step, `step`: waits for its record. If its writer is declared
         dead with it unwritten, one survivor writes it (no next step can stand in for a recovery).
-        Gives up after `timeout_s` of a live claimant not writing it; the launcher then reports
+        Gives up after `timeout_s` of a live writer not writing it; the launcher then reports
         the step as not committed."""
         self.wait_records()
-        if self._last is None or self._last[0] != step:
+        if self._last is None or self._last[0] != step or self._last[3] == self.coord.me:
             return
         deadline = time.monotonic() + timeout_s
         while not self.coord.recorded(step) and time.monotonic() < deadline:
-            claimant = self.coord.claimant(step)
-            if claimant is not None and self.coord.is_dead(claimant):
-                self._rewrite((), *self._last)
+            if self.coord.is_dead(self._last[3]):
+                self._rewrite(*self._last)
                 return
             time.sleep(0.05)
 
-    def _record(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
-        if self.coord.claim_record(step) == self.coord.me:
+    def _record(self, write: bool, step: int, epoch: int, members: tuple[int, ...], writer: int,
+                record: dict) -> None:
+        if write:
             self._write(step, epoch, members, record)
         self._weights = self.coord.weights(self._weights)
 
-    def _rewrite(self, survivors: tuple[int, ...], step: int, epoch: int, members: tuple[int, ...],
-                 record: dict) -> None:
-        if (self.coord.claimant(step) not in survivors and not self.coord.recorded(step)
-                and self.coord.reclaim_record(step)):
+    def _rewrite(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
+        if not self.coord.recorded(step) and self.coord.reclaim_record(step):
             self._write(step, epoch, members, record)
 
     def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:

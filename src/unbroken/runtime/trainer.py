@@ -6,7 +6,8 @@ outcome into the next event; the per-microbatch RNG; the events of this replica.
 (policy), membership (coordinator), process start-up (worker.py, launch.py).
 
 A step, read top to bottom (`train_step`, `run_plan`, `drive`):
-  plan = our proposal (epoch, members, quota weights); the sidecar compare-and-sets it meanwhile
+  plan = our proposal (epoch, members, quota weights); the agreed plan comes with the step before's
+                                               commit (a generation's first step: compare-and-set)
   policy says Compute(owned microbatches)   -> forward/backward each into this step's accumulator
   before anything leaves the process        -> settle the previous step (below); the agreed plan:
                                                adopt it, or redo the step under it
@@ -14,7 +15,8 @@ A step, read top to bottom (`train_step`, `run_plan`, `drive`):
   policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
   on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
   policy says Apply                         -> load reduced grads, optimizer step, digest, events;
-                                               the step record is claimed and written by the sidecar
+                                               the commit's proposer writes the step record
+                                               (on its sidecar)
 
 Commit pipelining (run.step_ahead): where the policy would wait for the commit decision (or for our
 own commit compare-and-set to return), the optimizer steps at once, from a saved copy of the state
@@ -43,7 +45,7 @@ from unbroken.model.data import mix, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.coordination import Coordination, Plan
+from unbroken.runtime.coordination import Coordination, Decision, Plan
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
 from unbroken.runtime.heartbeat import Heartbeat
@@ -75,6 +77,8 @@ class StepWork:
     timings: dict[int, tuple[int, int, float]] = field(default_factory=dict)
     waited: float = 0.0  # s spent waiting on peers' decisions or epochs (after any step ahead)
     stepped: float = 0.0  # time.time() after its optimizer step
+    decision: Decision | None = None  # the last decision read of this step
+    next_plan: Future = field(default_factory=Future)  # the next step's plan: its commit carries it
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ class Trainer:
         self.rollback = Rollback(self.params, self.optimizer, limit(mode, self.params[0].device))
         self.ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
         self.pending: Pending | None = None  # a step stepped ahead, its decision not yet read
+        self.carried: dict[int, Future] = {}  # step -> its plan, once the step before commits
         self.work: StepWork  # the step whose actions run now
 
     def fit(self, first_step: int = 0) -> None:
@@ -127,22 +132,25 @@ class Trainer:
         self.sidecar.finish(self.cfg.run.steps - 1, self.reform_after)
 
     def train_step(self, step: int) -> rec.StepState:
-        # Compute under our own proposal while the sidecar compare-and-sets it; nothing leaves this
-        # process (reduce, publish) before the plan that won is known. If another plan won (the epoch
-        # or the weights changed at the step's start) and it assigns us other microbatches, the work
-        # is dropped and the step starts over under it (a `replan` event); so it is when the previous
-        # step, stepped ahead, turns out retried (our work used parameters that were undone).
+        # Compute under our own proposal until the agreed plan is known: the one the previous step's
+        # commit carries (pipelined: read before anything of this step leaves the process), or for a
+        # generation's first step the first proposal compare-and-set (on the sidecar, meanwhile). If
+        # another plan won (the epoch or the weights changed) and it assigns us other microbatches,
+        # the work is dropped and the step starts over under it (a `replan` event); so it is when the
+        # previous step, stepped ahead, turns out retried (our work used parameters that were undone).
         work = StepWork(step, self.accs[step % 2], self.data.step_tokens(step, self.cfg.run.microbatches),
                         time.time())
         plan = self.coord.proposal(self.sidecar.weights)
-        agreed = self.sidecar.plan(step, plan)
+        agreed = self.carried.pop(step, None) or self.sidecar.plan(step, plan)
+        self.carried[step + 1] = work.next_plan
         while True:
             state = self.run_plan(work, plan, agreed)
             if isinstance(state, rec.StepState):
                 return state
-            self.log.emit("replan", step=step, replica=self.me, proposed=plan.epoch, agreed=agreed.result().epoch,
-                          why=state)
-            plan = agreed.result()
+            proposed = plan.epoch
+            # retried before its commit: the previous step's commit, and with it our plan, is still to come
+            plan = agreed.result() if agreed.done() else self.coord.proposal(self.sidecar.weights)
+            self.log.emit("replan", step=step, replica=self.me, proposed=proposed, agreed=plan.epoch, why=state)
 
     def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | str:
         """Run the step's state machine from `plan`; or why the step must start over (another plan won,
@@ -206,7 +214,7 @@ class Trainer:
         commit we propose is compare-and-set beside it on the sidecar; a peer's decision is pushed to
         us (DecisionWatch) while the next step computes."""
         if isinstance(action, rec.Propose):
-            proposal = self.sidecar.propose(action.step, action.epoch, "commit")
+            proposal = self.sidecar.propose(action.step, action.epoch, self.coord.proposal(self.sidecar.weights))
         else:
             proposal = None
             self.coord.watch_decision(action.step, action.epoch)
@@ -228,7 +236,7 @@ class Trainer:
         self.work = work
         if pending.proposal is not None:
             t = time.perf_counter()
-            event = self.decided(action.step, action.epoch, *pending.proposal.result())
+            event = self.decided(action.step, action.epoch, pending.proposal.result())
             work.waited += time.perf_counter() - t
         else:
             event = self.await_outcome(action.step, action.epoch, decision=True)
@@ -247,11 +255,12 @@ class Trainer:
             case rec.Publish(step, epoch, held):
                 self.hb.at(step, "commit", epoch=epoch)
                 self.faults.at(step, "commit")
-                self.sidecar.wait_records()  # the record we claimed of the step before is out (sidecar.py)
+                self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
                 return rec.Published(epoch, self.coord.publish(step, epoch, held,
                                                                [self.work.timings[i] for i in held]))
             case rec.Propose(step, epoch, outcome):
-                return self.decided(step, epoch, *self.coord.propose(step, epoch, outcome))
+                plan = self.coord.proposal(self.sidecar.weights) if outcome == "commit" else None
+                return self.decided(step, epoch, self.coord.propose(step, epoch, outcome, plan))
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
                 return self.await_outcome(step, epoch, decision=isinstance(action, rec.AwaitDecision))
             case rec.Apply(step, epoch):
@@ -261,18 +270,20 @@ class Trainer:
                 self.fence(step, reason)
         raise AssertionError(f"unhandled action {action!r}")
 
-    def decided(self, step: int, epoch: int, won: str, who: int) -> rec.Decided:
-        """The event for a decision that `who` compare-and-set; the proposer logs it."""
-        if who == self.me:
-            self.log.emit("decision", step=step, epoch=epoch, outcome=won, replica=self.me)
-        return rec.Decided(epoch, won, self.coord.chain_after(epoch) if won == "retry" else ())
+    def decided(self, step: int, epoch: int, won: Decision) -> rec.Decided:
+        """The event for a decision of the running step (`self.work`), kept for its Apply; the
+        proposer logs it."""
+        if won.proposer == self.me:
+            self.log.emit("decision", step=step, epoch=epoch, outcome=won.outcome, replica=self.me)
+        self.work.decision = won
+        return rec.Decided(epoch, won.outcome, self.coord.chain_after(epoch) if won.outcome == "retry" else ())
 
     def await_outcome(self, step: int, epoch: int, decision: bool) -> rec.Decided | rec.EpochChanged:
         t = time.perf_counter()
         kind, value = self.wait(step, epoch, decision)
         self.work.waited += time.perf_counter() - t
         if kind == "decided":
-            return rec.Decided(epoch, value, self.coord.chain_after(epoch) if value == "retry" else ())
+            return self.decided(step, epoch, value)
         return rec.EpochChanged(value)
 
     def wait(self, step: int, epoch: int, decision: bool) -> tuple[str, object]:
@@ -356,7 +367,12 @@ class Trainer:
         self.log.emit("undone", step=step, replica=self.me, epoch=epoch)
 
     def apply(self, step: int, epoch: int) -> None:
-        """The committed step: optimizer step (unless taken ahead), digest, events, step record."""
+        """The committed step: optimizer step (unless taken ahead), digest, events, step record; the
+        next step's plan, which the commit carries."""
+        commit = self.work.decision
+        if commit is None or commit.plan is None:
+            raise RuntimeError(f"step {step} applied without its commit decision")
+        self.work.next_plan.set_result(commit.plan)
         self.hb.at(step, "optimizer", epoch=epoch)
         self.faults.at(step, "optimizer")
         if self.ahead is not None and self.ahead[:2] == (step, epoch):
@@ -368,9 +384,9 @@ class Trainer:
                       waited=round(self.work.waited, 6))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
-        # Claiming and writing the step record (sha256 included) and refreshing the quota weights run
-        # beside the next step's compute (sidecar.py), off the path every peer waits on.
-        self.sidecar.record(step, epoch, self.coord.members(epoch), dict(
+        # The commit's proposer writes the step record (sha256 included) beside the next step's
+        # compute (sidecar.py), off the path every peer waits on.
+        self.sidecar.record(step, epoch, self.coord.members(epoch), commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=self.work.tokens,
             step_time=round(self.work.stepped - self.work.started, 6)))
 
