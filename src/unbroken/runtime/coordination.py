@@ -207,8 +207,17 @@ class Coordination:
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> int:
         """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so.
         The done record is written first unless `stage` already wrote this very one."""
-        if self._staged != (step, epoch, tuple(held)):
+        if not self.staged(step, epoch, held):
             self.stage(step, epoch, held, timings)
+        return self.count_done(step, epoch)
+
+    def staged(self, step: int, epoch: int, held: tuple[int, ...]) -> bool:
+        """Whether `stage` wrote this very done record last: no round trip."""
+        return self._staged == (step, epoch, tuple(held))
+
+    def count_done(self, step: int, epoch: int) -> int:
+        """Count this member's done record of (step, epoch), already written; returns how many members
+        have said so. Once per (step, epoch)."""
         return self.store.add(f"ndone/{step}/{epoch}", 1)
 
     def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:

@@ -3,8 +3,8 @@
 Owns: one background thread with its own store client (clients are not thread-safe) that, for the step
 loop, (1) compare-and-sets the plan of a generation's first step while the member already computes
 under its own proposal (every later step's plan comes with the commit of the step before), (2)
-compare-and-sets a commit decision, carrying the next step's plan, while the member steps its
-optimizer ahead, (3) after a committed step whose commit this member proposed, writes its record
+publishes a step's done record and count while the member steps its optimizer ahead, and if it was
+the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a committed step whose commit this member proposed, writes its record
 (reads the commit epoch's owners, hashes the parameters: sha256, ~2 ms for 1M of them), and
 refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
 a recovery, writes the record of the step before if its writer died with it unwritten.
@@ -35,7 +35,7 @@ from unbroken.runtime.coordination import Coordination, Plan
 
 
 class Sidecar:
-    """Call `plan` at the start of a generation's first step, `propose` for a commit decision, `record`
+    """Call `plan` at the start of a generation's first step, `publish` for a step stepped ahead, `record`
     after applying, `recover` on a recovery, and `wait_records` before the parameters change again,
     before publishing the next step and before leaving. Jobs run in that order, one at a time, on one
     thread. `digest()` runs on that thread and may only read the parameters.
@@ -52,10 +52,29 @@ class Sidecar:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
         return self._pool.submit(self.coord.agree_plan, step, mine)
 
-    def propose(self, step: int, epoch: int, next_plan: Plan) -> Future:
-        """Compare-and-set a commit of (step, epoch) carrying `next_plan`; the future holds the Decision
-        that won."""
-        return self._pool.submit(self.coord.propose, step, epoch, "commit", next_plan)
+    def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list, staged: bool, members: int,
+                next_plan: Plan, watch: Callable[[int, int], None]) -> Future:
+        """Publish done(step, epoch) off the step's path (commit pipelining: the optimizer steps
+        meanwhile). Writes the done record unless `staged`, counts it; if this member was the last of
+        `members` to publish, compare-and-sets a commit carrying `next_plan`, else asks `watch`
+        (thread-safe) for the decision. The future holds (count, the Decision that won, or None).
+        Runs after the record job queued before it, and not at all if that one failed: a member
+        publishes only after its record of the step before is out."""
+        before = self._records
+        return self._pool.submit(self._publish, before, step, epoch, held, timings, staged, members, next_plan,
+                                 watch)
+
+    def _publish(self, before: Future | None, step: int, epoch: int, held: tuple[int, ...], timings: list,
+                 staged: bool, members: int, next_plan: Plan, watch: Callable[[int, int], None]):
+        if before is not None:
+            before.result()  # done (jobs run in order); re-raises its error
+        if not staged:
+            self.coord.stage(step, epoch, held, timings)
+        count = self.coord.count_done(step, epoch)
+        if count >= members:
+            return count, self.coord.propose(step, epoch, "commit", next_plan)
+        watch(step, epoch)
+        return count, None
 
     def record(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
         """Queue the bookkeeping of committed `step`, whose record `writer` (the proposer of its

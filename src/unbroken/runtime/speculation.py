@@ -112,6 +112,12 @@ class Rollback:
             self._state.setdefault(self.params[i], {})[k] = next(saved) if isinstance(v, torch.Tensor) else None
         self._others = [(self.params[i], k, v) for i, k, v in entries if not isinstance(v, torch.Tensor)]
 
+    @property
+    def saved(self) -> bool:
+        """A copy is held: taken by `save`, not yet dropped or restored. The caller drops it whenever
+        the state changes otherwise (a copy may be taken early, e.g. while an all-reduce runs)."""
+        return self._saved
+
     def drop(self) -> None:
         self._saved = False
 

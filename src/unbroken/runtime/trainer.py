@@ -18,11 +18,11 @@ A step, read top to bottom (`train_step`, `run_plan`, `drive`):
                                                the commit's proposer writes the step record
                                                (on its sidecar)
 
-Commit pipelining (run.step_ahead): where the policy would wait for the commit decision (or for our
-own commit compare-and-set to return), the optimizer steps at once, from a saved copy of the state
-(speculation.py), and the next step starts computing; that step settles this one's decision before
-anything of its own leaves the process (its reduce). Commit, the usual case: the step's events and
-record are written then. Retry: the state is put back, this step goes on from its own intact
+Commit pipelining (run.step_ahead): where the policy says Publish, the publish (done count, and the
+commit compare-and-set if we were last) goes to the sidecar and the optimizer steps at once, from a
+copy of the state taken while the all-reduce ran (speculation.py); the next step starts computing
+and settles this one's decision before anything of its own leaves the process (its reduce). Commit,
+the usual case: the step's events and record are written then. Retry: the state is put back, this step goes on from its own intact
 accumulator (two alternate between steps), and the next step starts over. DDP's ranks part after the
 all-reduce; without pipelining ours would wait for the last member to publish: a second
 synchronisation point each step.
@@ -83,12 +83,13 @@ class StepWork:
 
 @dataclass(frozen=True)
 class Pending:
-    """A step whose optimizer stepped ahead of its decision: `action` is what the policy asked for
-    (AwaitDecision, or Propose commit whose compare-and-set runs in `proposal`)."""
+    """A step whose optimizer stepped ahead of its decision: `action` is the Publish the policy asked
+    for, run on the sidecar in `published` (sidecar.publish: the count and, if we were last, the
+    commit we compare-and-set)."""
     work: StepWork
     state: rec.StepState
-    action: rec.AwaitDecision | rec.Propose
-    proposal: Future | None
+    action: rec.Publish
+    published: Future
 
 
 class Trainer:
@@ -203,24 +204,24 @@ class Trainer:
         return state
 
     def can_step_ahead(self, action: rec.Action) -> bool:
-        """Pipeline this step's decision: only while no other step is pending, and when the state is
-        small enough to copy each step (speculation.Rollback.affordable)."""
-        waits = isinstance(action, rec.AwaitDecision) or (isinstance(action, rec.Propose)
-                                                         and action.outcome == "commit")
-        return waits and self.pending is None and self.rollback.affordable()
+        """Pipeline this step's publish and decision: only while no other step is pending, and when the
+        state is small enough to copy each step (speculation.Rollback.affordable)."""
+        return isinstance(action, rec.Publish) and self.pending is None and self.rollback.affordable()
 
-    def step_ahead(self, state: rec.StepState, action: rec.AwaitDecision | rec.Propose) -> None:
-        """The optimizer step before the decision (speculation.py): memory only, undone on retry. A
-        commit we propose is compare-and-set beside it on the sidecar; a peer's decision is pushed to
-        us (DecisionWatch) while the next step computes."""
-        if isinstance(action, rec.Propose):
-            proposal = self.sidecar.propose(action.step, action.epoch, self.coord.proposal(self.sidecar.weights))
-        else:
-            proposal = None
-            self.coord.watch_decision(action.step, action.epoch)
-        self.rollback.save()
+    def step_ahead(self, state: rec.StepState, action: rec.Publish) -> None:
+        """The optimizer step before the decision (speculation.py): memory only, undone on retry. Our
+        done record and count go out beside it on the sidecar, which also compare-and-sets the commit
+        if we were the last to publish; else a peer's decision is pushed to us (DecisionWatch) while
+        the next step computes. (Publishing on the step's path cost a store round trip there.)"""
+        self.before_publish(action.step, action.epoch)
+        held = action.held
+        published = self.sidecar.publish(action.step, action.epoch, held, [self.work.timings[i] for i in held],
+                                         self.coord.staged(action.step, action.epoch, held), len(state.members),
+                                         self.coord.proposal(self.sidecar.weights), self.coord.watch_decision)
+        if not self.rollback.saved:  # usually saved during the all-reduce (reduce)
+            self.rollback.save()
         self.ahead = (action.step, action.epoch, self.step_optimizer())
-        self.pending = Pending(self.work, state, action, proposal)
+        self.pending = Pending(self.work, state, action, published)
 
     def settle(self) -> bool:
         """Read the pending step's decision and finish it; True unless it was retried. Call before
@@ -232,19 +233,21 @@ class Trainer:
         pending, self.pending = self.pending, None
         if pending is None:
             return True
-        work, state, action = pending.work, pending.state, pending.action
+        work, state, step, epoch = pending.work, pending.state, pending.action.step, pending.action.epoch
         self.work = work
-        if pending.proposal is not None:
-            t = time.perf_counter()
-            event = self.decided(action.step, action.epoch, pending.proposal.result())
-            work.waited += time.perf_counter() - t
+        t = time.perf_counter()
+        count, won = pending.published.result()
+        work.waited += time.perf_counter() - t
+        state, (action,) = rec.on_event(state, rec.Published(epoch, count))  # Propose commit or AwaitDecision
+        if isinstance(action, rec.Propose):
+            event = self.decided(step, epoch, won)  # the sidecar compare-and-set it: ours, or a retry
         else:
-            event = self.await_outcome(action.step, action.epoch, decision=True)
-        if event != rec.Decided(action.epoch, "commit"):
-            self.undo_ahead(action.step, action.epoch)
+            event = self.await_outcome(step, epoch, decision=True)
+        if event != rec.Decided(epoch, "commit"):
+            self.undo_ahead(step, epoch)
         state, more = rec.on_event(state, event)
         self.drive(work, state, deque(more))
-        return event == rec.Decided(action.epoch, "commit")
+        return event == rec.Decided(epoch, "commit")
 
     def execute(self, action: rec.Action) -> rec.Event | None:
         match action:
@@ -253,8 +256,7 @@ class Trainer:
             case rec.Reduce(step, epoch):
                 return self.reduce(step, epoch)
             case rec.Publish(step, epoch, held):
-                self.hb.at(step, "commit", epoch=epoch)
-                self.faults.at(step, "commit")
+                self.before_publish(step, epoch)
                 self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
                 return rec.Published(epoch, self.coord.publish(step, epoch, held,
                                                                [self.work.timings[i] for i in held]))
@@ -269,6 +271,10 @@ class Trainer:
             case rec.Fence(step, reason):
                 self.fence(step, reason)
         raise AssertionError(f"unhandled action {action!r}")
+
+    def before_publish(self, step: int, epoch: int) -> None:
+        self.hb.at(step, "commit", epoch=epoch)
+        self.faults.at(step, "commit")
 
     def decided(self, step: int, epoch: int, won: Decision) -> rec.Decided:
         """The event for a decision of the running step (`self.work`), kept for its Apply; the
@@ -328,9 +334,11 @@ class Trainer:
                                             self.cfg.coord.collective_timeout)
         held = tuple(sorted(self.work.timings))  # what this member computed in the step: the policy's `held`
 
-        def issued() -> None:  # the done record is written while the reduction runs (off the path)
-            self.faults.at(step, "allreduce")
+        def issued() -> None:  # while the reduction runs (off the path): the done record, and the
+            self.faults.at(step, "allreduce")  # copy of the state a step ahead would need
             self.coord.stage(step, epoch, held, [self.work.timings[i] for i in held])
+            if self.pending is None and not self.rollback.saved and self.rollback.affordable():
+                self.rollback.save()
 
         buffer = self.work.acc.buffer
         if self.scratch is None or self.scratch.dtype != buffer.dtype:
@@ -377,9 +385,9 @@ class Trainer:
         self.faults.at(step, "optimizer")
         if self.ahead is not None and self.ahead[:2] == (step, epoch):
             loss, self.ahead = self.ahead[2], None
-            self.rollback.drop()
         else:
             loss = self.step_optimizer()
+        self.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params),
                       waited=round(self.work.waited, 6))
         if self.persist:
