@@ -26,6 +26,7 @@ sha256 (holding every peer at the next all-reduce) were ~5% of a small model's s
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +39,7 @@ class Sidecar:
     """Call `plan` at the start of a generation's first step, `publish` for a step stepped ahead, `record`
     after applying, `recover` on a recovery, and `wait_records` before the parameters change again,
     before publishing the next step and before leaving. Jobs run in that order, one at a time, on one
-    thread. `digest()` runs on that thread and may only read the parameters.
+    thread. `digest()` runs on that thread (or in `digest_now`) and may only read the parameters.
     """
 
     def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str]):
@@ -47,6 +48,7 @@ class Sidecar:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
         self._last: tuple[int, int, tuple[int, ...], int, dict] | None = None  # the last `record` call's arguments
+        self._digest: _Once | None = None  # the param digest of the record we write last
 
     def plan(self, step: int, mine: Plan) -> Future:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
@@ -83,8 +85,17 @@ class Sidecar:
         record = {**record, "t": time.time()}  # the commit's time, not the hash's
         self._last = (step, epoch, members, writer, record)
         write = writer == self.coord.me
+        self._digest = _Once(self.digest) if write else None
         if write or self.coord.weights_moved(self._weights):
-            self._records = self._pool.submit(self._record, write, *self._last)
+            self._records = self._pool.submit(self._record, self._digest, *self._last)
+
+    def digest_now(self) -> None:
+        """Hash the parameters for the record queued last, here and now, unless its job already did.
+        For a time the caller would wait anyway (an all-reduce in flight), since the job competes for
+        the cores and the GIL with the step, whose optimizer must wait for it. The parameters must be
+        those the record is of: call before the optimizer steps again."""
+        if self._digest is not None:
+            self._digest.get()
 
     def recover(self, step: int, survivors: tuple[int, ...]) -> None:
         """Call on a recovery in step `step + 1`, before the parameters change (its optimizer step
@@ -115,23 +126,36 @@ class Sidecar:
                 return
             time.sleep(0.05)
 
-    def _record(self, write: bool, step: int, epoch: int, members: tuple[int, ...], writer: int,
+    def _record(self, digest: _Once | None, step: int, epoch: int, members: tuple[int, ...], writer: int,
                 record: dict) -> None:
-        if write:
-            self._write(step, epoch, members, record)
+        if digest is not None:
+            self._write(step, epoch, members, record, digest.get())
         self._weights = self.coord.weights(self._weights)
 
     def _rewrite(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
         if not self.coord.recorded(step) and self.coord.reclaim_record(step):
-            self._write(step, epoch, members, record)
+            self._write(step, epoch, members, record, self.digest())
 
-    def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict) -> None:
+    def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict, digest: str) -> None:
         owners = self.coord.held(step, epoch, members)
         self.log.emit("step", **record, epoch=epoch, members=list(members), replicas=len(members),
-                      owners={str(m): v for m, v in owners.items()}, param_digest=self.digest())
+                      owners={str(m): v for m, v in owners.items()}, param_digest=digest)
         self.coord.mark_recorded(step)
 
     @property
     def weights(self) -> dict[int, float]:
         """The quota weights as last read (after the last committed step): the next proposal's."""
         return self._weights[1]
+
+
+class _Once:
+    """A value computed once, by whichever thread asks first; the others wait for it."""
+
+    def __init__(self, compute: Callable[[], str]):
+        self._compute, self._lock, self._value = compute, threading.Lock(), None
+
+    def get(self) -> str:
+        with self._lock:
+            if self._value is None:
+                self._value = self._compute()
+            return self._value

@@ -334,11 +334,12 @@ class Trainer:
                                             self.cfg.coord.collective_timeout)
         held = tuple(sorted(self.work.timings))  # what this member computed in the step: the policy's `held`
 
-        def issued() -> None:  # while the reduction runs (off the path): the done record, and the
-            self.faults.at(step, "allreduce")  # copy of the state a step ahead would need
+        def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
+            self.faults.at(step, "allreduce")  # the state a step ahead would need, a record's digest
             self.coord.stage(step, epoch, held, [self.work.timings[i] for i in held])
             if self.pending is None and not self.rollback.saved and self.rollback.affordable():
                 self.rollback.save()
+            self.sidecar.digest_now()  # the step record we write of the step before (sidecar.py)
 
         buffer = self.work.acc.buffer
         if self.scratch is None or self.scratch.dtype != buffer.dtype:
