@@ -9,7 +9,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from unbroken.events import EventLog, read_events
-from unbroken.runtime.coordination import Coordination
+from unbroken.runtime.coordination import Coordination, Decision, Plan
 from unbroken.runtime.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,3 +75,33 @@ def test_after_the_last_step_a_survivor_writes_the_record_of_a_writer_declared_d
     store.set("dead/1", json.dumps({"epoch": 1, "reason": "process exited with code -9"}))
     survivor.finish(5, timeout_s=5.0)
     assert [r["param_digest"] for r in records(log)] == ["digest-0"]
+
+
+def test_publish_counts_and_the_last_member_commits_with_the_next_plan(store, tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    plan = Plan(0, MEMBERS, {})
+    watched = []
+    counts = []
+    for m in MEMBERS:  # done records are staged (test fixture): publish only counts
+        s = member(store, m, log)
+        counts.append(s.publish(6, 0, (m,), [], True, len(MEMBERS), plan, lambda *k: watched.append(k)).result())
+    assert [c for c, _ in counts] == [1, 2, 3]
+    assert [d for _, d in counts[:2]] == [None, None] and watched == [(6, 0), (6, 0)]  # they wait on the watch
+    assert counts[2][1] == Decision("commit", 2, plan)  # the last proposes, carrying step 7's plan
+    assert Decision.loads(store.get("decision/6/0")) == counts[2][1]
+
+
+def test_the_writer_hashes_once_on_whichever_thread_asks_first(store, tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    calls = []
+    writer = Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), 1), log,
+                     lambda: calls.append(1) or f"digest-{len(calls)}")
+    writer.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+    writer.digest_now()  # on the caller's thread (the trainer: during the next all-reduce), or a no-op
+    writer.wait_records()
+    writer.digest_now()
+    assert calls == [1] and [r["param_digest"] for r in records(log)] == ["digest-1"]
+    writer.record(6, 0, MEMBERS, 0, {"step": 6, "loss": 1.0})  # not ours to write: nothing to hash
+    writer.digest_now()
+    writer.wait_records()
+    assert calls == [1]
