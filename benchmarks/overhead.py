@@ -29,24 +29,28 @@ member waits for the commit decision before its optimizer step, the protocol wit
 Prints a table, the extras' `ratio overhead <name> <value>` lines, and last `ratio overhead <unbroken /
 DDP>` for the default float32 mode with equal quotas (target <= 1.03).
 
-Measured on the 2-core development machine, 4 replicas, 8 microbatches (median of 16 rounds, 95%
-bootstrap interval; one run each, rounds scatter by +-10%, runs of the same code by +-3%):
-  GPT 2 x 64  (0.1M parameters, 50-90 ms steps)         1.108 (1.061-1.143)   pooled 1.075
-                                 (a later day, 3 runs)  1.080, 1.111, 1.100 (1.057-1.159)
-  GPT 4 x 128 (0.8M parameters, ~250 ms steps)          0.986 (0.913-1.036)   pooled 0.983
-                                 (the later day, --window 4)  1.037 (0.983-1.089)   pooled 1.029
-  GPT 4 x 192 (1.8M parameters, ~400 ms steps, --window 5)  1.044 (0.970-1.093)   pooled 1.042
-The small model's gap is CPU: the machine is saturated (~1.8 of 2 cores busy on both sides), so a
-step's time follows the CPU all processes spend on it. Per-thread CPU from /proc between two moments
-of one long run of each side, four runs interleaved (ms of CPU a step, summed over processes):
-DDP 93.1, unbroken 101.9 (1.095). Of unbroken's +8.8: the members' main threads +3.8 (of which each
-member's copy of its state for commit pipelining ~0.5 and events ~0.25, net of the ~3 ms a step
-DDP's ranks spend more inside forward/backward: its bucket hooks; thread CPU time, separate runs), their store threads 2.0 (plan and decision
-compare-and-sets, the step record, one member's sha256), the store server 1.2 (~26 requests a step;
-each costs its client and the server 5x what it does on an idle machine), the decision watches 0.5,
-the coordinator 0.35, the launcher 0.3, gloo's threads +0.7. It does not grow with the model; what
-does (the sha256, an xxh3 on each member, the copy that is reduced) is a few ms per million parameters.
-Usage: python benchmarks/overhead.py [--rounds 16] [--window 3] [--settle 3] [--replicas 4]
+Which configuration: by default one trainer process per core (--replicas: 1, 2 or 4, whichever is the
+most that fits), as on a GPU node, where each trainer drives a device of its own and the host has cores
+to spare for the coordinator, the launcher and each member's helper threads (heartbeat, store
+sidecar, decision watch). With more trainers than cores (--replicas 4 on 2 cores) every millisecond of
+that CPU is taken from the training itself, and the figure is the control plane's CPU share instead.
+
+Measured on the 2-core development machine, 8 microbatches, GPT 2 x 64 (0.1M parameters), median of
+the rounds' ratios (95% bootstrap interval), pooled ratio; one run each:
+  2 replicas (the default here), 16 rounds   1.006 (0.977-1.021)  pooled 1.010   exact 1.040, speed 0.981
+  2 replicas, 24 rounds, same code           1.010 (0.990-1.043)  pooled 1.030
+  2 replicas, code before the sidecar publish (12 rounds)  1.027 (1.014-1.043)
+  4 replicas on 2 cores, 16 rounds           1.059 (1.044-1.082)  pooled 1.067
+  4 replicas, earlier days: 1.08-1.11 (2 x 64); 0.99 and 1.04 (4 x 128); 1.04 (4 x 192, --window 5)
+Where 4 replicas' gap goes (per-thread CPU from /proc, time-sliced as here, 10 rounds of 3 s; ms of
+CPU a step summed over processes): DDP 87.3, unbroken 94.4. Of the +7.1: members' main threads +3.2
+(policy, events, the rollback copy ~0.09 ms a member, and more cache and scheduler churn beside more
+threads), their store sidecars 1.4 (done counts, the commit compare-and-set, one member's step record
+with its sha256, ~0.26 ms), the coordinator 1.2 (store server 0.85), decision watches 0.4, gloo +0.6,
+the launcher 0.2. With 2 replicas the same accounting gave main threads 65.7 against DDP's 66.2 and
+~2 ms a step of helpers and coordinator beside the trainers' ~66 ms. What grows with the model (the
+sha256 and an xxh3 a member, the copy that is reduced) is a few ms per million parameters.
+Usage: python benchmarks/overhead.py [--rounds 16] [--window 3] [--settle 3] [--replicas N]
        [--microbatches 8] [--n-layer 2] [--n-embd 64] [--extras exact,speed]
 """
 from __future__ import annotations
@@ -218,12 +222,20 @@ def bootstrap_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
+def default_replicas() -> int:
+    """One trainer process per core, as a GPU node gives each trainer a device and host cores of its
+    own (1, 2 or 4, so that the default 8 microbatches split evenly)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(r for r in (1, 2, 4) if r <= cores)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=16, help="windows of each side")
     ap.add_argument("--window", type=float, default=3.0, help="s a side runs while the others are frozen")
     ap.add_argument("--settle", type=int, default=3, help="step intervals dropped after each thaw")
-    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=default_replicas(),
+                    help="processes a side (default: one per core, 1, 2 or 4; see the docstring)")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
@@ -261,7 +273,9 @@ def main() -> None:
         raise RuntimeError(f"a window held fewer than {args.settle + 2} steps: raise --window (runs in {tmp})")
     med = {n: [statistics.median(w) for w in ws] for n, ws in per.items()}
     pooled = {n: statistics.median([x for w in ws for x in w]) for n, ws in per.items()}
-    t = Table(title=f"failure-free step time: {args.replicas} processes, {args.microbatches} microbatches/step, "
+    cores = len(os.sched_getaffinity(0))
+    t = Table(title=f"failure-free step time: {args.replicas} processes on {cores} cores, "
+                    f"{args.microbatches} microbatches/step, "
                     f"{args.rounds} rounds of {args.window:g} s windows, time-sliced", title_justify="left")
     for col in ("system", "median step ms", "per-window medians ms", "intervals", "vs DDP (rounds)"):
         t.add_column(col, justify="left" if col == "system" else "right")
