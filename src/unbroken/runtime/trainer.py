@@ -22,8 +22,9 @@ Commit pipelining (run.step_ahead): where the policy says Publish, the publish (
 commit compare-and-set if we were last) goes to the sidecar and the optimizer steps at once, from a
 copy of the state taken while the all-reduce ran (speculation.py); the next step starts computing
 and settles this one's decision before anything of its own leaves the process (its reduce). Commit,
-the usual case: the step's events and record are written then. Retry: the state is put back, this step goes on from its own intact
-accumulator (two alternate between steps), and the next step starts over. DDP's ranks part after the
+the usual case: the step's events and record are written then. Retry: the state is put back, this
+step goes on from its own intact accumulator (two alternate between steps), and the next step starts
+over. DDP's ranks part after the
 all-reduce; without pipelining ours would wait for the last member to publish: a second
 synchronisation point each step.
 """
