@@ -96,8 +96,8 @@ def read(store: Store, key: str) -> bytes | None:
     return None if value == _MISSING.encode() else value
 
 
-def last_committed(store: Store) -> int | None:
-    """The last committed step as the store knows it (None before any), for verdicts on a run that
+def last_committed(store: Store, default: int = -1) -> int:
+    """The last committed step as the store knows it (`default` before any), for verdicts on a run that
     lost every replica, not for the step loop (a read per epoch): the last step whose record is out
     (`last_commit`), or the step after it when a commit of that one stands but its writer died before
     writing its record with nobody left to write it instead. At most one such step: a writer
@@ -108,7 +108,7 @@ def last_committed(store: Store) -> int | None:
         value = read(store, decision_key(last + 1, e))
         if value is not None and value.startswith(b"commit"):
             return last + 1
-    return None if raw is None else last
+    return default if raw is None else last
 
 
 def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple[int, frozenset[int]]:
@@ -204,21 +204,18 @@ class Coordination:
         self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps({"held": list(held), "timings": timings}))
         self._staged = (step, epoch, tuple(held))
 
-    def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> int:
+    def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]],
+                staged: bool | None = None) -> int:
         """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so.
-        The done record is written first unless `stage` already wrote this very one."""
-        if not self.staged(step, epoch, held):
+        The done record is written first unless `stage` already wrote this very one (`staged`; None:
+        as this view knows, while another view, e.g. the sidecar's, is told by its caller)."""
+        if not (self.staged(step, epoch, held) if staged is None else staged):
             self.stage(step, epoch, held, timings)
-        return self.count_done(step, epoch)
+        return self.store.add(f"ndone/{step}/{epoch}", 1)
 
     def staged(self, step: int, epoch: int, held: tuple[int, ...]) -> bool:
         """Whether `stage` wrote this very done record last: no round trip."""
         return self._staged == (step, epoch, tuple(held))
-
-    def count_done(self, step: int, epoch: int) -> int:
-        """Count this member's done record of (step, epoch), already written; returns how many members
-        have said so. Once per (step, epoch)."""
-        return self.store.add(f"ndone/{step}/{epoch}", 1)
 
     def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:
         values = self.store.multi_get([f"done/{step}/{epoch}/{m}" for m in members])

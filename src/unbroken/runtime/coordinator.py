@@ -124,8 +124,7 @@ class Coordinator:
         self.membership = new
 
     def fail(self) -> None:
-        last = last_committed(self.store)
-        record = {"reason": "every replica was lost", "last_committed_step": -1 if last is None else last}
+        record = {"reason": "every replica was lost", "last_committed_step": last_committed(self.store)}
         self.store.set("failed", json.dumps(record))
         self.log.emit("run_failed", **record)
 

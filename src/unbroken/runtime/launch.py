@@ -133,13 +133,6 @@ def _sigterm_interrupts() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, before)
 
 
-def _last(store, known: int) -> int:
-    """The last committed step for a verdict: the store's (coordination.last_committed), else `known`
-    (the last step record read)."""
-    last = last_committed(store)
-    return known if last is None else last
-
-
 def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, last_step: int,
              log: EventLog, reason: str | None) -> str:
     """Stop every trainer of the generation, mend what a lost node took, and choose the restore source."""
@@ -279,7 +272,7 @@ class _Watch:
             live = len(workers) - len(lost) - len(finished)
             last = self.last_step  # read from the store only for a verdict below
             if lost and not finished and needs_restart(self.cfg.run.recovery, len(lost), live):
-                last = _last(store, last)
+                last = last_committed(store, last)
                 why = f"{len(lost)} of {len(workers)} replicas lost at step {last + 1}"
                 if self.persistent:
                     return "restart", why
@@ -287,7 +280,7 @@ class _Watch:
             if all(r in reported or r in lost for r in workers):
                 if finished:
                     return "done", None  # the rest are zombies (declared dead, still stopped): killed on exit
-                return "failed", f"every replica was lost; last committed step: {_last(store, last)}"
+                return "failed", f"every replica was lost; last committed step: {last_committed(store, last)}"
             if time.time() - self.t0 > self.cfg.coord.run_timeout:
                 return "timeout", f"run timed out after {self.cfg.coord.run_timeout:.0f} s"
 

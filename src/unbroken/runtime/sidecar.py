@@ -70,9 +70,7 @@ class Sidecar:
                  staged: bool, members: int, next_plan: Plan, watch: Callable[[int, int], None]):
         if before is not None:
             before.result()  # done (jobs run in order); re-raises its error
-        if not staged:
-            self.coord.stage(step, epoch, held, timings)
-        count = self.coord.count_done(step, epoch)
+        count = self.coord.publish(step, epoch, held, timings, staged)
         if count >= members:
             return count, self.coord.propose(step, epoch, "commit", next_plan)
         watch(step, epoch)
