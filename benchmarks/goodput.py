@@ -47,9 +47,9 @@ from rich.table import Table
 from unbroken.api import make_config
 from unbroken.events import read_events
 from unbroken.policy.snapshotting import young_daly_interval
-from unbroken.runtime.checkpoint import Checkpointer
-from unbroken.runtime.launch import launch
-from unbroken.runtime.state import materialize, training_state
+from unbroken.runtime.persist.checkpoint import Checkpointer
+from unbroken.runtime.launcher.launch import launch
+from unbroken.runtime.persist.state import materialize, training_state
 from unbroken.runtime.worker import default_factories
 
 MODES = ("live", "restart-memory", "restart-disk")

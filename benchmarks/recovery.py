@@ -33,7 +33,7 @@ from rich.table import Table
 
 from unbroken.api import make_config
 from unbroken.events import read_events
-from unbroken.runtime.launch import launch
+from unbroken.runtime.launcher.launch import launch
 
 
 @dataclass(frozen=True)

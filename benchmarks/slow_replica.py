@@ -47,7 +47,7 @@ from rich.table import Table
 
 from unbroken.api import make_config
 from unbroken.events import read_events
-from unbroken.runtime.launch import launch
+from unbroken.runtime.launcher.launch import launch
 
 
 def integral_quotas_match(m: int, speeds: list[float]) -> list[int] | None:

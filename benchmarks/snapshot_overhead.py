@@ -44,10 +44,10 @@ from rich.table import Table
 
 from unbroken.api import make_config
 from unbroken.events import read_events
-from unbroken.runtime.launch import launch
+from unbroken.runtime.launcher.launch import launch
 from unbroken.runtime.snapshot.checksum import checksum
 from unbroken.runtime.snapshot.layout import Layout, copy_range_out, shard_bounds
-from unbroken.runtime.state import materialize, training_state
+from unbroken.runtime.persist.state import materialize, training_state
 from unbroken.runtime.worker import default_factories
 
 

@@ -28,7 +28,7 @@ def train(args: argparse.Namespace, rest: list[str]) -> int:
     if args.data is not None:
         overrides["data.path"] = args.data
     cfg = make_config(load(args.config, overrides))
-    from unbroken.runtime.launch import launch
+    from unbroken.runtime.launcher.launch import launch
     result = launch(cfg)
     s = result.summary
     console.print(f"run dir: {result.run_dir}  steps committed: {s['steps_committed']}/{cfg.run.steps}  "
@@ -77,7 +77,7 @@ def demo(out: Path, steps: int, replicas: int) -> int:
                        for n, r in enumerate(lost))
     console.rule(f"[bold]unbroken demo: {replicas} replicas, {steps} steps, exact mode")
     console.print(f"faulty run injects: {faults}")
-    from unbroken.runtime.launch import launch
+    from unbroken.runtime.launcher.launch import launch
     runs = {}
     for name, spec in (("reference", ""), ("faulty", faults)):
         cfg = make_config(None, replicas=replicas, steps=steps, microbatches=8, exact=True, faults=spec,

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     from unbroken.api import make_config
     from unbroken.events import read_events
-    from unbroken.runtime.launch import launch
+    from unbroken.runtime.launcher.launch import launch
 
     console = Console(width=150)
     if args.runs < 1 or args.replicas < 2 or args.microbatches < args.replicas:

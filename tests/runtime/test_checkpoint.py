@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.runtime.checkpoint import Checkpointer, latest_checkpoint
+from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
 from unbroken.runtime.snapshot.errors import (CheckpointNotFound, ForeignCheckpoint,
                                               WorldSizeMismatch)
 

@@ -27,8 +27,8 @@ VICTIM, TIMEOUT_S, N = 2, 30.0, 100_000
 MEMBER = """
 import json, os, sys, time
 import torch
-from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.coordination import connect
+from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
+from unbroken.runtime.control.coordination import connect
 
 address, me, N, TIMEOUT_S = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 group_store, watch = connect(address), connect(address)  # one client per thread: formation runs in its own

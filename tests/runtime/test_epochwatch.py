@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = r'''
 import datetime, os, time
-import unbroken.runtime.epochwatch as ew
+import unbroken.runtime.control.epochwatch as ew
 from torch.distributed import TCPStore, PrefixStore
 ew._WAIT = datetime.timedelta(seconds=0.3)  # a day in production
 srv = TCPStore("127.0.0.1", 0, 1, True)
@@ -38,7 +38,7 @@ def test_watch_wakes_on_each_new_epoch_and_after_timed_out_waits():
 
 COUNTERS = r'''
 import os
-import unbroken.runtime.epochwatch as ew
+import unbroken.runtime.control.epochwatch as ew
 from torch.distributed import TCPStore
 srv = TCPStore("127.0.0.1", 0, 1, True)
 connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
@@ -62,9 +62,9 @@ def test_wake_and_weights_watches_move_on_each_call():
 
 DECISIONS = r'''
 import os, time
-import unbroken.runtime.epochwatch as ew
+import unbroken.runtime.control.epochwatch as ew
 from torch.distributed import TCPStore
-from unbroken.runtime.coordination import Coordination, Plan
+from unbroken.runtime.control.coordination import Coordination, Plan
 srv = TCPStore("127.0.0.1", 0, 1, True)
 connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
 srv.set("epoch", "0"); srv.set("members/0", "[0, 1]"); srv.set("members/1", "[0]")

@@ -9,8 +9,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from unbroken.events import EventLog, read_events
-from unbroken.runtime.coordination import Coordination, Decision, Plan
-from unbroken.runtime.sidecar import Sidecar
+from unbroken.runtime.control.coordination import Coordination, Decision, Plan
+from unbroken.runtime.control.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -45,12 +45,12 @@ from unbroken.events import EventLog
 from unbroken.model.data import mix, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
-from unbroken.runtime.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.coordination import Coordination, Decision, Plan
+from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
+from unbroken.runtime.control.coordination import Coordination, Decision, Plan
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
-from unbroken.runtime.heartbeat import Heartbeat
-from unbroken.runtime.sidecar import Sidecar
+from unbroken.runtime.control.heartbeat import Heartbeat
+from unbroken.runtime.control.sidecar import Sidecar
 from unbroken.runtime.speculation import Rollback, limit
 
 

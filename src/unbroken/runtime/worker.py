@@ -25,11 +25,11 @@ from torch.distributed import PrefixStore
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
-from unbroken.runtime.coordination import Coordination, connect
-from unbroken.runtime.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
+from unbroken.runtime.control.coordination import Coordination, connect
+from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
-from unbroken.runtime.heartbeat import Heartbeat
-from unbroken.runtime.persistence import Persistence
+from unbroken.runtime.control.heartbeat import Heartbeat
+from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.trainer import Factories, Trainer
 
 

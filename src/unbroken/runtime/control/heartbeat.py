@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from torch.distributed import PrefixStore
 
-from unbroken.runtime.coordination import connect
+from unbroken.runtime.control.coordination import connect
 
 
 class Heartbeat:

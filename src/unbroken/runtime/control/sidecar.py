@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from unbroken.events import EventLog
-from unbroken.runtime.coordination import Coordination, Plan
+from unbroken.runtime.control.coordination import Coordination, Plan
 
 
 class Sidecar:

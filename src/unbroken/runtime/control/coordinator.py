@@ -5,7 +5,7 @@ member lists, dead verdicts (heartbeat silence, no progress, or an exit the laun
 `failed` record when every replica is gone. Does not own: step decisions (members compare-and-set them),
 or starting processes (launch.py).
 
-Run as `python -m unbroken.runtime.coordinator --replicas R --run-dir DIR [...]`; it prints
+Run as `python -m unbroken.runtime.control.coordinator --replicas R --run-dir DIR [...]`; it prints
 `UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears
 (the launcher wakes its loop after writing it, as after an exit: epochwatch.wake).
 """
@@ -22,9 +22,9 @@ from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
-from unbroken.runtime.coordination import connect, finished_among, last_committed, read
-from unbroken.runtime.epochwatch import WakeWatch, epoch_key
-from unbroken.runtime.slowness import SlownessMonitor
+from unbroken.runtime.control.coordination import connect, finished_among, last_committed, read
+from unbroken.runtime.control.epochwatch import WakeWatch, epoch_key
+from unbroken.runtime.control.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
 

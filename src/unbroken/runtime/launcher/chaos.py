@@ -17,7 +17,7 @@ import time
 
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
-from unbroken.runtime.agents import AgentSet, node_dir, node_of
+from unbroken.runtime.launcher.agents import AgentSet, node_dir, node_of
 from unbroken.runtime.snapshot.control import Keys, get_json
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 

@@ -21,11 +21,11 @@ from torch.distributed import PrefixStore, Store
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.policy.snapshotting import shares_of
-from unbroken.runtime.agents import node_dir, node_of
-from unbroken.runtime.checkpoint import Checkpointer, latest_checkpoint
+from unbroken.runtime.launcher.agents import node_dir, node_of
+from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
 from unbroken.runtime.gradients import param_digest, unique_parameters
 from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
-from unbroken.runtime.state import load_rng, materialize, training_state
+from unbroken.runtime.persist.state import load_rng, materialize, training_state
 
 
 class Persistence:

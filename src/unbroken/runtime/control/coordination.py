@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from torch.distributed import Store, TCPStore
 
 from unbroken.policy.recovery import Chain
-from unbroken.runtime.epochwatch import CounterWatch, DecisionWatch, EpochWatch, decision_key
+from unbroken.runtime.control.epochwatch import CounterWatch, DecisionWatch, EpochWatch, decision_key
 
 
 _MISSING = "\x00missing"

@@ -32,10 +32,10 @@ from unbroken.faultspec import parse
 from unbroken.policy.snapshotting import needs_restart, restore_source
 from unbroken.progress import LiveView
 from unbroken.report import summarize
-from unbroken.runtime.agents import AgentSet
-from unbroken.runtime.chaos import Chaos
-from unbroken.runtime.coordination import connect, finished_among, last_committed, read
-from unbroken.runtime.epochwatch import wake
+from unbroken.runtime.launcher.agents import AgentSet
+from unbroken.runtime.launcher.chaos import Chaos
+from unbroken.runtime.control.coordination import connect, finished_among, last_committed, read
+from unbroken.runtime.control.epochwatch import wake
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 MAX_RESTARTS = 20
@@ -168,7 +168,7 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "unbroken.runtime.coordinator", "--replicas", str(cfg.run.replicas),
+    cmd = [sys.executable, "-m", "unbroken.runtime.control.coordinator", "--replicas", str(cfg.run.replicas),
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,

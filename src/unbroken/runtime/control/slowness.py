@@ -16,8 +16,8 @@ from unbroken.events import EventLog
 from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
 from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
-from unbroken.runtime.coordination import read
-from unbroken.runtime.epochwatch import publish_weights
+from unbroken.runtime.control.coordination import read
+from unbroken.runtime.control.epochwatch import publish_weights
 
 
 class SlownessMonitor:
