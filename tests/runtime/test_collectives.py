@@ -28,7 +28,7 @@ MEMBER = """
 import json, os, sys, time
 import torch
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.control.coordination import connect
+from unbroken.runtime.control.store import connect
 
 address, me, N, TIMEOUT_S = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 group_store, watch = connect(address), connect(address)  # one client per thread: formation runs in its own

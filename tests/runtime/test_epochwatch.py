@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 SCRIPT = r'''
 import datetime, os, time
 import unbroken.runtime.control.epochwatch as ew
+from unbroken.runtime.control import keys
 from torch.distributed import TCPStore, PrefixStore
 ew._WAIT = datetime.timedelta(seconds=0.3)  # a day in production
 srv = TCPStore("127.0.0.1", 0, 1, True)
@@ -22,9 +23,9 @@ s.set("epoch", "0")
 connect = lambda: PrefixStore("g0/", TCPStore("127.0.0.1", srv.port, 1, False))
 w = ew.EpochWatch(connect(), reconnect=connect)
 time.sleep(1.0)  # timed-out waits, each followed by a fresh client
-s.set("epoch", "1"); s.set(ew.epoch_key(1), "1")
+s.set("epoch", "1"); s.set(keys.epoch_begun(1), "1")
 print("first", w.wait_until(lambda: w.current == 1, 5.0), w.current, flush=True)
-s.set("epoch", "3"); s.set(ew.epoch_key(2), "1"); s.set(ew.epoch_key(3), "1")  # a burst: 2 and 3
+s.set("epoch", "3"); s.set(keys.epoch_begun(2), "1"); s.set(keys.epoch_begun(3), "1")  # a burst: 2 and 3
 print("burst", w.wait_until(lambda: w.current == 3, 5.0), w.current, flush=True)
 os._exit(0)
 '''
@@ -39,6 +40,7 @@ def test_watch_wakes_on_each_new_epoch_and_after_timed_out_waits():
 COUNTERS = r'''
 import os
 import unbroken.runtime.control.epochwatch as ew
+from unbroken.runtime.control import keys
 from torch.distributed import TCPStore
 srv = TCPStore("127.0.0.1", 0, 1, True)
 connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
@@ -63,6 +65,7 @@ def test_wake_and_weights_watches_move_on_each_call():
 DECISIONS = r'''
 import os, time
 import unbroken.runtime.control.epochwatch as ew
+from unbroken.runtime.control import keys
 from torch.distributed import TCPStore
 from unbroken.runtime.control.coordination import Coordination, Plan
 srv = TCPStore("127.0.0.1", 0, 1, True)
@@ -78,7 +81,7 @@ kind, d = me.wait_for(3, 0, True, 5.0)  # the commit names its proposer and carr
 print("decided", kind, d.outcome, d.proposer, d.plan == Plan(0, (0, 1), {1: 0.5}), flush=True)
 # the epoch moves before any decision: we learn that, propose retry ourselves, and the watch's
 # thread (blocked on decision/4/0 until our own compare-and-set) goes on to the next decision
-srv.set("epoch", "1"); srv.set(ew.epoch_key(1), "1")
+srv.set("epoch", "1"); srv.set(keys.epoch_begun(1), "1")
 kind, chain = me.wait_for(4, 0, True, 5.0)
 print("moved", kind, chain, me.propose(4, 0, "retry").outcome, flush=True)
 t = time.monotonic()

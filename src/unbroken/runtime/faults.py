@@ -17,6 +17,7 @@ from torch.distributed import Store
 
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
+from unbroken.runtime.control import keys
 
 
 class Injector:
@@ -33,7 +34,7 @@ class Injector:
         """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
         for f in [f for f in self.pending if f.step == step and (f.phase or "snapshot") == phase]:
             self.pending.remove(f)
-            if self.store is not None and self.store.add(f"fired/{self.index[id(f)]}", 1) != 1:
+            if self.store is not None and self.store.add(keys.fired(self.index[id(f)]), 1) != 1:
                 continue  # fired in an earlier generation of this run
             self.log.emit("fault", kind=f.kind, replica=self.me, step=step, phase=phase,
                           seconds=f.seconds or None, pid=os.getpid())

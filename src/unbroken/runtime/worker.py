@@ -25,7 +25,9 @@ from torch.distributed import PrefixStore
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
-from unbroken.runtime.control.coordination import Coordination, connect
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.coordination import Coordination
+from unbroken.runtime.control.store import connect
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
@@ -65,13 +67,13 @@ def run(factories: Factories) -> int:
     raw = connect(address)
 
     def client() -> PrefixStore:  # a client of its own for each thread (and each epoch's group)
-        return PrefixStore(f"g{generation}/", connect(address))
+        return PrefixStore(keys.generation_prefix(generation), connect(address))
 
     watch = EpochWatch(client(), reconnect=client)
-    coord = Coordination(PrefixStore(f"g{generation}/", raw), me, watch, reconnect=client,
+    coord = Coordination(PrefixStore(keys.generation_prefix(generation), raw), me, watch, reconnect=client,
                          decisions=DecisionWatch(client(), watch.cond, reconnect=client))
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
-                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=f"g{generation}/")
+                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=keys.generation_prefix(generation))
     heartbeat.start()
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
     injector = Injector(faults, me, log, raw)

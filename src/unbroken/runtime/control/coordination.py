@@ -4,49 +4,21 @@ Owns: the key layout of the TCPStore and every read/write a member makes on it. 
 epoch (`decision/{s}/{e}`) is a compare_set, so racing proposals resolve to one value that all follow.
 Does not own: liveness verdicts and epoch changes (coordinator.py), or what a member does next (policy).
 
-Keys (all values utf-8):
-  epoch                 current membership epoch (int)          written by the coordinator
-  members/{e}           JSON list of member ids of epoch e       coordinator, before `epoch`
-  epochs/{e}            "1" once epoch e began (wakes watches)   coordinator, after `epoch`
-  dead/{r}              JSON {"epoch", "reason"}                 coordinator (fences zombies)
-  reform/{e}            JSON {"replica", "reason"}: epoch e's group broke, nobody died   member
-  hb/{r}                JSON {"seq","step","phase","mb","epoch"} member's heartbeat thread (CAS);
-                        "fenced" once r was declared dead         coordinator, after dead/{r}
-  exit/{r}, nexits      exit code; count of exits                launcher (it sees processes end)
-  wakes, wake/{n}       (unprefixed) the coordinator's wake-ups  launcher (epochwatch.wake)
-  weights               JSON {replica: speed}, {} = equal        coordinator (detector's speeds; always set)
-  nweights, weights/{n} how many times weights changed            coordinator (epochwatch.publish_weights)
-  plan/{s}              JSON {"epoch","members","weights"}       CAS by the members, for the first step
-                                                                 of a generation only: the plan of every
-                                                                 later step comes with the commit of the
-                                                                 step before
-  done/{s}/{e}/{r}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
-  ndone/{s}/{e}         counter                                  member
-  decision/{s}/{e}      "commit:{r}:{plan of s+1}" | "retry:{r}" CAS by the proposer r (members wait
-                                                                 on it: epochwatch.DecisionWatch); r
-                                                                 writes the step record of a commit
-  recorded/{s}          "1" once step s's record is written      its writer (with last_commit)
-  last_commit           last committed step whose record is out  the record's writer
-  reclaim/{s}           a survivor that writes it instead         CAS (the proposer died first)
-  finished/{r}          "1" once a member has applied the last step     member
-  nfinished             count of finished/{r} keys (watchers re-read those only when it moves)   member
-  failed                JSON {"reason","last_committed_step"}    coordinator: every replica lost
+Key names and the layout: keys.py.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import Store
 
 from unbroken.policy.recovery import Chain
-from unbroken.runtime.control.epochwatch import CounterWatch, DecisionWatch, EpochWatch, decision_key
-
-
-_MISSING = "\x00missing"
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.epochwatch import CounterWatch, DecisionWatch, EpochWatch
+from unbroken.runtime.control.store import read
 
 
 @dataclass(frozen=True)
@@ -88,45 +60,6 @@ def parse_weights(raw: bytes | str | dict) -> dict[int, float]:
     return {int(k): v for k, v in (raw if isinstance(raw, dict) else json.loads(raw)).items()}
 
 
-def read(store: Store, key: str) -> bytes | None:
-    """The value of `key`, or None when it is missing: one round trip, where check-then-get is two.
-    A compare_set against a value no key of ours holds returns that value when the key is missing
-    (and writes nothing), the stored value otherwise."""
-    value = store.compare_set(key, _MISSING, _MISSING)
-    return None if value == _MISSING.encode() else value
-
-
-def last_committed(store: Store, default: int = -1) -> int:
-    """The last committed step as the store knows it (`default` before any), for verdicts on a run that
-    lost every replica, not for the step loop (a read per epoch): the last step whose record is out
-    (`last_commit`), or the step after it when a commit of that one stands but its writer died before
-    writing its record with nobody left to write it instead. At most one such step: a writer
-    publishes the next step only after its record is out."""
-    raw = read(store, "last_commit")
-    last = -1 if raw is None else int(raw)
-    for e in range(int(read(store, "epoch") or 0) + 1):
-        value = read(store, decision_key(last + 1, e))
-        if value is not None and value.startswith(b"commit"):
-            return last + 1
-    return default if raw is None else last
-
-
-def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple[int, frozenset[int]]:
-    """(nfinished, the members of `ids` that finished): one round trip while the count equals the one in
-    `seen` (returned as is), plus a check per id when it moved. Start with (0, frozenset())."""
-    n = store.add("nfinished", 0)
-    if n == seen[0]:
-        return seen
-    return n, frozenset(r for r in ids if store.check([f"finished/{r}"]))
-
-
-def connect(address: str, timeout_s: float = 60.0) -> TCPStore:
-    """A client of the coordinator's store at `host:port`. One per thread: clients are not thread-safe."""
-    host, _, port = address.rpartition(":")
-    return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                    use_libuv=True)
-
-
 class Coordination:
     """A member's view of the store. Every method is at most a few store round trips (~0.1 ms locally).
 
@@ -153,11 +86,11 @@ class Coordination:
 
     # membership -------------------------------------------------------------------------------------
     def epoch(self) -> int:
-        return self.watch.current if self.watch else int(self.store.get("epoch"))
+        return self.watch.current if self.watch else int(self.store.get(keys.epoch()))
 
     def members(self, epoch: int) -> tuple[int, ...]:
         if epoch not in self._members:
-            self._members[epoch] = tuple(json.loads(self.store.get(f"members/{epoch}")))
+            self._members[epoch] = tuple(json.loads(self.store.get(keys.members(epoch))))
         return self._members[epoch]
 
     def chain_after(self, epoch: int) -> Chain:
@@ -165,12 +98,12 @@ class Coordination:
 
         Reads the epoch from the store, not the watch (which learns of a change a round trip later):
         a member that sees a peer's retry decision must find the epoch that peer saw."""
-        latest = int(self.store.get("epoch"))
+        latest = int(self.store.get(keys.epoch()))
         return tuple((e, self.members(e)) for e in range(epoch + 1, latest + 1))
 
     def is_dead(self, member: int | None = None) -> bool:
         """Whether `member` (default: this one) was declared dead."""
-        return self.store.check([f"dead/{self.me if member is None else member}"])
+        return self.store.check([keys.dead(self.me if member is None else member)])
 
     def weights(self, known: tuple[int, dict[int, float]] | None = None) -> tuple[int, dict[int, float]]:
         """(version, the quota weights): `known` as is while the weights watch saw no new version,
@@ -178,7 +111,7 @@ class Coordination:
         version = self._weights_watch.current if self._weights_watch else -1
         if known is not None and version == known[0] >= 0:
             return known
-        return version, parse_weights(self.store.get("weights"))
+        return version, parse_weights(self.store.get(keys.weights()))
 
     def weights_moved(self, known: tuple[int, dict[int, float]]) -> bool:
         """Whether `weights(known)` would read the store: no round trip."""
@@ -194,14 +127,14 @@ class Coordination:
     def agree_plan(self, step: int, mine: Plan) -> Plan:
         """Compare-and-set `mine` as the plan of `step`; returns the plan that won, ours or the stored one.
         For a generation's first step only: a later step's plan comes with the commit before it."""
-        return Plan.loads(self.store.compare_set(f"plan/{step}", "", mine.dumps()))
+        return Plan.loads(self.store.compare_set(keys.plan(step), "", mine.dumps()))
 
     def stage(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> None:
         """Write this member's done record of (step, epoch) ahead of `publish`: call while the all-reduce
         is in flight, so the write overlaps it instead of following it. Harmless if the reduce then
         fails: done records are read only for an epoch whose decision is commit, which needs every
         member's `publish`."""
-        self.store.set(f"done/{step}/{epoch}/{self.me}", json.dumps({"held": list(held), "timings": timings}))
+        self.store.set(keys.done(step, epoch, self.me), json.dumps({"held": list(held), "timings": timings}))
         self._staged = (step, epoch, tuple(held))
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]],
@@ -211,25 +144,25 @@ class Coordination:
         as this view knows, while another view, e.g. the sidecar's, is told by its caller)."""
         if not (self.staged(step, epoch, held) if staged is None else staged):
             self.stage(step, epoch, held, timings)
-        return self.store.add(f"ndone/{step}/{epoch}", 1)
+        return self.store.add(keys.done_count(step, epoch), 1)
 
     def staged(self, step: int, epoch: int, held: tuple[int, ...]) -> bool:
         """Whether `stage` wrote this very done record last: no round trip."""
         return self._staged == (step, epoch, tuple(held))
 
     def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:
-        values = self.store.multi_get([f"done/{step}/{epoch}/{m}" for m in members])
+        values = self.store.multi_get([keys.done(step, epoch, m) for m in members])
         return {m: json.loads(v)["held"] for m, v in zip(members, values)}
 
     def propose(self, step: int, epoch: int, outcome: str, next_plan: Plan | None = None) -> Decision:
         """Compare-and-set the decision of (step, epoch), a commit with `next_plan`, the plan of step + 1;
         returns the decision that won, ours or another member's."""
         mine = Decision(outcome, self.me, next_plan if outcome == "commit" else None)
-        return Decision.loads(self.store.compare_set(decision_key(step, epoch), "", mine.dumps()))
+        return Decision.loads(self.store.compare_set(keys.decision(step, epoch), "", mine.dumps()))
 
     def decision(self, step: int, epoch: int) -> Decision | None:
         """The decision of (step, epoch), or None: one round trip."""
-        value = read(self.store, decision_key(step, epoch))
+        value = read(self.store, keys.decision(step, epoch))
         return None if value is None else Decision.loads(value)
 
     def watch_decision(self, step: int, epoch: int) -> None:
@@ -279,26 +212,26 @@ class Coordination:
         For a member whose wait for a decision or a new epoch in `epoch` timed out: a collective that
         timed out on a live straggler breaks the group without a death, so no epoch would follow by
         itself. Idempotent; a request for an epoch already past is ignored."""
-        self.store.set(f"reform/{epoch}", json.dumps({"replica": self.me, "reason": reason}))
+        self.store.set(keys.reform(epoch), json.dumps({"replica": self.me, "reason": reason}))
 
     def reclaim_record(self, step: int) -> bool:
         """For a survivor that found `step`'s writer (its commit's proposer) dead with the record
         unwritten: True for the one survivor that writes it instead."""
-        return self.store.compare_set(f"reclaim/{step}", "", str(self.me)) == str(self.me).encode()
+        return self.store.compare_set(keys.reclaim(step), "", str(self.me)) == str(self.me).encode()
 
     def recorded(self, step: int) -> bool:
         """Whether `step`'s record is written."""
-        return self.store.check([f"recorded/{step}"])
+        return self.store.check([keys.recorded(step)])
 
     def mark_recorded(self, step: int) -> None:
         """Say `step`'s record is out; it becomes the last committed step (one round trip for both).
         Records come out in step order: a writer publishes the next step only after its record."""
-        self.store.multi_set([f"recorded/{step}", "last_commit"], ["1", str(step)])
+        self.store.multi_set([keys.recorded(step), keys.last_commit()], ["1", str(step)])
 
     def finish(self) -> None:
         """Call once after the last step: the coordinator stops judging this member's liveness."""
-        self.store.set(f"finished/{self.me}", "1")
-        self.store.add("nfinished", 1)  # after the key: a watcher that sees the count finds the key
+        self.store.set(keys.finished(self.me), "1")
+        self.store.add(keys.finished_count(), 1)  # after the key: a watcher that sees the count finds the key
 
     def failed(self) -> dict | None:
-        return json.loads(self.store.get("failed")) if self.store.check(["failed"]) else None
+        return json.loads(self.store.get(keys.failed())) if self.store.check([keys.failed()]) else None

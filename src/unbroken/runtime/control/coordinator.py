@@ -22,8 +22,9 @@ from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
-from unbroken.runtime.control.coordination import connect, finished_among, last_committed, read
-from unbroken.runtime.control.epochwatch import WakeWatch, epoch_key
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.epochwatch import WakeWatch
+from unbroken.runtime.control.store import connect, finished_among, last_committed
 from unbroken.runtime.control.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
@@ -44,9 +45,9 @@ class Coordinator:
         # (nfinished, members that applied their last step): no longer judged
         self.finished: tuple[int, frozenset[int]] = (0, frozenset())
         self.beat_every = beat_every
-        store.set("weights", "{}")  # equal quotas until the detector says otherwise
-        store.set("members/0", json.dumps(list(self.membership.members)))
-        store.set("epoch", "0")
+        store.set(keys.weights(), "{}")  # equal quotas until the detector says otherwise
+        store.set(keys.members(0), json.dumps(list(self.membership.members)))
+        store.set(keys.epoch(), "0")
         log.emit("epoch", epoch=0, members=list(self.membership.members))
 
     def poll(self, now: float, exits: bool = True) -> bool:
@@ -68,12 +69,12 @@ class Coordinator:
             self._read_beats(members, now)
             verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
                              self.startup_timeout)
-        nexits = self.store.add("nexits", 0) if exits or beats else self.exits_seen
+        nexits = self.store.add(keys.exits(), 0) if exits or beats else self.exits_seen
         if nexits != self.exits_seen:
             self.exits_seen = nexits
             for m in members:
-                if self.store.check([f"exit/{m}"]):
-                    verdicts.setdefault(m, f"process exited with code {self.store.get(f'exit/{m}').decode()}")
+                if self.store.check([keys.exited(m)]):
+                    verdicts.setdefault(m, f"process exited with code {self.store.get(keys.exited(m)).decode()}")
         if verdicts:
             self._remove(verdicts)
         elif beats:
@@ -85,8 +86,8 @@ class Coordinator:
     def _read_beats(self, members: tuple[int, ...], now: float) -> None:
         # Members that beat before: one multi_get; the rest (start-up) one check each.
         known = [m for m in members if m in self.beats]
-        fresh = [m for m in members if m not in self.beats and self.store.check([f"hb/{m}"])]
-        values = self.store.multi_get([f"hb/{m}" for m in known + fresh]) if known or fresh else []
+        fresh = [m for m in members if m not in self.beats and self.store.check([keys.heartbeat(m)])]
+        values = self.store.multi_get([keys.heartbeat(m) for m in known + fresh]) if known or fresh else []
         for m, value in zip(known + fresh, values):
             hb = json.loads(value)
             old = self.beats.get(m)
@@ -99,10 +100,10 @@ class Coordinator:
     def _remove(self, verdicts: dict[int, str]) -> None:
         new = self.membership.without(verdicts)
         # members/{e} before epoch: a reader that sees the new epoch always finds its member list
-        self.store.set(f"members/{new.epoch}", json.dumps(list(new.members)))
+        self.store.set(keys.members(new.epoch), json.dumps(list(new.members)))
         for m, reason in sorted(verdicts.items()):
-            self.store.set(f"dead/{m}", json.dumps({"epoch": new.epoch, "reason": reason}))
-            self.store.set(f"hb/{m}", FENCED)  # its next beat's compare-and-set fails: it leaves
+            self.store.set(keys.dead(m), json.dumps({"epoch": new.epoch, "reason": reason}))
+            self.store.set(keys.heartbeat(m), FENCED)  # its next beat's compare-and-set fails: it leaves
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
         self._begin(new)
@@ -110,22 +111,22 @@ class Coordinator:
     def _reform(self) -> None:
         """A member whose epoch's group broke while nobody died asked for a fresh one (`reform/{e}`,
         coordination.request_reform): the same members in a new epoch."""
-        key = f"reform/{self.membership.epoch}"
+        key = keys.reform(self.membership.epoch)
         if self.store.check([key]):
             new = self.membership.reformed()
-            self.store.set(f"members/{new.epoch}", json.dumps(list(new.members)))
+            self.store.set(keys.members(new.epoch), json.dumps(list(new.members)))
             self._begin(new, reform=json.loads(self.store.get(key))["reason"])
 
     def _begin(self, new: Membership, **why: str) -> None:
         """Publish epoch `new` (its member list already written) and wake the members."""
-        self.store.set("epoch", str(new.epoch))
-        self.store.set(epoch_key(new.epoch), "1")  # wakes the members' epoch watches
+        self.store.set(keys.epoch(), str(new.epoch))
+        self.store.set(keys.epoch_begun(new.epoch), "1")  # wakes the members' epoch watches
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members), **why)
         self.membership = new
 
     def fail(self) -> None:
         record = {"reason": "every replica was lost", "last_committed_step": last_committed(self.store)}
-        self.store.set("failed", json.dumps(record))
+        self.store.set(keys.failed(), json.dumps(record))
         self.log.emit("run_failed", **record)
 
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def fresh(generation: int) -> Coordinator:
         # A whole-job restart (launcher) starts a generation: new membership under its own prefix.
-        return Coordinator(PrefixStore(f"g{generation}/", store), a.replicas, log, a.heartbeat_timeout,
+        return Coordinator(PrefixStore(keys.generation_prefix(generation), store), a.replicas, log, a.heartbeat_timeout,
                            a.progress_timeout, a.startup_timeout, follow_speed=a.quotas == "speed",
                            beat_every=a.poll)
 
@@ -163,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         rounds += 1
         woken, seen = wakes.current != seen, wakes.current
         if woken or rounds % 10 == 0:  # (every tenth round too: a wake lost to a launcher's crash)
-            if store.check(["shutdown"]):
+            if store.check([keys.shutdown()]):
                 return 0
-            if store.check(["generation"]) and int(store.get("generation")) != generation:
-                generation = int(store.get("generation"))
+            if store.check([keys.generation()]) and int(store.get(keys.generation())) != generation:
+                generation = int(store.get(keys.generation()))
                 coord, alive = fresh(generation), True
         if alive and not coord.poll(time.monotonic(), exits=woken):
             coord.fail()

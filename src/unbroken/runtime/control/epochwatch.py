@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 from torch.distributed import DistStoreError, Store
 
+from unbroken.runtime.control import keys
+
 _WAIT = datetime.timedelta(days=1)
 
 
@@ -78,7 +80,7 @@ class EpochWatch(CounterWatch):
     """The membership epoch; `get("epoch")` blocks until the coordinator wrote it."""
 
     def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
-        super().__init__(store, epoch_key, lambda s: int(s.get("epoch")), reconnect, "epoch-watch")
+        super().__init__(store, keys.epoch_begun, lambda s: int(s.get(keys.epoch())), reconnect, "epoch-watch")
 
 
 class WeightsWatch(CounterWatch):
@@ -86,7 +88,7 @@ class WeightsWatch(CounterWatch):
     `weights` only when this moved, where it read them after every step before (a round trip a step)."""
 
     def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
-        super().__init__(store, _weights_key, lambda s: s.add("nweights", 0), reconnect, "weights-watch")
+        super().__init__(store, keys.weights_changed, lambda s: s.add(keys.weights_version(), 0), reconnect, "weights-watch")
 
 
 class DecisionWatch:
@@ -128,7 +130,7 @@ class DecisionWatch:
     def _run(self) -> None:
         while True:
             step, epoch = self._asked.get()
-            key = decision_key(step, epoch)
+            key = keys.decision(step, epoch)
             while True:
                 try:
                     self._store.wait([key], _WAIT)
@@ -146,38 +148,20 @@ class DecisionWatch:
                 self.cond.notify_all()
 
 
-def decision_key(step: int, epoch: int) -> str:
-    """The key of the single commit/retry decision of (step, epoch) (coordination.Decision)."""
-    return f"decision/{step}/{epoch}"
-
-
 def publish_weights(store: Store, weights: str) -> None:
     """Write the quota weights (JSON), then wake the members' weights watches."""
-    store.set("weights", weights)
-    store.set(_weights_key(store.add("nweights", 1)), "1")
-
-
-def _weights_key(n: int) -> str:
-    return f"weights/{n}"
+    store.set(keys.weights(), weights)
+    store.set(keys.weights_changed(store.add(keys.weights_version(), 1)), "1")
 
 
 class WakeWatch(CounterWatch):
     """The coordinator's wake-up calls (`wake`), on the unprefixed store: every generation's."""
 
     def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
-        super().__init__(store, _wake_key, lambda s: s.add("wakes", 0), reconnect, "wake-watch")
+        super().__init__(store, keys.wake, lambda s: s.add(keys.wakes(), 0), reconnect, "wake-watch")
 
 
 def wake(store: Store) -> None:
     """Wake the coordinator's loop now, after writing what it should see: a worker's exit, a new
     generation, shutdown. `store` is the unprefixed store. Two round trips."""
-    store.set(_wake_key(store.add("wakes", 1)), "1")
-
-
-def _wake_key(n: int) -> str:
-    return f"wake/{n}"
-
-
-def epoch_key(epoch: int) -> str:
-    """The key the coordinator sets once `epoch` has begun (after `members/{epoch}` and `epoch`)."""
-    return f"epochs/{epoch}"
+    store.set(keys.wake(store.add(keys.wakes(), 1)), "1")

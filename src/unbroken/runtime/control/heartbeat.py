@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from torch.distributed import PrefixStore
 
-from unbroken.runtime.control.coordination import connect
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.store import connect
 
 
 class Heartbeat:
@@ -50,13 +51,13 @@ class Heartbeat:
         """Write the next beat; False if the coordinator's fence mark stands where our last beat was."""
         self._seq += 1
         value = json.dumps({"seq": self._seq, **self.where})
-        if self._store.compare_set(f"hb/{self.me}", self._last, value) != value.encode():
+        if self._store.compare_set(keys.heartbeat(self.me), self._last, value) != value.encode():
             return False
         self._last = value
         return True
 
     def _fence(self) -> None:
-        reason = json.loads(self._store.get(f"dead/{self.me}"))["reason"]
+        reason = json.loads(self._store.get(keys.dead(self.me)))["reason"]
         self._on_fenced(f"declared dead ({reason})")
         os._exit(3)
 

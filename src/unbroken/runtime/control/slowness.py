@@ -16,8 +16,9 @@ from unbroken.events import EventLog
 from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
 from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
-from unbroken.runtime.control.coordination import read
+from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import publish_weights
+from unbroken.runtime.control.store import read
 
 
 class SlownessMonitor:
@@ -32,7 +33,7 @@ class SlownessMonitor:
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
 
     def poll(self, epoch: int) -> None:
-        last = int(read(self.store, "last_commit") or -1)
+        last = int(read(self.store, keys.last_commit()) or -1)
         while self.next_step <= last:
             timings = self._timings(self.next_step, epoch)
             if timings:
@@ -54,12 +55,12 @@ class SlownessMonitor:
     def _timings(self, step: int, epoch: int) -> dict[int, list[MicrobatchTiming]]:
         """Every commit-epoch member's timings of `step`: (tokens, sumsq, seconds) per microbatch."""
         for e in range(epoch, -1, -1):  # the commit is usually in the newest epoch: search down
-            decision = read(self.store, f"decision/{step}/{e}")
+            decision = read(self.store, keys.decision(step, e))
             if decision is not None and decision.startswith(b"commit"):
                 if e not in self.members:  # members/{e} never changes once written
-                    self.members[e] = json.loads(self.store.get(f"members/{e}"))
+                    self.members[e] = json.loads(self.store.get(keys.members(e)))
                 members = self.members[e]
-                done = self.store.multi_get([f"done/{step}/{e}/{m}" for m in members])
+                done = self.store.multi_get([keys.done(step, e, m) for m in members])
                 return {m: [MicrobatchTiming(*t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
         return {}
 

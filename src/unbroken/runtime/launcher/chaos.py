@@ -18,7 +18,8 @@ import time
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 from unbroken.runtime.launcher.agents import AgentSet, node_dir, node_of
-from unbroken.runtime.snapshot.control import Keys, get_json
+from unbroken.runtime.control.store import get_json
+from unbroken.runtime.snapshot.control import snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
 
@@ -79,7 +80,7 @@ class Chaos:
         parity: after 2 s without its whole-state digest, go on."""
         if self.agents is None or self.cfg.snapshot.parity == "none":
             return
-        keys, store = Keys(self.run_id), self.agents.store
+        keys, store = snapshot_keys(self.run_id), self.agents.store
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if int(get_json(store, keys.pdone(node), -1)) >= step:

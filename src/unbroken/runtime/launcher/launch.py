@@ -34,7 +34,8 @@ from unbroken.progress import LiveView
 from unbroken.report import summarize
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
-from unbroken.runtime.control.coordination import connect, finished_among, last_committed, read
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.store import connect, finished_among, last_committed, read
 from unbroken.runtime.control.epochwatch import wake
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
@@ -87,7 +88,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
                                         resume, run_id) for r in range(cfg.run.replicas)}
             procs.extend(workers.values())
-            outcome, error = watch.run(PrefixStore(f"g{generation}/", raw), workers)
+            outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
             if outcome != "restart":
                 break
             if generation >= MAX_RESTARTS:
@@ -95,10 +96,10 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                 break
             resume = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
             generation += 1
-            raw.set("generation", str(generation))
+            raw.set(keys.generation(), str(generation))
             wake(raw)
             log.emit("restart", generation=generation, reason=error, source=resume)
-        raw.set("shutdown", "1")
+        raw.set(keys.shutdown(), "1")
         wake(raw)
         try:
             coordinator.wait(timeout=10)
@@ -260,8 +261,8 @@ class _Watch:
                     exits.forget(r)
                     self.log.emit("exit", replica=r, code=code)
                     if code != 0:  # a clean exit is a finished replica, not a failure
-                        store.set(f"exit/{r}", str(code))
-                        store.add("nexits", 1)
+                        store.set(keys.exited(r), str(code))
+                        store.add(keys.exits(), 1)
                         self.wake()
             self._tail(workers)
             if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
@@ -287,9 +288,9 @@ class _Watch:
     def _read_store(self, store, workers: dict[int, subprocess.Popen]) -> tuple[frozenset[int], set[int]]:
         """The finished and the dead among `workers`: two round trips, unless a count moved.
         Members are declared dead only in a new epoch, so `dead/{r}` is re-read when `epoch` moves."""
-        epoch = read(store, "epoch")
+        epoch = read(store, keys.epoch())
         if epoch != self.dead[0]:
-            self.dead = (epoch, {r for r in workers if store.check([f"dead/{r}"])})
+            self.dead = (epoch, {r for r in workers if store.check([keys.dead(r)])})
         self.finished = finished_among(store, workers, self.finished)
         return self.finished[1], self.dead[1]
 

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 
+from unbroken.runtime.control import keys
+
 
 class CollectiveError(RuntimeError):
     """The collective failed (peer gone, timeout); the caller's buffer is intact."""
@@ -50,7 +52,7 @@ class EpochGroup:
         self.rank = members.index(me)
         self._pg: dist.ProcessGroup | None = None
         self._error: BaseException | None = None
-        prefix = PrefixStore(f"pg/{shard}/{epoch}/", store)
+        prefix = PrefixStore(keys.collective_prefix(shard, epoch), store)
         timeout = datetime.timedelta(seconds=timeout_s)
 
         def form() -> None:

@@ -21,6 +21,7 @@ from torch.distributed import PrefixStore, Store
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.policy.snapshotting import shares_of
+from unbroken.runtime.control import keys
 from unbroken.runtime.launcher.agents import node_dir, node_of
 from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
 from unbroken.runtime.gradients import param_digest, unique_parameters
@@ -79,7 +80,7 @@ class Persistence:
         materialize(self.model, self.optimizer)
         tensors = training_state(self.model, self.optimizer)
         if source == "memory" and self.cfg.snapshot.enabled:
-            group = dist.ProcessGroupGloo(PrefixStore(f"restore/{generation}/", self.store), self.me,
+            group = dist.ProcessGroupGloo(PrefixStore(keys.restore_prefix(generation), self.store), self.me,
                                           self.world, datetime.timedelta(seconds=120))
             step = self._restore_memory(group, tensors)
             if step is not None:

@@ -4,10 +4,10 @@ request_rebuild / remove_run (launcher), the StateLoadError family. See client.p
 for the calling contracts."""
 
 from .client import Restored, SnapshotClient
-from .control import AgentSpec, Topology, connect_store, remove_run, request_rebuild, start_agent, stop_agent
+from .control import AgentSpec, Topology, remove_run, request_rebuild, start_agent, stop_agent
 from .errors import (ChecksumMismatch, ForeignSnapshot, SnapshotNotFound, StateLoadError,
                      Unrecoverable, WorldSizeMismatch)
 
 __all__ = ["AgentSpec", "ChecksumMismatch", "ForeignSnapshot", "Restored", "SnapshotClient",
            "SnapshotNotFound", "StateLoadError", "Topology", "Unrecoverable", "WorldSizeMismatch",
-           "connect_store", "remove_run", "request_rebuild", "start_agent", "stop_agent"]
+           "remove_run", "request_rebuild", "start_agent", "stop_agent"]

@@ -27,7 +27,9 @@ import xxhash
 
 from . import commands
 from .checksum import checksum, state_digest
-from .control import Keys, Topology, connect_store, get_json, post_command, topology_dict
+from unbroken.runtime.control.store import connect, get_json
+
+from .control import Topology, post_command, snapshot_keys, topology_dict
 from .shm import Kind, SlotFile, State, data_path, parity_path
 
 POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few ms of a copy
@@ -47,7 +49,7 @@ class SnapshotAgent:
     def __init__(self, store: dist.Store, run_id: str, node: int, topo: Topology, shm_dir: str,
                  timeout_s: float = 60.0, nonce: str = "") -> None:
         self.store, self.run_id, self.node, self.topo = store, run_id, node, topo
-        self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, Keys(run_id)
+        self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, snapshot_keys(run_id)
         self.ranks = topo.ranks_of(node)
         self.data = {r: [self._adopt(data_path(shm_dir, run_id, r, b), r) for b in (0, 1)]
                      for r in self.ranks}
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nonce", default="")
     a = p.parse_args(argv)
     topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
-    agent = SnapshotAgent(connect_store(a.store), a.run_id, a.node, topo, a.shm_dir, a.timeout,
+    agent = SnapshotAgent(connect(a.store), a.run_id, a.node, topo, a.shm_dir, a.timeout,
                           a.nonce)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())

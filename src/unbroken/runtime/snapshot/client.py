@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from . import errors
 from .checksum import checksum, state_digest
-from .control import DEFAULT_SHM_DIR, Keys, Topology, get_json, read_topology, request_rebuild
+from unbroken.runtime.control.store import get_json
+
+from .control import DEFAULT_SHM_DIR, Topology, read_topology, request_rebuild, snapshot_keys
 from .layout import Layout, check_out, copy_range_in, copy_range_out, shard_bounds, unflatten
 from .shm import Header, Kind, SlotFile, State, check_run_id, data_path, read_header
 
@@ -46,7 +48,7 @@ class SnapshotClient:
     def __init__(self, store: dist.Store, *, run_id: str, rank: int, world: int,
                  shm_dir: str = DEFAULT_SHM_DIR, timeout_s: float = 60.0) -> None:
         self.store, self.run_id, self.rank, self.world = store, check_run_id(run_id), rank, world
-        self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, Keys(run_id)
+        self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, snapshot_keys(run_id)
         self.topo: Topology | None = None
         self._slots: list[SlotFile] | None = None
         # Read mappings of slot files, kept open between restores: mapping (MAP_POPULATE) and

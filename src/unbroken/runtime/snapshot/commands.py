@@ -16,7 +16,7 @@ import torch
 
 from . import errors
 from .checksum import checksum
-from .control import get_json
+from unbroken.runtime.control.store import get_json
 from .erasure import RSCodec, gloo_group
 from .layout import shard_bounds
 from .parity import Member, StripePlan, encode, rebuild

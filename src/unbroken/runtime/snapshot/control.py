@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -26,6 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+
+from unbroken.runtime.control.keys import SnapshotKeys
+from unbroken.runtime.control.store import connect, get_json
 
 from . import errors
 from .shm import check_run_id
@@ -68,40 +70,21 @@ class Topology:
         return [node * self.ranks_per_node + i for i in range(self.ranks_per_node)]
 
 
-class Keys:
-    """Store key names for one run (see the module docstring)."""
-
-    def __init__(self, run_id: str) -> None:
-        self.base = f"unbroken/snap/{check_run_id(run_id)}"
-
-    def __getattr__(self, name: str):  # keys.agent(3) -> ".../agent/3"
-        return lambda *parts: "/".join([self.base, name, *map(str, parts)])
-
-
-def connect_store(addr: str | None = None, timeout_s: float = 60) -> dist.TCPStore:
-    """A client of the coordinator's TCPStore at `addr` or env UNBROKEN_STORE ("host:port")."""
-    addr = addr or os.environ.get("UNBROKEN_STORE")
-    if not addr:
-        raise RuntimeError("no store address: pass host:port or set UNBROKEN_STORE")
-    host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def get_json(store: dist.Store, key: str, default=None):
-    return json.loads(store.get(key)) if store.check([key]) else default
+def snapshot_keys(run_id: str) -> SnapshotKeys:
+    """Store key names for one run (see the module docstring); raises ValueError for a bad run id."""
+    return SnapshotKeys(check_run_id(run_id))
 
 
 def read_topology(store: dist.Store, run_id: str, node: int = 0, timeout_s: float = 60) -> Topology:
     """The topology published by node `node`'s agent; waits up to timeout_s for it."""
-    key = Keys(run_id).agent(node)
+    key = snapshot_keys(run_id).agent(node)
     _wait_keys(store, [key], timeout_s, f"snapshot agent of node {node} never came up")
     rec = json.loads(store.get(key))
     return Topology(**rec["topology"])
 
 
 def post_command(store: dist.Store, run_id: str, cmd: dict) -> int:
-    keys = Keys(run_id)
+    keys = snapshot_keys(run_id)
     i = store.add(keys.cmd("n"), 1)
     store.set(keys.cmd(i), json.dumps(cmd))
     return i
@@ -111,7 +94,7 @@ def wait_command(store: dist.Store, run_id: str, i: int, nodes: list[int],
                  timeout_s: float) -> list[int]:
     """Wait for every node in `nodes` to answer command i; return their steps or raise the error
     type an agent reported (errors.Unrecoverable when one never answers)."""
-    keys = Keys(run_id)
+    keys = snapshot_keys(run_id)
     want = [keys.cmd(i, "done", n) for n in nodes]
     _wait_keys(store, want, timeout_s, f"snapshot agents did not finish command {i}",
                errors.Unrecoverable)
@@ -179,8 +162,8 @@ def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | Non
             "--nonce", nonce]
     out = open(log, "ab") if log else None
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None)
-    own = store or connect_store(spec.store)
-    key = Keys(spec.run_id).agent(spec.node)
+    own = store or connect(spec.store)
+    key = snapshot_keys(spec.run_id).agent(spec.node)
     deadline = time.monotonic() + ready_timeout_s
     while get_json(own, key, {}).get("nonce") != nonce:
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -1,0 +1,178 @@
+"""Every key of the coordinator's store, spelled once.
+
+Owns: the names. Each function returns one key (or a key prefix, for `PrefixStore`); ids are replica
+group ids (`group`), steps (`step`, from 0) and membership epochs (`epoch`). No other module spells a
+key string (tests/test_architecture.py checks it), so the layout below is the whole protocol on the
+store. Does not own: what is written under a key or who reads it (coordination.py, coordinator.py,
+the snapshot package's control.py).
+
+Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart starts generation N + 1):
+  epoch                 current membership epoch (int)           coordinator
+  members/{e}           JSON list of member groups of epoch e     coordinator, before `epoch`
+  epochs/{e}            "1" once epoch e began (wakes watches)    coordinator, after `epoch`
+  dead/{g}              JSON {"epoch", "reason"}                  coordinator (fences zombies)
+  reform/{e}            JSON {"replica", "reason"}: epoch e's collective group broke, nobody died
+  hb/{g}                JSON {"seq","step","phase","mb","epoch"}; "fenced" once g was declared dead
+  exit/{g}, nexits      exit code; count of exits                 launcher (it sees processes end)
+  weights               JSON {group: speed}, {} = equal           coordinator (detector's speeds)
+  nweights, weights/{n} how many times the weights changed        coordinator
+  plan/{s}              JSON {"epoch","members","weights"}        CAS, a generation's first step only
+  done/{s}/{e}/{g}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
+  ndone/{s}/{e}         counter                                   member
+  decision/{s}/{e}      "commit:{g}:{plan of s+1}" | "retry:{g}"  CAS by the proposer g
+  recorded/{s}          "1" once step s's record is written       its writer (with last_commit)
+  last_commit           last committed step whose record is out   the record's writer
+  reclaim/{s}           a survivor that writes it instead         CAS (the proposer died first)
+  finished/{g}, nfinished   a member applied the last step; their count       member
+  failed                JSON {"reason","last_committed_step"}     coordinator: every group lost
+  pg/{shard}/{e}/...    gloo's rendezvous of epoch e's group for shard index `shard`
+  restore/...           gloo's rendezvous of a restore from snapshots
+Unprefixed (they outlive generations):
+  generation, shutdown  the launcher's orders to the coordinator
+  wakes, wake/{n}       the coordinator's wake-ups                launcher
+  fired/{i}             fault i of the fault spec fired once      the replica that fired it
+  unbroken/snap/{run}/...   the snapshot agents' control plane (`SnapshotKeys`)
+"""
+from __future__ import annotations
+
+# -- the generation's membership and liveness ----------------------------------------------------------
+
+
+def generation_prefix(generation: int) -> str:
+    return f"g{generation}/"
+
+
+def epoch() -> str:
+    return "epoch"
+
+
+def members(epoch: int) -> str:
+    return f"members/{epoch}"
+
+
+def epoch_begun(epoch: int) -> str:
+    return f"epochs/{epoch}"
+
+
+def dead(group: int) -> str:
+    return f"dead/{group}"
+
+
+def reform(epoch: int) -> str:
+    return f"reform/{epoch}"
+
+
+def heartbeat(group: int) -> str:
+    return f"hb/{group}"
+
+
+def exited(group: int) -> str:
+    return f"exit/{group}"
+
+
+def exits() -> str:
+    return "nexits"
+
+
+def weights() -> str:
+    return "weights"
+
+
+def weights_version() -> str:
+    return "nweights"
+
+
+def weights_changed(n: int) -> str:
+    return f"weights/{n}"
+
+
+def failed() -> str:
+    return "failed"
+
+
+# -- the step -----------------------------------------------------------------------------------------
+
+
+def plan(step: int) -> str:
+    return f"plan/{step}"
+
+
+def done(step: int, epoch: int, group: int) -> str:
+    return f"done/{step}/{epoch}/{group}"
+
+
+def done_count(step: int, epoch: int) -> str:
+    return f"ndone/{step}/{epoch}"
+
+
+def decision(step: int, epoch: int) -> str:
+    """The single commit/retry decision of (step, epoch) (coordination.Decision)."""
+    return f"decision/{step}/{epoch}"
+
+
+def recorded(step: int) -> str:
+    return f"recorded/{step}"
+
+
+def last_commit() -> str:
+    return "last_commit"
+
+
+def reclaim(step: int) -> str:
+    return f"reclaim/{step}"
+
+
+def finished(group: int) -> str:
+    return f"finished/{group}"
+
+
+def finished_count() -> str:
+    return "nfinished"
+
+
+def collective_prefix(shard: int, epoch: int) -> str:
+    """Where epoch `epoch`'s cross-group collective for shard index `shard` rendezvous."""
+    return f"pg/{shard}/{epoch}/"
+
+
+def restore_prefix(generation: int) -> str:
+    """Where the gloo group of generation `generation`'s restore from snapshots rendezvous."""
+    return f"restore/{generation}/"
+
+
+# -- unprefixed: the launcher's, across generations ---------------------------------------------------
+
+
+def generation() -> str:
+    return "generation"
+
+
+def shutdown() -> str:
+    return "shutdown"
+
+
+def wakes() -> str:
+    return "wakes"
+
+
+def wake(n: int) -> str:
+    return f"wake/{n}"
+
+
+def fired(fault: int) -> str:
+    return f"fired/{fault}"
+
+
+# -- the snapshot agents' control plane ---------------------------------------------------------------
+
+class SnapshotKeys:
+    """Keys under `unbroken/snap/{run_id}/` (snapshot/control.py describes the protocol):
+    `SnapshotKeys(run).agent(3)` is `unbroken/snap/{run}/agent/3`; any attribute names a key family."""
+
+    def __init__(self, run_id: str) -> None:  # checked by the caller (snapshot.shm.check_run_id)
+        self.base = f"unbroken/snap/{run_id}"
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *parts: "/".join([self.base, name, *map(str, parts)])

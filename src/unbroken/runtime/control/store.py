@@ -1,0 +1,66 @@
+"""Connecting to the coordinator's store and the reads every process makes of it.
+
+Owns: `connect` (one client per thread: TCPStore clients are not thread-safe), the one-round-trip
+`read` of a key that may be missing, `get_json`, and the two verdict-time reads that the launcher and
+the coordinator share: `last_committed` and `finished_among`. Does not own: key names (keys.py) or a
+member's protocol on the store (coordination.py).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from torch.distributed import Store, TCPStore
+
+from unbroken.runtime.control import keys
+
+_MISSING = "\x00missing"
+
+
+def connect(address: str | None = None, timeout_s: float = 60.0) -> TCPStore:
+    """A client of the coordinator's store at `host:port` (default: env UNBROKEN_STORE). Raises
+    RuntimeError without an address, and torch's DistNetworkError when nothing answers in `timeout_s`."""
+    address = address or os.environ.get("UNBROKEN_STORE")
+    if not address:
+        raise RuntimeError("no store address: pass host:port or set UNBROKEN_STORE")
+    host, _, port = address.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                    use_libuv=True)
+
+
+def read(store: Store, key: str) -> bytes | None:
+    """The value of `key`, or None when it is missing: one round trip, where check-then-get is two.
+    A compare_set against a value no key of ours holds returns that value when the key is missing
+    (and writes nothing), the stored value otherwise."""
+    value = store.compare_set(key, _MISSING, _MISSING)
+    return None if value == _MISSING.encode() else value
+
+
+def get_json(store: Store, key: str, default=None):
+    """The JSON value of `key`, or `default` when it is missing (two round trips)."""
+    return json.loads(store.get(key)) if store.check([key]) else default
+
+
+def last_committed(store: Store, default: int = -1) -> int:
+    """The last committed step as the store knows it (`default` before any), for verdicts on a run that
+    lost every replica, not for the step loop (a read per epoch): the last step whose record is out
+    (`last_commit`), or the step after it when a commit of that one stands but its writer died before
+    writing its record with nobody left to write it instead. At most one such step: a writer
+    publishes the next step only after its record is out."""
+    raw = read(store, keys.last_commit())
+    last = -1 if raw is None else int(raw)
+    for e in range(int(read(store, keys.epoch()) or 0) + 1):
+        value = read(store, keys.decision(last + 1, e))
+        if value is not None and value.startswith(b"commit"):
+            return last + 1
+    return default if raw is None else last
+
+
+def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple[int, frozenset[int]]:
+    """(nfinished, the members of `ids` that finished): one round trip while the count equals the one in
+    `seen` (returned as is), plus a check per id when it moved. Start with (0, frozenset())."""
+    n = store.add(keys.finished_count(), 0)
+    if n == seen[0]:
+        return seen
+    return n, frozenset(r for r in ids if store.check([keys.finished(r)]))
