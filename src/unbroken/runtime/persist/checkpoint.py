@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .snapshot.errors import CheckpointNotFound, ForeignCheckpoint, WorldSizeMismatch
+from unbroken.runtime.snapshot.errors import CheckpointNotFound, ForeignCheckpoint, WorldSizeMismatch
 
 MARKER = "unbroken.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
