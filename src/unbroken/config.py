@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.topology import Topology
+
 
 class ConfigError(ValueError):
     pass
@@ -103,6 +105,10 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def topology(self) -> Topology:
+        """Replica groups x ranks over the snapshot nodes (one rank per group until groups grow)."""
+        return Topology.of_nodes(self.run.replicas, 1, self.snapshot.nodes)
 
     @staticmethod
     def from_json(text: str) -> "Config":

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 
 from unbroken.sim.scenario import Scenario
+from unbroken.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -28,18 +29,20 @@ class Fault:
 
 
 class Layout:
-    """GPU g belongs to replica g // replica_gpus and to node g // gpus_per_node."""
+    """GPU g is global rank g of the topology: in replica group g // replica_gpus, on node g // gpus_per_node
+    (topology.py, the runtime's arithmetic)."""
 
     def __init__(self, scenario: Scenario):
         c = scenario.cluster
+        self.topology = Topology(c.dp, c.replica_gpus, c.gpus_per_node)
         self.gpus, self.replica_gpus, self.gpus_per_node = c.gpus, c.replica_gpus, c.gpus_per_node
-        self.nodes = -(-self.gpus // self.gpus_per_node)
+        self.nodes = self.topology.nodes
 
     def replica_of(self, gpu: int) -> int:
-        return gpu // self.replica_gpus
+        return self.topology.group_of(gpu)
 
     def node_gpus(self, node: int) -> range:
-        return range(node * self.gpus_per_node, min((node + 1) * self.gpus_per_node, self.gpus))
+        return self.topology.node_ranks(node)
 
     def replicas_of(self, gpus: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted({self.replica_of(g) for g in gpus}))

@@ -17,14 +17,7 @@ from torch.distributed import Store
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.runtime.snapshot import AgentSpec, StateLoadError, Topology, request_rebuild, start_agent
-
-
-def node_dir(cfg: Config, node: int) -> str:
-    return f"{cfg.snapshot.shm_dir}/node{node}"
-
-
-def node_of(cfg: Config, replica: int) -> int:
-    return replica // (cfg.run.replicas // cfg.snapshot.nodes)
+from unbroken.runtime.snapshot.control import node_dir
 
 
 class AgentSet:
@@ -32,7 +25,7 @@ class AgentSet:
         s = cfg.snapshot
         self.cfg, self.address, self.store, self.run_id, self.log = cfg, address, store, run_id, log
         self.logs = run_dir / "logs"
-        self.topology = Topology(nodes=s.nodes, ranks_per_node=cfg.run.replicas // s.nodes, parity=s.parity,
+        self.topology = Topology(nodes=s.nodes, ranks_per_node=cfg.topology().ranks_per_node, parity=s.parity,
                                  k=s.k, m=s.m)
         self.procs: dict[int, subprocess.Popen] = {}
         with ThreadPoolExecutor(s.nodes) as pool:
@@ -43,7 +36,7 @@ class AgentSet:
         # 15 s per collective among agents (a shard moves in well under 1 s here): an encode that a
         # dead node left hanging must not hold the rebuild of that very node for a minute
         spec = AgentSpec(store=self.address, run_id=self.run_id, node=node, topology=self.topology,
-                         shm_dir=node_dir(self.cfg, node), timeout_s=15.0)
+                         shm_dir=node_dir(self.cfg.snapshot.shm_dir, node), timeout_s=15.0)
         return start_agent(spec, log=self.logs / f"agent{node}.log")
 
     def lose(self, node: int) -> None:
@@ -52,7 +45,7 @@ class AgentSet:
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
-        shutil.rmtree(node_dir(self.cfg, node), ignore_errors=True)
+        shutil.rmtree(node_dir(self.cfg.snapshot.shm_dir, node), ignore_errors=True)
 
     def replace(self, lost: list[int], rebuild: bool) -> int | None:
         """Start fresh agents for `lost` nodes; with `rebuild`, have the survivors rebuild their shards
@@ -75,4 +68,4 @@ class AgentSet:
                 p.kill()
                 p.wait()
         for n in range(self.cfg.snapshot.nodes):
-            shutil.rmtree(Path(node_dir(self.cfg, n)) / self.run_id, ignore_errors=True)
+            shutil.rmtree(Path(node_dir(self.cfg.snapshot.shm_dir, n)) / self.run_id, ignore_errors=True)

@@ -17,9 +17,9 @@ import time
 
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
-from unbroken.runtime.launcher.agents import AgentSet, node_dir, node_of
+from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.control.store import get_json
-from unbroken.runtime.snapshot.control import snapshot_keys
+from unbroken.runtime.snapshot.control import node_dir, snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
 
@@ -34,7 +34,7 @@ class Chaos:
         for f in [f for f in self.pending if f.kind in ("node", "crash-all") and f.step == step + 1]:
             self.pending.remove(f)
             if f.kind == "node":
-                victims = [r for r in workers if node_of(self.cfg, r) == f.node]
+                victims = [r for r in workers if self.cfg.topology().node_of(r) == f.node]
                 self.log.emit("fault", kind="node", node=f.node, step=f.step, replicas=victims)
                 if self.agents is not None:
                     self.agents.lose(f.node)
@@ -57,14 +57,14 @@ class Chaos:
         """Flip 64 payload bytes of the replica's newest committed slot; returns that slot's step."""
         slots = []
         for b in (0, 1):
-            path = data_path(node_dir(self.cfg, node_of(self.cfg, replica)), self.run_id, replica, b)
+            path = data_path(node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(replica)), self.run_id, replica, b)
             if path.exists():
                 slots.append(SlotFile.open(path))
         done = [s for s in slots if s.get("state") == State.COMMITTED]
         if not done:
             return None
         newest = max(done, key=lambda s: s.get("step"))
-        self._settle(node_of(self.cfg, replica), newest.get("step"))
+        self._settle(self.cfg.topology().node_of(replica), newest.get("step"))
         payload = newest.payload()
         payload[:64] = payload[:64] ^ 0xFF
         step = newest.get("step")

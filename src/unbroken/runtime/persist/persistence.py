@@ -22,10 +22,10 @@ from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.policy.snapshotting import shares_of
 from unbroken.runtime.control import keys
-from unbroken.runtime.launcher.agents import node_dir, node_of
 from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
 from unbroken.runtime.gradients import param_digest, unique_parameters
 from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
+from unbroken.runtime.snapshot.control import node_dir
 from unbroken.runtime.persist.state import load_rng, materialize, training_state
 
 
@@ -43,7 +43,7 @@ class Persistence:
     def _client(self, share: int) -> SnapshotClient:
         if share not in self.clients:
             self.clients[share] = SnapshotClient(self.store, run_id=self.run_id, rank=share, world=self.world,
-                                                 shm_dir=node_dir(self.cfg, node_of(self.cfg, share)))
+                                                 shm_dir=node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(share)))
         return self.clients[share]
 
     def before_optimizer(self) -> None:

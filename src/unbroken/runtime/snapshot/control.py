@@ -35,6 +35,11 @@ from .shm import check_run_id
 DEFAULT_SHM_DIR = "/dev/shm/unbroken"
 
 
+def node_dir(shm_dir: str, node: int) -> str:
+    """Node `node`'s emulated CPU memory under `shm_dir`: gone when the node is lost."""
+    return f"{shm_dir}/node{node}"
+
+
 @dataclass(frozen=True)
 class Topology:
     """How trainer ranks and parity groups map onto nodes (one agent per node)."""
