@@ -1,9 +1,10 @@
-"""An optimizer step taken before the commit decision is known, and its undo.
+"""Commit pipelining: an optimizer step taken before the commit decision is known, and its undo.
 
-Owns: a copy of the parameters and the optimizer state taken just before a speculative optimizer step,
-and putting them back when the step's decision turns out to be retry. Does not own: when to speculate
-(trainer.py: commit pipelining, where the policy would wait for a decision) or the decision itself
-(coordination.py).
+Owns: `Pipeline`, the step (at most one) that stepped ahead of its decision (`Pending`): when a step may
+step ahead, settling it once its decision is read (commit: nothing to do; retry: undo), and `Rollback`,
+the copy of the parameters and the optimizer state taken just before a speculative optimizer step, put
+back when the decision turns out to be retry. Does not own: the step's actions (trainer.py runs them,
+also for a settled step, through the `Steps` protocol below) or the decision itself (coordination.py).
 
 Why: after the all-reduce every member but the last to publish waits for the commit decision: a
 second synchronisation point each step that DDP does not have (its ranks part after the all-reduce).
@@ -30,9 +31,19 @@ from __future__ import annotations
 
 import copy
 import operator
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
+
+from unbroken.events import EventLog
+from unbroken.policy import recovery as rec
+from unbroken.runtime.step import StepWork
 
 MAX_BYTES = 64 << 20  # parameters + optimizer state on an accelerator
 CPU_MAX_BYTES = 8 << 20  # in host memory: ~0.6 ms to copy with one thread
@@ -133,3 +144,92 @@ class Rollback:
                 self.optimizer.state.pop(p, None)
         self._buffers, self._state, self._values = [], {}, []  # the state holds them: fresh buffers next
         self.drop()
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A step whose optimizer stepped ahead of its decision: `action` is the Publish the policy asked
+    for, run on the sidecar in `published` (sidecar.publish: the count and, if we were last, the
+    commit we compare-and-set)."""
+    work: StepWork
+    state: rec.StepState
+    action: rec.Publish
+    published: Future
+
+
+class Steps(Protocol):
+    """What settling a pending step needs of the trainer: the same calls its own step makes."""
+
+    def decided(self, work: StepWork, step: int, epoch: int, won) -> rec.Decided: ...
+
+    def await_outcome(self, work: StepWork, step: int, epoch: int,
+                      decision: bool) -> rec.Decided | rec.EpochChanged: ...
+
+    def drive(self, work: StepWork, state: rec.StepState, queue: deque) -> rec.StepState | None: ...
+
+
+class Pipeline:
+    """At most one step stepped ahead of its decision. Per step: `can_step_ahead` where the policy says
+    Publish; if so `step_ahead`; before anything of the next step leaves the process, `settle`."""
+
+    def __init__(self, rollback: Rollback, log: EventLog, me: int):
+        self.rollback, self.log, self.me = rollback, log, me
+        self.pending: Pending | None = None  # a step stepped ahead, its decision not yet read
+        self._ahead: tuple[int, int, float] | None = None  # (step, epoch, loss) stepped before its decision
+
+    def can_step_ahead(self, action: rec.Action) -> bool:
+        """Pipeline this step's publish and decision: only while no other step is pending, and when the
+        state is small enough to copy each step (Rollback.affordable)."""
+        return isinstance(action, rec.Publish) and self.pending is None and self.rollback.affordable()
+
+    def save_early(self) -> None:
+        """Take the copy a step ahead would need now, while a collective runs (off the path), if it may."""
+        if self.pending is None and not self.rollback.saved and self.rollback.affordable():
+            self.rollback.save()
+
+    def step_ahead(self, work: StepWork, state: rec.StepState, action: rec.Publish, published: Future,
+                   step_optimizer: Callable[[], float]) -> None:
+        """The optimizer step before the decision (memory only, undone on retry); `published` is the
+        sidecar's publish of `action`, already under way."""
+        if not self.rollback.saved:  # usually saved during the all-reduce (save_early)
+            self.rollback.save()
+        self._ahead = (action.step, action.epoch, step_optimizer())
+        self.pending = Pending(work, state, action, published)
+
+    def loss_ahead(self, step: int, epoch: int) -> float | None:
+        """The loss of (step, epoch) if its optimizer stepped ahead (taken: call once, at its Apply)."""
+        if self._ahead is not None and self._ahead[:2] == (step, epoch):
+            loss, self._ahead = self._ahead[2], None
+            return loss
+        return None
+
+    def settle(self, steps: Steps) -> bool:
+        """Read the pending step's decision and finish it; True unless it was retried. Call before
+        anything of a later step leaves the process, and once after the last step.
+
+        Commit: the step's events and record. Retry (or the epoch moved first): the optimizer step is
+        undone and the step goes on from its intact accumulator until it commits; the caller's step,
+        computed on the undone parameters, must start over."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return True
+        work, state, step, epoch = pending.work, pending.state, pending.action.step, pending.action.epoch
+        t = time.perf_counter()
+        count, won = pending.published.result()
+        work.waited += time.perf_counter() - t
+        state, (action,) = rec.on_event(state, rec.Published(epoch, count))  # Propose commit or AwaitDecision
+        if isinstance(action, rec.Propose):
+            event = steps.decided(work, step, epoch, won)  # the sidecar compare-and-set it: ours, or a retry
+        else:
+            event = steps.await_outcome(work, step, epoch, decision=True)
+        if event != rec.Decided(epoch, "commit"):
+            self._undo(work, step, epoch)
+        state, more = rec.on_event(state, event)
+        steps.drive(work, state, deque(more))
+        return event == rec.Decided(epoch, "commit")
+
+    def _undo(self, work: StepWork, step: int, epoch: int) -> None:
+        self.rollback.restore()
+        work.acc.attach()  # the step goes on: backward must add into its buffer again
+        self._ahead = None
+        self.log.emit("undone", step=step, replica=self.me, epoch=epoch)

@@ -1,7 +1,9 @@
 """The worker entry point: one replica process, started by the launcher (or by torchrun on a cluster).
 
-Owns: reading the process environment, connecting to the coordinator, building the trainer from the
-factories, and leaving with a meaningful exit code. Does not own: the step loop (trainer.py).
+Owns: reading the process environment once (this process's `Identity`), connecting to the coordinator,
+building the model, data and optimizer from the factories (the model through `parallelize`: the model as
+this rank holds it), the trainer and its persistence, and leaving with a meaningful exit code. Does not
+own: the step loop (trainer.py).
 
 Environment (set by launch.py; a torchrun job per replica group sets the same names):
   UNBROKEN_STORE=host:port   the coordinator's TCPStore
@@ -18,6 +20,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed import PrefixStore
@@ -32,7 +36,23 @@ from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, Weigh
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.persist.persistence import Persistence
-from unbroken.runtime.trainer import Factories, Trainer
+from unbroken.runtime.gradients import unique_parameters
+from unbroken.runtime.parallel.parallelize import parallelize
+from unbroken.runtime.trainer import Parts, Trainer
+from unbroken.topology import Identity
+
+
+@dataclass(frozen=True)
+class Factories:
+    """What a user brings. Each is called once per trainer process, after the seed is set.
+
+    model(cfg) -> nn.Module whose forward(x, y) returns the mean loss over counted targets;
+    data(cfg) -> object with microbatch(step, i) -> (x, y, tokens, sumsq) and step_tokens(step, M);
+    optimizer(params, cfg) -> torch.optim.Optimizer.
+    """
+    model: Callable[[Config], object]
+    data: Callable[[Config], object]
+    optimizer: Callable[[list, Config], object]
 
 
 def in_worker() -> bool:
@@ -54,12 +74,25 @@ def default_factories() -> Factories:
                      optimizer=optimizer)
 
 
+def build(cfg: Config, factories: Factories, who: Identity) -> Parts:
+    """The model (as this rank holds it), data and optimizer. The thread count is the same on every
+    replica, so kernels sum in the same order; the seed makes the initial parameters identical."""
+    import torch
+
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    model = parallelize(factories.model(cfg), cfg.topology())
+    data = factories.data(cfg)
+    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg))
+
+
 def run(factories: Factories) -> int:
     """Run this process as replica UNBROKEN_REPLICA until the last step. Returns the exit code."""
-    me = int(os.environ["UNBROKEN_REPLICA"])
     address = os.environ["UNBROKEN_STORE"]
     run_dir = Path(os.environ["UNBROKEN_RUN_DIR"])
     cfg = Config.from_json((run_dir / "config.json").read_text())
+    who = Identity.from_env(os.environ, cfg.topology())
+    me = who.group
     generation = int(os.environ.get("UNBROKEN_GENERATION", "0"))
     resume = os.environ.get("UNBROKEN_RESUME", "")
     run_id = os.environ.get("UNBROKEN_RUN_ID", "run-local")
@@ -78,11 +111,12 @@ def run(factories: Factories) -> int:
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
     injector = Injector(faults, me, log, raw)
     try:
+        parts = build(cfg, factories, who)
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
-            persist = lambda model, opt: Persistence(cfg, me, raw, run_id, run_dir, model, opt, log)  # noqa: E731
+            persist = Persistence(cfg, me, raw, run_id, run_dir, parts.model, parts.optimizer, log)
         sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client))
-        trainer = Trainer(cfg, me, coord, factories, log, heartbeat, injector, sidecar, persist)
+        trainer = Trainer(cfg, who, parts, coord, log, heartbeat, injector, sidecar, persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
         trainer.fit(first)
         if trainer.persist:

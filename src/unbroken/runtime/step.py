@@ -1,0 +1,36 @@
+"""The data of one training step while it runs: passed to every stage of the step, never kept on the trainer.
+
+Owns: `StepWork`, what a step holds from its first microbatch until its commit (and, pipelined, until its
+decision is read): the step's local gradient sum, the timings of the microbatches it computed, its token
+count, the decision it read. Does not own: what happens to it (trainer.py executes the policy's actions on
+it; speculation.py keeps a step that stepped ahead of its decision).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from unbroken.runtime.control.coordination import Decision
+from unbroken.runtime.gradients import Accumulator
+
+
+@dataclass
+class StepWork:
+    """One step's working data. The accumulator is kept for a retry (the step goes on from it); two
+    alternate between steps, since step s+1 computes while s, pipelined, awaits its decision."""
+    step: int
+    acc: Accumulator
+    tokens: int  # tokens in the whole step (every microbatch): the loss weights' denominator
+    started: float  # time.time() at the step's start
+    timings: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # mb -> (tokens, sumsq, s)
+    waited: float = 0.0  # s spent waiting on peers' decisions or epochs (after any step ahead)
+    stepped: float = 0.0  # time.time() after its optimizer step
+    decision: Decision | None = None  # the last decision read of this step
+    next_plan: Future = field(default_factory=Future)  # the next step's plan: its commit carries it
+
+    def held(self) -> tuple[int, ...]:
+        """The microbatches this member computed in the step (the policy's `held`), in order."""
+        return tuple(sorted(self.timings))
+
+    def timings_of(self, held: tuple[int, ...]) -> list[tuple[int, int, float]]:
+        return [self.timings[i] for i in held]
