@@ -1,6 +1,6 @@
 """Fail-slow detection by trace replay: unbroken's workload-aware detector against step-time baselines.
 
-Every method sees the very same synthetic traces (see unbroken.detect_eval): 8 replicas, 1,000 steps,
+Every method sees the very same synthetic traces (see unbroken.eval.replay): 8 replicas, 1,000 steps,
 4 microbatches per replica per step, heavy-tailed document lengths, 3% timing noise, rare outliers, six
 injected slowdowns (1.1x to 3x, 10 to 150 steps) per trace. Scenarios:
   variable-length   one document per sequence: step time varies several-fold with the workload
@@ -24,7 +24,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from unbroken.detect_eval import BUCKETS, Metrics, Tally, TraceConfig, evaluate
+from unbroken.eval.replay import BUCKETS, Metrics, Tally, TraceConfig, evaluate
 
 SCENARIOS: dict[str, dict[str, object]] = {
     "variable-length": {},

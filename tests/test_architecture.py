@@ -93,3 +93,13 @@ def test_no_module_over_500_lines():
     median = statistics.median(lines.values())
     big = {f: n for f, n in lines.items() if n > 500}
     assert not big, f"modules over 500 lines: {big} (median {median:.0f} lines over {len(lines)} modules)"
+
+
+@pytest.mark.timeout(60)
+def test_every_module_imports():
+    """A move that leaves a stale import (relative ones included) fails here, not in a worker's log."""
+    names = sorted(dotted(f) for f in MODULES if f.name != "__main__.py")
+    code = f"import importlib\nfor n in {names!r}:\n    importlib.import_module(n)\nprint(len({names!r}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=55)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout) == len(names)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from unbroken.detect_eval import (METHODS, Slowdown, Trace, TraceConfig, evaluate, generate, replay,
+from unbroken.eval.replay import (METHODS, Slowdown, Trace, TraceConfig, evaluate, generate, replay,
                                   threshold_baseline, unbroken_method)
 from unbroken.policy.detection import RegimeChange
 

@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_optional_commands(sub) -> None:
     """Commands that live in their own packages: the simulator and the detection evaluation."""
-    from unbroken import detect_eval_real
+    from unbroken.eval import real_runs
     from unbroken.sim import cli as sim_cli
     sim_cli.add_parser(sub)
-    detect_eval_real.add_parser(sub)
+    real_runs.add_parser(sub)
 
 
 def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
@@ -79,8 +79,8 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             from unbroken.sim import cli as sim_cli
             return sim_cli.run(args)
         case "detect-eval":
-            from unbroken import detect_eval_real
-            return detect_eval_real.run(args)
+            from unbroken.eval import real_runs
+            return real_runs.run(args)
     raise ConfigError(f"unknown command {args.command!r}")
 
 

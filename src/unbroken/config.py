@@ -69,8 +69,8 @@ class RunConfig:
     quotas: str = "speed"  # "speed": the detector's speed estimates weight the quotas; "equal": never
     recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
     # commit pipelining: the optimizer steps and the next step computes before the commit decision
-    # is read; undone on retry (runtime/speculation.py). "auto": states up to 64 MiB, and not with
-    # snapshots or checkpoints (trainer.py); "on": any size
+    # is read; undone on retry (runtime/speculation.py). "auto": states up to 8 MiB in host memory
+    # (64 MiB on an accelerator), and not with snapshots or checkpoints (trainer.py); "on": any size
     step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich

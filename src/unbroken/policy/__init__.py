@@ -1,7 +1,8 @@
 """Pure decisions: who computes which microbatch, what a failure changes, when a step commits.
 
-Owns: quota arithmetic, redistribution of lost microbatches, loss weights, the in-step recovery state
-machine, and (added by later issues) the time predictor, the detector and the schedulers.
+Owns: quota arithmetic, redistribution of lost microbatches and loss weights (workload), the in-step
+recovery state machine (recovery), membership epochs (membership), the microbatch time predictor
+(predictor), the fail-slow detector (detection) and snapshot/restart choices (snapshotting).
 Does not own: processes, clocks, I/O, tensors. Nothing here imports torch, the runtime or the simulator,
 so the trainer and the simulator call the very same functions (a test enforces this).
 """

@@ -46,7 +46,7 @@ from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
 from unbroken.runtime.control.coordination import Coordination, Decision, Plan
 from unbroken.runtime.faults import Injector
-from unbroken.runtime.gradients import Accumulator, param_digest, state_digest, unique_parameters
+from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
 from unbroken.runtime.speculation import Pipeline, Rollback, limit
@@ -308,8 +308,8 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
-        self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=state_digest(self.params),
-                      waited=round(work.waited, 6))
+        self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
+                      state_digest=quick_param_digest(self.params), waited=round(work.waited, 6))
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
         # The commit's proposer writes the step record (sha256 included) beside the next step's

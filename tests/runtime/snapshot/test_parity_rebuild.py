@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 from conftest import same, state
 from unbroken.runtime.snapshot import errors
 from unbroken.runtime.snapshot.client import SnapshotClient
-from unbroken.runtime.snapshot.control import Keys, Topology, post_command, request_rebuild
+from unbroken.runtime.snapshot.control import Topology, post_command, request_rebuild, snapshot_keys
 from unbroken.runtime.snapshot.erasure import gloo_group
 from unbroken.runtime.snapshot.shm import data_path
 
@@ -39,7 +39,7 @@ def save_steps(cs, steps, agents):
         for c in cs:
             c.wait()
             c.wait_committed(step)
-    keys, last = Keys(agents.run_id), steps[-1]
+    keys, last = snapshot_keys(agents.run_id), steps[-1]
     deadline = time.monotonic() + 20
     while not all(last in json.loads(agents.store.get(keys.parity(n)))
                   for n in range(agents.topo.nodes)):

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch.distributed as dist
 import xxhash
 
-from . import commands
-from .checksum import checksum, state_digest
+from . import operations
+from .checksum import checksum, folded_digest
 from unbroken.runtime.control.store import connect, get_json
 
 from .control import Topology, post_command, snapshot_keys, topology_dict
@@ -62,7 +62,7 @@ class SnapshotAgent:
         self._scan()  # commit copies a previous agent left COPIED
         self.publish()
         # `since`: the first command this agent serves; peers waiting on an older one for this node
-        # give up at once instead of after their timeout (commands._given_up)
+        # give up at once instead of after their timeout (operations._given_up)
         store.set(self.keys.agent(node), json.dumps(
             {"topology": topology_dict(topo), "nonce": nonce, "pid": os.getpid(),
              "since": self._cmd_seen + 1}))
@@ -148,7 +148,7 @@ class SnapshotAgent:
     def _all_committed(self, step: int, total: int) -> None:
         # The last rank to commit seals the step: whole-state digest, then parity across nodes.
         recs = [json.loads(self.store.get(self.keys.commit(step, r))) for r in range(self.topo.world)]
-        self.store.set(self.keys.digest(step), str(state_digest([r["checksum"] for r in recs], total)))
+        self.store.set(self.keys.digest(step), str(folded_digest([r["checksum"] for r in recs], total)))
         if self.topo.parity != "none":
             post_command(self.store, self.run_id, {"op": "parity", "step": step})
 
@@ -181,11 +181,11 @@ class SnapshotAgent:
             cmd = json.loads(self.store.get(self.keys.cmd(i)))
             t0 = time.monotonic()
             try:
-                step = commands.run(self, i, cmd)
+                step = operations.run(self, i, cmd)
                 answer = f"ok {step}"
             except Exception as e:  # noqa: BLE001 - reported to the requester, agent keeps serving
                 answer = f"error {type(e).__name__} {' '.join(str(e).split())}"
-                commands.abandon(self, i, answer)
+                operations.abandon(self, i, answer)
             took = time.monotonic() - t0
             if answer.startswith("error") or took > SLOW_COMMAND_S:
                 print(f"[agent {self.node}] command {i} {cmd['op']} (step {cmd.get('step')}): "

@@ -74,7 +74,7 @@ def checksum(buf: torch.Tensor | memoryview | bytes | bytearray) -> int:
     return fold(chunk_digests(mv), len(mv))
 
 
-def state_digest(shard_checksums: Sequence[int], total: int) -> int:
+def folded_digest(shard_checksums: Sequence[int], total: int) -> int:
     """Digest of a whole flat state from its shards' checksums, in rank order.
 
     Recomputing every shard checksum over a reassembled buffer and folding them checks every byte of

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
-from .checksum import checksum, state_digest
+from .checksum import checksum, folded_digest
 from unbroken.runtime.control.store import get_json
 
 from .control import DEFAULT_SHM_DIR, Topology, read_topology, request_rebuild, snapshot_keys
@@ -232,7 +232,7 @@ class SnapshotClient:
         digest = int(self.store.get(self.keys.digest(step)))
         if group is None:
             # Every shard was just checksummed in shm: fold them into the whole-state digest.
-            got = state_digest([shards[r][2] for r in range(self.world)], total)
+            got = folded_digest([shards[r][2] for r in range(self.world)], total)
             _expect(got, digest, f"state of step {step}")
             if out is not None:
                 check_out(out, layout)
@@ -244,7 +244,7 @@ class SnapshotClient:
         else:
             flat = self._allgather(group, shards[self.rank][0], total)
             per = [checksum(flat[slice(*shard_bounds(total, self.world, r))]) for r in range(self.world)]
-            _expect(state_digest(per, total), digest, f"reassembled state of step {step}")
+            _expect(folded_digest(per, total), digest, f"reassembled state of step {step}")
             if out is not None:
                 check_out(out, layout)
                 copy_range_in(flat, layout, 0, total, out)

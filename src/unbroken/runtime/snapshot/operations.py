@@ -1,4 +1,4 @@
-"""Commands the agents run together: encode parity for a step, rebuild lost nodes' snapshots.
+"""Operations the agents run together (the queue's commands): encode parity for a step, rebuild lost nodes' snapshots.
 
 Owns the agent side of each command: gathering its inputs from slot files and the store, a ready
 barrier (so one member's missing input fails the command everywhere instead of hanging the others
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -20,10 +22,30 @@ from unbroken.runtime.control.store import get_json
 from .erasure import RSCodec, gloo_group
 from .layout import shard_bounds
 from .parity import Member, StripePlan, encode, rebuild
-from .shm import Kind, State, data_path, parity_path
+from .shm import Kind, SlotFile, State, data_path, parity_path
 
-if TYPE_CHECKING:
-    from .agent import SnapshotAgent
+
+
+class SnapshotAgent(Protocol):
+    """What an operation needs of the agent that runs it (agent.SnapshotAgent has it): a protocol rather
+    than an import, since the agent imports this module."""
+    store: object
+    keys: object
+    run_id: str
+    node: int
+    topo: object
+    shm_dir: str
+    timeout_s: float
+    ranks: list[int]
+    data: dict[int, list[SlotFile | None]]
+    parity: dict[int, list[SlotFile | None]]
+
+    def find(self, slots: list[SlotFile | None], step: int) -> SlotFile | None: ...
+
+    def writable(self, slots: list[SlotFile | None], path_of: Callable[[int], Path], capacity: int, rank: int,
+                 kind: Kind, keep_step: int | None = None) -> SlotFile: ...
+
+    def publish(self) -> None: ...
 
 BARRIER_POLL_S = 0.02  # store round trips while waiting for peer agents (commands take 0.1-1 s)
 

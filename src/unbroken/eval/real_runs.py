@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from unbroken.detect_eval import METHODS, Method, Slowdown, Tally, Trace, TraceConfig, replay
+from unbroken.eval.replay import METHODS, Method, Slowdown, Tally, Trace, TraceConfig, replay
 from unbroken.policy.predictor import MicrobatchTiming
 
 
