@@ -1,6 +1,8 @@
 """The layout of DESIGN.md holds: `unbroken.policy` imports without torch, numpy, runtime or sim (checked in
 a subprocess that blocks them); the import rules hold for every import statement, relative ones included
-(AST scan of src/unbroken); and no module exceeds 500 lines."""
+(AST scan of src/unbroken); the import graph has no circle and no arrow from a lower layer up; every file
+of runtime/ stands in a folder named for its process, but the trainer's own few; no file but
+runtime/control/keys.py spells a store key; and no module exceeds 500 lines."""
 from __future__ import annotations
 
 import ast
@@ -45,8 +47,18 @@ def hits(name: str, banned: tuple[str, ...]) -> bool:
 
 RULES = {  # package -> what it must never import
     "unbroken.policy": ("unbroken.runtime", "unbroken.sim", "torch"),
-    "unbroken.runtime": ("unbroken.sim",),
-    "unbroken.sim": ("unbroken.runtime", "torch"),
+    "unbroken.runtime": ("unbroken.sim", "unbroken.eval", "unbroken.cli", "unbroken.commands"),
+    "unbroken.sim": ("unbroken.runtime", "unbroken.eval", "torch"),
+    # processes: the coordinator's and members' control plane, the snapshot agents and the launcher never
+    # import the trainer's code; the trainer never imports the launcher
+    "unbroken.runtime.control": ("unbroken.runtime.trainer", "unbroken.runtime.worker", "unbroken.runtime.launcher",
+                                 "unbroken.runtime.persist", "unbroken.runtime.parallel", "torch.nn"),
+    "unbroken.runtime.snapshot": ("unbroken.runtime.trainer", "unbroken.runtime.worker", "unbroken.runtime.launcher",
+                                  "unbroken.runtime.persist"),
+    "unbroken.runtime.launcher": ("unbroken.runtime.trainer", "unbroken.runtime.worker", "unbroken.runtime.persist",
+                                  "unbroken.runtime.parallel"),
+    "unbroken.runtime.persist": ("unbroken.runtime.launcher", "unbroken.runtime.trainer", "unbroken.runtime.worker"),
+    "unbroken.runtime.parallel": ("unbroken.runtime.launcher", "unbroken.runtime.trainer", "unbroken.runtime.worker"),
 }
 
 
@@ -60,7 +72,7 @@ def test_the_scan_resolves_relative_imports():
 
 @pytest.mark.parametrize("package, banned", RULES.items())
 def test_import_rules(package, banned):
-    root = SRC / package.split(".")[1]
+    root = SRC.joinpath(*package.split(".")[1:])
     files = sorted(root.rglob("*.py"))
     assert files, root
     broken = {str(f.relative_to(SRC)): sorted(n for n in imports(f) if hits(n, banned)) for f in files}
@@ -103,3 +115,203 @@ def test_every_module_imports():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=55)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout) == len(names)
+
+
+# -- the import graph --------------------------------------------------------------------------------------
+
+NAMES = {dotted(f): f for f in MODULES}
+
+
+def edges(path: Path) -> set[str]:
+    """The modules of src that `path` needs at import time, TYPE_CHECKING imports included: `from P import m`
+    names module P.m (not P's __init__) when m is a module, P otherwise."""
+    found = set()
+    for name in imports(path):
+        if name in NAMES:
+            found.add(name)
+    # `from P import m` adds both P and P.m: keep P only where some imported name is not a module
+    package = dotted(path).split(".") if path.name == "__init__.py" else dotted(path).split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if all(f"{base}.{a.name}" in NAMES for a in node.names) and not _imported_plainly(path, base):
+                found.discard(base)
+    found.discard(dotted(path))
+    return found
+
+
+def _imported_plainly(path: Path, base: str) -> bool:
+    """Whether another statement of `path` imports `base` itself (`import base`, or names from it)."""
+    package = dotted(path).split(".") if path.name == "__init__.py" else dotted(path).split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name == base for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom):
+            b = node.module or ""
+            if node.level:
+                b = ".".join(package[: len(package) - node.level + 1] + ([b] if b else []))
+            if b == base and not all(f"{b}.{a.name}" in NAMES for a in node.names):
+                return True
+    return False
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each as a sorted list."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_finds_circles():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    graph = {n: edges(f) for n, f in NAMES.items()}
+    assert not circles(graph), f"import circles: {circles(graph)}"
+
+
+# Layers, bottom up: a module imports only from its own layer or below. Longest prefix wins.
+LAYERS = {
+    "unbroken.topology": 0, "unbroken.config": 0, "unbroken.events": 0, "unbroken.faultspec": 0,
+    "unbroken.policy": 0,
+    "unbroken.model": 1, "unbroken.report": 1, "unbroken.progress": 1,
+    # runtime, by how much of a trainer a file needs: the store protocol and leaf helpers first
+    "unbroken.runtime": 2, "unbroken.runtime.control": 2, "unbroken.runtime.gradients": 2,
+    "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3, "unbroken.runtime.faults": 3,
+    "unbroken.runtime.step": 3,
+    "unbroken.runtime.persist": 4, "unbroken.runtime.speculation": 4,
+    "unbroken.runtime.trainer": 5,
+    "unbroken.runtime.worker": 6, "unbroken.runtime.launcher": 6,
+    "unbroken.sim": 2,
+    "unbroken.api": 7, "unbroken": 7,
+    "unbroken.eval": 8, "unbroken.commands": 8,
+    "unbroken.cli": 9,
+}
+
+
+def layer(name: str) -> int:
+    best = max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def test_no_import_runs_back_up_a_layer():
+    up = {n: sorted(d for d in edges(f) if layer(d) > layer(n)) for n, f in NAMES.items()}
+    assert not {n: d for n, d in up.items() if d}, "imports from a lower layer into a higher one"
+
+
+TRAINER_OWN = {"__init__", "trainer", "worker", "gradients", "speculation", "faults", "step"}
+PROCESS_FOLDERS = {"launcher", "control", "parallel", "persist", "snapshot"}
+
+
+def test_runtime_files_stand_in_a_folder_of_their_process():
+    runtime = SRC / "runtime"
+    loose = sorted(f.stem for f in runtime.glob("*.py") if f.stem not in TRAINER_OWN)
+    folders = sorted(d.name for d in runtime.iterdir() if d.is_dir() and d.name != "__pycache__")
+    assert not loose, f"runtime/ files outside a process folder: {loose}"
+    assert set(folders) <= PROCESS_FOLDERS, folders
+
+
+def test_topology_imports_only_the_standard_library():
+    found = {n.split(".")[0] for n in imports(SRC / "topology.py")}
+    assert found <= set(sys.stdlib_module_names) | {"__future__"}, found
+
+
+# -- store keys ---------------------------------------------------------------------------------------------
+
+KEYS_MODULE = SRC / "runtime" / "control" / "keys.py"
+STORE_CALLS = {"set", "get", "add", "check", "compare_set", "multi_get", "multi_set", "wait", "delete_key"}
+
+
+def key_families() -> tuple[str, ...]:
+    """The literal start of every slash-separated key that keys.py builds ("members/", "done/", ...)."""
+    from unbroken.runtime.control import keys
+    out = set()
+    for name in dir(keys):
+        fn = getattr(keys, name)
+        if name.startswith("_") or not callable(fn) or isinstance(fn, type):
+            continue
+        n = fn.__code__.co_argcount
+        text = fn(*([987654321] * n))
+        head = text.split("987654321")[0]
+        if "/" in head:
+            out.add(head[: head.index("/") + 1])
+    out.add("unbroken/snap/")
+    return tuple(sorted(out))
+
+
+def key_literals(text: str, families: tuple[str, ...]) -> list[str]:
+    """String literals in `text` that look like store keys: a constant (or an f-string's leading constant)
+    starting with a key family, or any literal given as the key of a store call (`store.get("epoch")`,
+    `PrefixStore("g0/", ...)`) on a receiver named like a store."""
+    found = set()  # (line, column, literal)
+
+    def terminal(node) -> str:
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+    def literal(node) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            head = node.values[0] if node.values else None
+            return head.value + "{}" if isinstance(head, ast.Constant) else "{}"
+        return None
+
+    tree = ast.parse(text)
+    inner = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    for node in ast.walk(tree):
+        value = None if id(node) in inner else literal(node)
+        if value is not None and value.startswith(families):
+            found.add((node.lineno, node.col_offset, value))
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            storeish = (isinstance(func, ast.Attribute) and func.attr in STORE_CALLS
+                        and any(w in terminal(func.value).lower() for w in ("store", "raw", "client")))
+            prefix = isinstance(func, ast.Name | ast.Attribute) and ast.unparse(func).endswith("PrefixStore")
+            if storeish or prefix:
+                first = node.args[0]
+                items = first.elts if isinstance(first, ast.List | ast.Tuple) else [first]
+                found |= {(i.lineno, i.col_offset, v) for i in items if (v := literal(i)) is not None}
+    return [v for _, _, v in sorted(found)]
+
+
+def test_the_key_scan_catches_what_it_claims():
+    fam = key_families()
+    assert {"members/", "decision/", "done/", "hb/", "unbroken/snap/"} <= set(fam)
+    text = ('store.get("epoch")\nx = f"done/{s}/{e}/{r}"\nself.store.check([f"dead/{m}"])\n'
+            'PrefixStore(f"g{n}/", raw)\nd.get("epoch")\nrec["epoch"]\n')
+    assert key_literals(text, fam) == ["epoch", "done/{}", "dead/{}", "g{}"]
+
+
+def test_no_store_key_is_spelled_outside_the_keys_module():
+    fam = key_families()
+    spelled = {str(f.relative_to(SRC)): key_literals(f.read_text(), fam) for f in MODULES if f != KEYS_MODULE}
+    assert not {f: k for f, k in spelled.items() if k}, "store keys spelled outside runtime/control/keys.py"
