@@ -44,10 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--replicas", type=int, default=4)
     a = sub.add_parser("audit", help="check that every committed step reduced each microbatch exactly once")
     a.add_argument("run")
+    k = sub.add_parser("coordinator", help="serve a run's coordinator for torchrun jobs (README: On a cluster)",
+                       epilog="Any config key can be set with --section.key=value, e.g. --run.replicas=4.")
+    k.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
+    k.add_argument("--out", required=True, help="run directory (shared by the workers' hosts)")
+    k.add_argument("--host", default="127.0.0.1", help="address to bind: the cluster's private interface")
+    k.add_argument("--port", type=int, default=29400)
+    w = sub.add_parser("worker", help="one rank of a replica group: run it under torchrun")
+    w.add_argument("--coordinator", required=True, help="host:port that `unbroken coordinator` printed")
+    w.add_argument("--group", type=int, required=True, help="this torchrun job's replica group (0 .. replicas-1)")
     _add_optional_commands(sub)
     args, rest = ap.parse_known_args(argv)
     try:
-        if rest and args.command != "train":
+        if rest and args.command not in ("train", "coordinator"):
             raise ConfigError(f"unrecognized argument {rest[0]!r}")
         return _dispatch(args, rest)
     except ConfigError as e:
@@ -75,6 +84,11 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             return commands.demo(Path(args.out), args.steps, args.replicas)
         case "audit":
             return commands.audit(args.run)
+        case "coordinator":
+            return commands.coordinator(args, rest)
+        case "worker":
+            from unbroken.runtime import worker
+            worker.main(["--coordinator", args.coordinator, "--group", str(args.group)])
         case "sim":
             from unbroken.sim import cli as sim_cli
             return sim_cli.run(args)

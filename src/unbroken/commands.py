@@ -6,6 +6,7 @@ differ, 2 bad input). Does not own: parsing (cli.py) or any training logic.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def train(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"unbroken: error: {result.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def coordinator(args: argparse.Namespace, rest: list[str]) -> int:
+    """`unbroken coordinator`: serve one run for torchrun jobs until it ends (runtime/control/standalone.py)."""
+    overrides = parse_overrides(rest)
+    overrides["run.out"] = args.out
+    cfg = make_config(load(args.config, overrides))
+    from unbroken.runtime.control import standalone
+    code = standalone.run(cfg, args.host, args.port, say=lambda line: print(line, flush=True))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the store's watch thread blocks in a C++ wait: no interpreter shutdown under it
 
 
 def compare(a: str, b: str, rtol: float | None) -> int:

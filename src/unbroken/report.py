@@ -12,6 +12,25 @@ from typing import Any
 from unbroken.events import read_events, steps
 
 
+def finish_run(run_dir: Path, cfg: Any, log: Any, t0: float, error: str | None) -> tuple[bool, dict, str | None]:
+    """End a run's log: the `run_end` record and summary.json. Call once, by the process that owns the run
+    (the launcher, or a standalone coordinator), after every trainer is gone. Returns (ok, summary, error):
+    ok when no error was seen and every step committed."""
+    import json
+    import time
+
+    summary = summarize(run_dir / "events.jsonl", cfg)
+    ok = error is None and summary["steps_committed"] == cfg.run.steps
+    if error is None and not ok:
+        error = f"only {summary['steps_committed']} of {cfg.run.steps} steps committed"
+    log.emit("run_end", ok=ok, steps_committed=summary["steps_committed"], seconds=round(time.time() - t0, 3),
+             error=error)
+    summary = summarize(run_dir / "events.jsonl", cfg)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.close()
+    return ok, summary, error
+
+
 def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
     """Totals of a run: steps committed, tokens, faults, deaths, recoveries, wall time, final digest."""
     records = read_events(path)

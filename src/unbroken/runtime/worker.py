@@ -5,20 +5,27 @@ building the model, data and optimizer from the factories (the model through `pa
 this rank holds it), the trainer and its persistence, and leaving with a meaningful exit code. Does not
 own: the step loop (trainer.py).
 
-Environment (set by launch.py; a torchrun job per replica group sets the same names):
+Two ways in, one process. Under the local launcher, the environment (launch.py sets it):
   UNBROKEN_STORE=host:port   the coordinator's TCPStore
   UNBROKEN_REPLICA=r         this replica group's id
   UNBROKEN_RUN_DIR=DIR       where events.jsonl and config.json live
   UNBROKEN_GENERATION=g      whole-job restarts so far: coordination keys live under g{g}/
   UNBROKEN_RESUME=memory|disk|scratch   a restarted trainer's restore source (empty: a fresh start)
   UNBROKEN_RUN_ID=id         names the run's snapshots and checkpoints
+On a cluster, one torchrun job per replica group (README "On a cluster"):
+  torchrun --standalone --nproc-per-node=1 -m unbroken.runtime.worker --coordinator HOST:PORT --group R
+(or UNBROKEN_COORDINATOR=HOST:PORT and UNBROKEN_REPLICA=R in the environment, for a user's script that
+calls `unbroken.train(...)`): the config, run directory and run id come from the coordinator's store;
+torchrun's RANK and WORLD_SIZE give the rank inside the group.
 Run with the default GPT and corpus as `python -m unbroken.runtime.worker`; a user's script that calls
 `unbroken.train(...)` is re-run as the worker with its own factories instead.
 """
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +33,12 @@ from pathlib import Path
 
 from torch.distributed import PrefixStore
 
-from unbroken.config import Config
+from unbroken.config import Config, ConfigError
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordination import Coordination
-from unbroken.runtime.control.store import connect
+from unbroken.runtime.control.store import connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
@@ -39,7 +46,7 @@ from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.parallelize import parallelize
 from unbroken.runtime.trainer import Parts, Trainer
-from unbroken.topology import Identity
+from unbroken.topology import Identity, TopologyError
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,56 @@ class Factories:
 
 def in_worker() -> bool:
     return "UNBROKEN_REPLICA" in os.environ
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this trainer process runs: its coordinator, run and restart generation."""
+    address: str  # the coordinator's store, host:port
+    run_dir: Path
+    cfg: Config
+    generation: int
+    resume: str  # memory | disk | scratch after a whole-job restart; "" for a fresh start
+    run_id: str
+
+
+def answers(address: str, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for something to accept connections at host:port (the coordinator may still
+    be starting). Raises ConfigError, one line: a failed TCPStore connect prints a C++ trace instead."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--coordinator {address!r}: expected host:port")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"the coordinator at {address!r} does not answer "
+                                  f"(tried for {timeout_s:g} s)") from None
+            time.sleep(0.2)
+
+
+def placement(env: dict[str, str] | None = None) -> Placement:
+    """This process's placement: from the local launcher's environment, or (UNBROKEN_COORDINATOR) from the
+    coordinator's store. Raises ConfigError (one line) when the coordinator does not answer or serves no
+    run; call once, at start-up."""
+    env = dict(os.environ if env is None else env)
+    if "UNBROKEN_STORE" in env:
+        run_dir = Path(env["UNBROKEN_RUN_DIR"])
+        return Placement(env["UNBROKEN_STORE"], run_dir, Config.from_json((run_dir / "config.json").read_text()),
+                         int(env.get("UNBROKEN_GENERATION", "0")), env.get("UNBROKEN_RESUME", ""),
+                         env.get("UNBROKEN_RUN_ID", "run-local"))
+    address = env.get("UNBROKEN_COORDINATOR", "")
+    answers(address, float(env.get("UNBROKEN_CONNECT_TIMEOUT", "30")))
+    store = connect(address)
+    values = [read(store, k) for k in (keys.config(), keys.run_dir(), keys.run_id())]
+    if None in values:
+        raise ConfigError(f"{address!r} serves no unbroken run (start it with `unbroken coordinator`)")
+    generation = read(store, keys.generation())
+    return Placement(address, Path(values[1].decode()), Config.from_json(values[0].decode()),
+                     int(generation or 0), "", values[2].decode())
 
 
 def default_factories() -> Factories:
@@ -87,15 +144,18 @@ def build(cfg: Config, factories: Factories, who: Identity) -> Parts:
 
 
 def run(factories: Factories) -> int:
-    """Run this process as replica UNBROKEN_REPLICA until the last step. Returns the exit code."""
-    address = os.environ["UNBROKEN_STORE"]
-    run_dir = Path(os.environ["UNBROKEN_RUN_DIR"])
-    cfg = Config.from_json((run_dir / "config.json").read_text())
-    who = Identity.from_env(os.environ, cfg.topology())
-    me = who.group
-    generation = int(os.environ.get("UNBROKEN_GENERATION", "0"))
-    resume = os.environ.get("UNBROKEN_RESUME", "")
-    run_id = os.environ.get("UNBROKEN_RUN_ID", "run-local")
+    """Run this process as replica UNBROKEN_REPLICA until the last step. Returns the exit code: 0 done,
+    1 failed, 2 bad input (one line on stderr), 3 fenced (declared dead)."""
+    try:
+        where = placement()
+        who = Identity.from_env(os.environ, where.cfg.topology())
+        if not 0 <= who.group < where.cfg.run.replicas:
+            raise ConfigError(f"--group {who.group}: the run has replica groups 0..{where.cfg.run.replicas - 1}")
+    except (ConfigError, TopologyError) as e:
+        print(f"unbroken: error: {e}", file=sys.stderr)
+        return 2
+    address, run_dir, cfg, generation = where.address, where.run_dir, where.cfg, where.generation
+    resume, run_id, me = where.resume, where.run_id, who.group
     log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
     raw = connect(address)
 
@@ -131,7 +191,20 @@ def run(factories: Factories) -> int:
     return 0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """`python -m unbroken.runtime.worker [--coordinator HOST:PORT --group R]`: without flags, the local
+    launcher's environment says where to run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="unbroken worker")
+    ap.add_argument("--coordinator", help="host:port that `unbroken coordinator` printed")
+    ap.add_argument("--group", type=int, help="this torchrun job's replica group id (0 .. replicas-1)")
+    a = ap.parse_args(argv)
+    if (a.coordinator is None) != (a.group is None):
+        print("unbroken: error: --coordinator and --group go together", file=sys.stderr)
+        os._exit(2)
+    if a.coordinator is not None:
+        os.environ["UNBROKEN_COORDINATOR"], os.environ["UNBROKEN_REPLICA"] = a.coordinator, str(a.group)
     code = run(default_factories())
     sys.stdout.flush()
     sys.stderr.flush()

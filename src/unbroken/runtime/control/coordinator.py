@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-from torch.distributed import PrefixStore, TCPStore
+from collections.abc import Callable
+
+from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
@@ -124,13 +126,57 @@ class Coordinator:
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members), **why)
         self.membership = new
 
+    def all_finished(self) -> bool:
+        """Whether every member of the current epoch has applied the last step (as last read)."""
+        return bool(self.membership.members) and set(self.membership.members) <= self.finished[1]
+
     def fail(self) -> None:
         record = {"reason": "every replica was lost", "last_committed_step": last_committed(self.store)}
         self.store.set(keys.failed(), json.dumps(record))
         self.log.emit("run_failed", **record)
 
 
+def serve(store: TCPStore, address: str, replicas: int, log: EventLog, make: Callable[[Store], Coordinator],
+          poll_s: float, until_finished: bool = False) -> int:
+    """Run the coordinator's loop on `store` (its server). Returns the exit code.
+
+    Under the local launcher (`until_finished` False) it serves until the launcher writes `shutdown`,
+    and starts a fresh membership whenever the launcher starts a generation. Standalone (`unbroken
+    coordinator`), it ends by itself: 0 once every member finished its last step, 1 once every member
+    was lost (the `failed` record says the last committed step)."""
+
+    def client():
+        return connect(address)
+
+    def fresh(generation: int) -> Coordinator:
+        # A whole-job restart (launcher) starts a generation: new membership under its own prefix.
+        return make(PrefixStore(keys.generation_prefix(generation), store))
+
+    # The launcher wakes this loop after it reports an exit, starts a generation or ends the run
+    # (epochwatch.wake); otherwise it runs a liveness round every `poll_s`.
+    wakes = WakeWatch(client(), reconnect=client)
+    generation, coord, alive, rounds, seen = 0, fresh(0), True, 0, wakes.current
+    while True:
+        rounds += 1
+        woken, seen = wakes.current != seen, wakes.current
+        if woken or rounds % 10 == 0:  # (every tenth round too: a wake lost to a launcher's crash)
+            if store.check([keys.shutdown()]):
+                return 0
+            if store.check([keys.generation()]) and int(store.get(keys.generation())) != generation:
+                generation = int(store.get(keys.generation()))
+                coord, alive = fresh(generation), True
+        if alive and not coord.poll(time.monotonic(), exits=woken):
+            coord.fail()
+            alive = False
+            if until_finished:
+                return 1
+        if until_finished and coord.all_finished():
+            return 0
+        wakes.wait_until(lambda: wakes.current != seen, poll_s)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The coordinator under the local launcher (launch.py starts it with these flags)."""
     ap = argparse.ArgumentParser(prog="unbroken-coordinator")
     ap.add_argument("--replicas", type=int, required=True)
     ap.add_argument("--run-dir", required=True)
@@ -146,33 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
     print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-
-    def fresh(generation: int) -> Coordinator:
-        # A whole-job restart (launcher) starts a generation: new membership under its own prefix.
-        return Coordinator(PrefixStore(keys.generation_prefix(generation), store), a.replicas, log, a.heartbeat_timeout,
-                           a.progress_timeout, a.startup_timeout, follow_speed=a.quotas == "speed",
-                           beat_every=a.poll)
-
-    def client():
-        return connect(f"{a.host}:{store.port}")
-
-    # The launcher wakes this loop after it reports an exit, starts a generation or ends the run
-    # (epochwatch.wake); otherwise it runs a liveness round every --poll s.
-    wakes = WakeWatch(client(), reconnect=client)
-    generation, coord, alive, rounds, seen = 0, fresh(0), True, 0, wakes.current
-    while True:
-        rounds += 1
-        woken, seen = wakes.current != seen, wakes.current
-        if woken or rounds % 10 == 0:  # (every tenth round too: a wake lost to a launcher's crash)
-            if store.check([keys.shutdown()]):
-                return 0
-            if store.check([keys.generation()]) and int(store.get(keys.generation())) != generation:
-                generation = int(store.get(keys.generation()))
-                coord, alive = fresh(generation), True
-        if alive and not coord.poll(time.monotonic(), exits=woken):
-            coord.fail()
-            alive = False
-        wakes.wait_until(lambda: wakes.current != seen, a.poll)
+    return serve(store, f"{a.host}:{store.port}", a.replicas, log,
+                 lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
+                                       a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll),
+                 a.poll)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   pg/{shard}/{e}/...    gloo's rendezvous of epoch e's group for shard index `shard`
   restore/...           gloo's rendezvous of a restore from snapshots
 Unprefixed (they outlive generations):
+  config, run_dir, run_id   the run's config (JSON), directory and id   a standalone coordinator, for
+                        workers started by torchrun on other hosts
   generation, shutdown  the launcher's orders to the coordinator
   wakes, wake/{n}       the coordinator's wake-ups                launcher
   fired/{i}             fault i of the fault spec fired once      the replica that fired it
@@ -145,6 +147,18 @@ def restore_prefix(generation: int) -> str:
 
 def generation() -> str:
     return "generation"
+
+
+def config() -> str:
+    return "config"
+
+
+def run_dir() -> str:
+    return "run_dir"
+
+
+def run_id() -> str:
+    return "run_id"
 
 
 def shutdown() -> str:

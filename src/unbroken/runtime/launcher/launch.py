@@ -31,7 +31,7 @@ from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.policy.snapshotting import needs_restart, restore_source
 from unbroken.progress import LiveView
-from unbroken.report import summarize
+from unbroken.report import finish_run
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.control import keys
@@ -151,15 +151,7 @@ def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, l
 
 
 def _finish(cfg: Config, run_dir: Path, log: EventLog, t0: float, error: str | None) -> RunResult:
-    summary = summarize(run_dir / "events.jsonl", cfg)
-    ok = error is None and summary["steps_committed"] == cfg.run.steps
-    if error is None and not ok:
-        error = f"only {summary['steps_committed']} of {cfg.run.steps} steps committed"
-    log.emit("run_end", ok=ok, steps_committed=summary["steps_committed"], seconds=round(time.time() - t0, 3),
-             error=error)
-    summary = summarize(run_dir / "events.jsonl", cfg)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.close()
+    ok, summary, error = finish_run(run_dir, cfg, log, t0, error)
     return RunResult(ok, run_dir, summary["steps_committed"], summary["last_committed_step"], error, summary)
 
 

@@ -1,0 +1,146 @@
+"""The cluster path: `unbroken coordinator` plus one real `torchrun` job per replica group, run from the
+README's own lines on 127.0.0.1; a rank SIGKILLed under torchrun; bad input to both commands."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken.events import read_events, steps
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # unbroken and torchrun of this environment, as with the venv active
+
+
+def readme_lines() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- cluster-commands -->")[1].split("<!-- /cluster-commands -->")[0]
+    return [line for line in block.splitlines() if line and not line.startswith("```")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+
+
+def run_cluster(tmp: Path, extra: list[str] = (), timeout: float = 150) -> tuple[subprocess.CompletedProcess,
+                                                                                   list[subprocess.Popen]]:
+    """The README's lines, with a free port and a run directory under `tmp`, plus `extra` coordinator
+    flags. Returns the coordinator's completed process and the torchrun jobs (ended)."""
+    port = str(free_port())
+    lines = [line.replace("29400", port).replace("runs/cluster", str(tmp / "cluster")).split()
+             for line in readme_lines()]
+    coordinator = subprocess.Popen(lines[0] + list(extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, env=env(), cwd=tmp)
+    first = coordinator.stdout.readline()
+    assert first.startswith("unbroken coordinator: serving 127.0.0.1:" + port), first
+    jobs = [subprocess.Popen(line, stdout=open(tmp / f"group{n}.log", "w"), stderr=subprocess.STDOUT, env=env(),
+                             cwd=tmp) for n, line in enumerate(lines[1:])]
+    try:
+        out, _ = coordinator.communicate(timeout=timeout)
+        for j in jobs:
+            j.wait(timeout=30)
+    finally:
+        for p in [coordinator, *jobs]:
+            if p.poll() is None:
+                p.kill()
+    return subprocess.CompletedProcess(lines[0], coordinator.returncode, first + out, ""), jobs
+
+
+def local_reference(tmp: Path) -> Path:
+    """The same run through the local launcher (`unbroken train`)."""
+    flags = [a for a in readme_lines()[0].split() if a.startswith("--run.")]
+    out = tmp / "local"
+    r = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", *flags, "--run.progress=false", "--out",
+                        str(out)], capture_output=True, text=True, timeout=150, env=env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_cluster_commands_match_the_local_launcher_bitwise(tmp_path):
+    r, jobs = run_cluster(tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "torchrun --standalone --nproc-per-node=1" in r.stdout  # it prints the lines to run
+    assert [j.returncode for j in jobs] == [0, 0]
+    cluster, local = steps(read_events(tmp_path / "cluster")), steps(read_events(local_reference(tmp_path)))
+    assert sorted(cluster) == sorted(local) == list(range(6))
+    assert [cluster[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]
+    assert (tmp_path / "cluster" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_under_torchrun_leaves_the_survivor_on_the_trajectory(tmp_path):
+    local = steps(read_events(local_reference(tmp_path)))
+    faults = "--run.faults=kill:replica=1,step=2,phase=allreduce"
+    r, jobs = run_cluster(tmp_path, [faults, "--coord.heartbeat_timeout=3"])
+    assert r.returncode == 0, r.stdout[-3000:]
+    records = read_events(tmp_path / "cluster")
+    fired = [e for e in records if e["event"] == "fault"]
+    assert [(e["kind"], e["replica"], e["step"], e["phase"]) for e in fired] == [("kill", 1, 2, "allreduce")]
+    dead = [e for e in records if e["event"] == "member_dead"]
+    assert [e["replica"] for e in dead] == [1]  # found by the coordinator alone: no launcher reports exits
+    assert jobs[1].returncode != 0 and jobs[0].returncode == 0  # torchrun saw its rank die
+    cluster = steps(records)
+    assert cluster[2]["replicas"] == 1 and cluster[1]["replicas"] == 2  # the kill took effect in step 2
+    assert [cluster[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]
+
+
+def one_line_exit_2(r: subprocess.CompletedProcess, pattern: str) -> None:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert len(lines) == 1 and re.search(pattern, lines[0]), r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "unbroken.cli", "coordinator", "--out", str(tmp_path / "x"),
+                            "--port", str(port)], capture_output=True, text=True, timeout=50)
+    one_line_exit_2(r, rf"unbroken: error: cannot listen on 127\.0\.0\.1:{port}: .*in use")
+    assert not (tmp_path / "x" / "config.json").exists()  # nothing written
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_does_not_answer_is_one_line(tmp_path):
+    port = free_port()  # nothing listens there
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "unbroken.runtime.worker", "--coordinator", f"127.0.0.1:{port}",
+                        "--group", "0"], capture_output=True, text=True, timeout=50,
+                       env={**os.environ, "UNBROKEN_CONNECT_TIMEOUT": "2"})
+    one_line_exit_2(r, rf"unbroken: error: the coordinator at '127\.0\.0\.1:{port}' does not answer")
+    assert time.monotonic() - t < 40
+
+
+@pytest.mark.timeout(60)
+def test_a_group_outside_the_run_is_one_line(tmp_path):
+    port = str(free_port())
+    coordinator = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "coordinator", "--out", str(tmp_path),
+                                    "--port", port, "--run.replicas=2", "--coord.startup_timeout=30"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert coordinator.stdout.readline().startswith("unbroken coordinator: serving")
+        r = subprocess.run([sys.executable, "-m", "unbroken.runtime.worker", "--coordinator", f"127.0.0.1:{port}",
+                            "--group", "5"], capture_output=True, text=True, timeout=50)
+        one_line_exit_2(r, r"unbroken: error: group 5 out of range: 2 groups")
+        r = subprocess.run([sys.executable, "-m", "unbroken.cli", "worker", "--coordinator", f"127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=50)
+        one_line_exit_2(r, r"unbroken: error: .*--group")
+    finally:
+        coordinator.kill()
