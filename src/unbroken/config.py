@@ -74,6 +74,10 @@ class RunConfig:
     step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich
+    # how the local launcher starts a replica group: "torchrun" runs the cluster's own command (one
+    # torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
+    # torchrun's agent process per group (its start-up and one more process per group on the host)
+    launcher: str = "direct"
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,7 @@ def validate(cfg: Config) -> None:
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
         (r.quotas in ("speed", "equal"), f"run.quotas={r.quotas!r}: expected 'speed' or 'equal'"),
         (r.step_ahead in ("auto", "on", "off"), f"run.step_ahead={r.step_ahead!r}: expected 'auto', 'on' or 'off'"),
+        (r.launcher in ("direct", "torchrun"), f"run.launcher={r.launcher!r}: expected 'direct' or 'torchrun'"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),

@@ -7,7 +7,8 @@ Every record has "event" (its kind) and "t" (wall-clock seconds, time.time()); m
 The simulator writes the same kinds with "t" on its virtual clock, so readers serve real and simulated
 runs alike. Kinds and their fields:
 
-  run_start      replicas, steps, microbatches, exact, seed, faults
+  run_start      replicas, steps, microbatches, exact, seed, faults, run_id, coordinator (standalone only)
+  worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
   step           step, loss, microbatches, replicas (members of the commit epoch), epoch, tokens, t,
                  param_digest (sha256 of all float32 params after the optimizer step, fixed order),
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time

@@ -48,7 +48,8 @@ def run_cluster(tmp: Path, extra: list[str] = (), timeout: float = 150) -> tuple
     jobs = [subprocess.Popen(line, stdout=open(tmp / f"group{n}.log", "w"), stderr=subprocess.STDOUT, env=env(),
                              cwd=tmp) for n, line in enumerate(lines[1:])]
     try:
-        out, _ = coordinator.communicate(timeout=timeout)
+        out = "".join(iter(coordinator.stdout.readline, ""))  # to its end: the coordinator ends with the run
+        coordinator.wait(timeout=timeout)
         for j in jobs:
             j.wait(timeout=30)
     finally:
@@ -75,6 +76,8 @@ def test_readme_cluster_commands_match_the_local_launcher_bitwise(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     assert "torchrun --standalone --nproc-per-node=1" in r.stdout  # it prints the lines to run
     assert [j.returncode for j in jobs] == [0, 0]
+    started = [e for e in read_events(tmp_path / "cluster") if e["event"] == "worker_start"]
+    assert sorted(e["replica"] for e in started) == [0, 1] and all(e["torchrun"] for e in started)
     cluster, local = steps(read_events(tmp_path / "cluster")), steps(read_events(local_reference(tmp_path)))
     assert sorted(cluster) == sorted(local) == list(range(6))
     assert [cluster[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]
@@ -144,3 +147,25 @@ def test_a_group_outside_the_run_is_one_line(tmp_path):
         one_line_exit_2(r, r"unbroken: error: .*--group")
     finally:
         coordinator.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_local_launcher_runs_torchrun_per_group(tmp_path):
+    """`--run.launcher=torchrun`: the local launcher starts the cluster's command; a kill inside it is seen
+    (the agent exits), the survivor redoes the work, and the trajectory is the direct launcher's."""
+    local = steps(read_events(local_reference(tmp_path)))
+    flags = [a for a in readme_lines()[0].split() if a.startswith("--run.")]
+    out = tmp_path / "torchrun"
+    r = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", *flags, "--run.progress=false",
+                        "--run.launcher=torchrun", "--run.faults=kill:replica=0,step=3,phase=compute",
+                        "--out", str(out)], capture_output=True, text=True, timeout=200, env=env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    records = read_events(out)
+    assert [(e["kind"], e["replica"], e["step"]) for e in records if e["event"] == "fault"] == [("kill", 0, 3)]
+    assert [e["replica"] for e in records if e["event"] == "member_dead"] == [0]
+    started = [e for e in records if e["event"] == "worker_start"]
+    assert sorted(e["replica"] for e in started) == [0, 1] and all(e["torchrun"] for e in started)
+    ran = steps(records)
+    assert ran[3]["replicas"] == 1
+    assert [ran[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]

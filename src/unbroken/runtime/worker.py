@@ -157,6 +157,11 @@ def run(factories: Factories) -> int:
     address, run_dir, cfg, generation = where.address, where.run_dir, where.cfg, where.generation
     resume, run_id, me = where.resume, where.run_id, who.group
     log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
+    if who.rank == 0:  # the group's process to `kill -9` (under torchrun the launcher only knows the agent's)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        (run_dir / "logs" / f"replica{me}.pid").write_text(str(os.getpid()))
+    log.emit("worker_start", replica=me, rank=who.rank, group_size=who.group_size, node=who.node, pid=os.getpid(),
+             torchrun="TORCHELASTIC_RUN_ID" in os.environ, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     raw = connect(address)
 
     def client() -> PrefixStore:  # a client of its own for each thread (and each epoch's group)

@@ -177,6 +177,10 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
+    if cfg.run.launcher == "torchrun":  # the cluster's command: a torchrun job for the group (torchrun
+        # sets RANK, LOCAL_RANK and WORLD_SIZE itself); the worker's own module or script after it
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+               "--max-restarts=0", *cmd[1:]]
     out = open(run_dir / "logs" / f"replica{r}.log", "ab")
     p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
