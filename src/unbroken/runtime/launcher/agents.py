@@ -40,12 +40,13 @@ class AgentSet:
         return start_agent(spec, log=self.logs / f"agent{node}.log")
 
     def lose(self, node: int) -> None:
-        """A node goes: its agent is SIGKILLed and its memory (the node's shm directory) is gone."""
+        """A node goes: its agent is SIGKILLed and its memory (this run's files in the node's shm directory)
+        is gone. Only this run's: other runs on the same machine (tests side by side) emulate other nodes."""
         p = self.procs.pop(node, None)
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
-        shutil.rmtree(node_dir(self.cfg.snapshot.shm_dir, node), ignore_errors=True)
+        shutil.rmtree(Path(node_dir(self.cfg.snapshot.shm_dir, node)) / self.run_id, ignore_errors=True)
 
     def replace(self, lost: list[int], rebuild: bool) -> int | None:
         """Start fresh agents for `lost` nodes; with `rebuild`, have the survivors rebuild their shards
