@@ -9,7 +9,8 @@ runs alike. Kinds and their fields:
 
   run_start      replicas, steps, microbatches, exact, seed, faults, run_id, coordinator (standalone only)
   worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
-  step           step, loss, microbatches, replicas (members of the commit epoch), epoch, tokens, t,
+  step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
+                 ranks in all), epoch, tokens, t,
                  param_digest (sha256 of all float32 params after the optimizer step, fixed order),
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;

@@ -99,6 +99,7 @@ def test_a_rank_killed_under_torchrun_leaves_the_survivor_on_the_trajectory(tmp_
     assert jobs[1].returncode != 0 and jobs[0].returncode == 0  # torchrun saw its rank die
     cluster = steps(records)
     assert cluster[2]["replicas"] == 1 and cluster[1]["replicas"] == 2  # the kill took effect in step 2
+    assert (cluster[1]["ranks"], cluster[2]["ranks"]) == (2, 1)
     assert [cluster[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]
 
 
@@ -169,3 +170,16 @@ def test_the_local_launcher_runs_torchrun_per_group(tmp_path):
     ran = steps(records)
     assert ran[3]["replicas"] == 1
     assert [ran[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_group_lost_ends_the_coordinator_with_the_last_committed_step(tmp_path):
+    faults = "--run.faults=kill:replica=0,step=2,phase=allreduce; kill:replica=1,step=2,phase=allreduce"
+    r, jobs = run_cluster(tmp_path, [faults, "--coord.heartbeat_timeout=2"])
+    records = read_events(tmp_path / "cluster")
+    assert sorted(e["replica"] for e in records if e["event"] == "fault") == [0, 1]
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "unbroken: error: every replica group was lost; last committed step: 1" in r.stdout
+    assert [e["last_committed_step"] for e in records if e["event"] == "run_failed"] == [1]
+    assert all(j.returncode != 0 for j in jobs)

@@ -316,6 +316,7 @@ class Trainer:
         # compute (sidecar.py), off the path every peer waits on.
         self.sidecar.record(step, epoch, self.coord.members(epoch), commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
+            ranks=len(self.coord.members(epoch)) * self.who.group_size,  # groups took part: `replicas`
             step_time=round(work.stepped - work.started, 6)))
 
     def fence(self, step: int, reason: str) -> None:
