@@ -24,6 +24,7 @@ from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
 from unbroken.runtime.coordination import connect, finished_among, last_committed, read
 from unbroken.runtime.epochwatch import WakeWatch, epoch_key
+from unbroken.runtime.metrics import Exporter
 from unbroken.runtime.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
@@ -140,11 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
+    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1")
+    ap.add_argument("--tensorboard", default="", help="write TensorBoard event files to this directory")
+    ap.add_argument("--checkpoint-dir", default="", help="where to look for the newest complete checkpoint")
     a = ap.parse_args(argv)
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
     print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
+    # what the run is doing, for operators: /metrics, TensorBoard, the store's status snapshot
+    exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
 
     def fresh(generation: int) -> Coordinator:
         # A whole-job restart (launcher) starts a generation: new membership under its own prefix.
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         woken, seen = wakes.current != seen, wakes.current
         if woken or rounds % 10 == 0:  # (every tenth round too: a wake lost to a launcher's crash)
             if store.check(["shutdown"]):
+                exporter.close()
                 return 0
             if store.check(["generation"]) and int(store.get("generation")) != generation:
                 generation = int(store.get("generation"))
@@ -171,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if alive and not coord.poll(time.monotonic(), exits=woken):
             coord.fail()
             alive = False
+        exporter.poll()
         wakes.wait_until(lambda: wakes.current != seen, a.poll)
 
 
