@@ -15,6 +15,7 @@ from rich.table import Table
 from unbroken import report, runplot, runreport
 from unbroken.api import make_config
 from unbroken.config import ConfigError, load, parse_overrides
+from unbroken.status import wide_console
 
 console = Console()
 
@@ -77,11 +78,12 @@ def report_run(run: str, compare: list[str], png: str | None) -> int:
     if not target.parent.is_dir():
         raise ConfigError(f"--png {png!r}: no such directory {str(target.parent)!r}")
     drawn = runplot.write_png(main, refs, target)
-    console.print(runreport.summary_table([main, *refs]))
-    console.print(runreport.recovery_table(main))
-    console.print(runreport.step_table(main, refs))
-    console.print("panels: " + ", ".join(f"{k} ({n})" for k, n in drawn.items()))
-    console.print(f"plot: {target}")
+    wide = wide_console(140)  # the tables have ~12 columns: not squeezed to rich's 80 in a pipe
+    wide.print(runreport.summary_table([main, *refs]))
+    wide.print(runreport.recovery_table(main))
+    wide.print(runreport.step_table(main, refs))
+    wide.print("panels: " + ", ".join(f"{k} ({n})" for k, n in drawn.items()))
+    wide.print(f"plot: {target}")
     return 0
 
 

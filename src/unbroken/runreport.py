@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.table import Table
 
 from unbroken.config import ConfigError
-from unbroken.events import read_events
+from unbroken.events import SCHEMA_VERSION, read_events
 from unbroken.runview import Incident, RunView
 
 
@@ -40,6 +40,9 @@ def timeline(run: str | Path, name: str | None = None) -> Timeline:
     view.feed(read_events(path))
     if view.t0 is None:
         raise ConfigError(f"{str(run)!r} is not a run directory (its events.jsonl has no run_start)")
+    if view.schema > SCHEMA_VERSION:
+        raise ConfigError(f"{str(run)!r} was written with event schema {view.schema}; this unbroken reads up to "
+                          f"{SCHEMA_VERSION}")
     if view.ended is None:
         raise ConfigError(f"{str(run)!r} has not finished (no run_end record); for a live run: unbroken status")
     t0 = view.t0
@@ -54,7 +57,7 @@ def timeline(run: str | Path, name: str | None = None) -> Timeline:
             f"node {f['node']}" if f.get("node") is not None else "all")
         faults.append((f["t"] - t0, f"{f['kind']} {who} @{f.get('step')}" + (f" {f['phase']}" if f.get("phase") else "")))
     incidents = [Incident(i.step, i.start - t0, i.cause, i.from_epoch, i.to_epoch, set(i.redo),
-                          None if i.end is None else i.end - t0) for i in view.incidents]
+                          None if i.end is None else i.end - t0, i.superseded) for i in view.incidents]
     return Timeline(name or path.name, view, view.ended["t"] - t0,
                     [(r["t"] - t0, r["step"], r["loss"]) for r in firsts],
                     [(0.0, 0)] + [(t - t0, n) for t, n in view.tokens_curve],
@@ -82,7 +85,8 @@ def recovery_table(run: Timeline) -> Table:
     for col in ("at s", "what", "step", "cause", "epochs", "seconds lost", "microbatches redone"):
         t.add_column(col, justify="right")
     rows = [(at, "fault", label, "", "", "", "") for at, label in run.faults]
-    rows += [(i.start, "recovery", str(i.step), i.cause, f"{i.from_epoch}->{i.to_epoch}",
+    rows += [(i.start, "recovery" + (" cut short by a restart" if i.superseded else ""), str(i.step), i.cause,
+              f"{i.from_epoch}->{i.to_epoch}",
               "unfinished" if i.seconds is None else f"{i.seconds:.3f}", str(len(i.redo))) for i in run.incidents]
     for at, *rest in sorted(rows, key=lambda r: r[0]):
         t.add_row(f"{at:.2f}", *rest)

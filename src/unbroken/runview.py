@@ -10,7 +10,8 @@ come from the records ("t", seconds since the epoch; virtual seconds in simulate
 A recovery *incident* is one step s interrupted in epoch e and finished in a later epoch (all of its
 `recovery` records, one per survivor, count once), or a whole-job restart. Its seconds lost run from the
 first sign (the injected `fault` that took the dead replica, or else the `member_dead` verdict) to the
-first `step` record of s (for a restart: to the first commit past the step it resumed from).
+first `step` record of s (for a restart: to the first commit past the step it resumed from; an in-step
+recovery that a restart cuts short ends at the restart, and the restart's seconds start there).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RECENT = 8  # faults and incidents kept for the status screen
+STOPPING = ("kill", "hang", "node", "crash-all", "tear")  # fault kinds that take a replica out of a step
 
 
 def cause_of(reason: str) -> str:
@@ -40,6 +42,7 @@ class Incident:
     to_epoch: int
     redo: set[int] = field(default_factory=set)  # microbatches recomputed by survivors
     end: float | None = None  # s: the step's commit; None while still recovering
+    superseded: bool = False  # a whole-job restart took over before the step committed (end: the restart)
 
     @property
     def seconds(self) -> float | None:
@@ -47,7 +50,8 @@ class Incident:
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "start": self.start, "cause": self.cause, "from_epoch": self.from_epoch,
-                "to_epoch": self.to_epoch, "redone": len(self.redo), "seconds": self.seconds}
+                "to_epoch": self.to_epoch, "redone": len(self.redo), "seconds": self.seconds,
+                "superseded": self.superseded}
 
 
 @dataclass
@@ -57,6 +61,7 @@ class RunView:
     steps_planned: int = 0
     microbatches: int = 0
     run_id: str = ""
+    schema: int = 0  # events.py SCHEMA_VERSION of the log (0: written before versioning)
     t0: float | None = None
     t_last: float | None = None
     ended: dict[str, Any] | None = None  # the run_end record
@@ -84,7 +89,7 @@ class RunView:
     checkpoint_step: int | None = None  # set by the reader (from disk), not from events
     _epoch_cause: dict[int, str] = field(default_factory=dict)
     _open: dict[tuple[int, int], Incident] = field(default_factory=dict)
-    _last_fault: dict[int, dict[str, Any]] = field(default_factory=dict)  # replica -> its pending fault
+    _last_fault: dict[int | None, dict[str, Any]] = field(default_factory=dict)  # replica -> pending fault
     _starts: dict[int, float] = field(default_factory=dict)  # epoch -> first sign of what ended the one before
 
     def feed(self, records: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -99,6 +104,7 @@ class RunView:
         return out
 
     def _on_run_start(self, r):
+        self.schema = r.get("schema", 0)
         self.replicas, self.steps_planned = r.get("replicas", 0), r.get("steps", 0)
         self.microbatches, self.run_id, self.t0 = r.get("microbatches", 0), r.get("run_id", ""), r["t"]
 
@@ -110,24 +116,26 @@ class RunView:
 
     def _on_epoch(self, r):
         self.epoch, self.members = r["epoch"], list(r["members"])
-        if r["epoch"] == 0:
+        if r["epoch"] == 0:  # a (new) generation: every replica starts again
             self.dead = {}
+            self.health = {k: h for k, h in self.health.items() if h != "dead"}
         if "reform" in r:
             self._epoch_cause[r["epoch"]] = "reform"
+            self._starts.setdefault(r["epoch"], r["t"])
         self.live.append((r["t"], len(self.members)))
 
     def _on_member_dead(self, r):
         self.dead[r["replica"]] = r["reason"]
         self.health[r["replica"]] = "dead"
         self._epoch_cause.setdefault(r["epoch"], cause_of(r["reason"]))
-        fault = self._last_fault.pop(r["replica"], None)
+        fault = self._last_fault.pop(r["replica"], None) or self._last_fault.get(None)
         start = min(r["t"], fault["t"]) if fault else r["t"]
         self._starts[r["epoch"]] = min(self._starts.get(r["epoch"], start), start)
 
     def _on_fault(self, r):
         self.faults.append(r)
-        if r.get("replica") is not None:
-            self._last_fault[r["replica"]] = r
+        if r["kind"] in STOPPING:  # None: every replica, or a node's (crash-all, node)
+            self._last_fault[r.get("replica")] = r
         return [("fault", r)]
 
     def _on_decision(self, r):
@@ -153,7 +161,16 @@ class RunView:
         self.restarts[source] = self.restarts.get(source, 0) + 1
         signs = [f["t"] for f in self._last_fault.values()]
         self._last_fault.clear()
-        inc = Incident(self.frontier + 1, min(signs, default=r["t"]), f"restart-{source}", self.epoch, 0)
+        # in-step recoveries the restart cut short end here (their loss so far is theirs); the restart's
+        # loss starts here then, so no second is counted twice
+        cut = [inc for key, inc in self._open.items() if key[1] >= 0]
+        for inc in cut:
+            inc.end, inc.superseded = r["t"], True
+            del self._open[(inc.step, inc.to_epoch)]
+        self._starts.clear()  # epochs count from 0 again in the new generation
+        self._epoch_cause.clear()
+        start = r["t"] if cut else min(signs, default=r["t"])
+        inc = Incident(self.frontier + 1, start, f"restart-{source}", self.epoch, 0)
         self._open[(inc.step, -self.generation)] = inc  # closed by the frontier passing inc.step
         self.incidents.append(inc)
 

@@ -46,6 +46,8 @@ def _from_dir(path: Path) -> dict[str, Any]:
 
 
 def _from_store(address: str) -> dict[str, Any]:
+    from torch.distributed import PrefixStore
+
     from unbroken.runtime.coordination import connect
     from unbroken.runtime.metrics import STATUS_KEY
     host, _, port = address.rpartition(":")
@@ -60,11 +62,12 @@ def _from_store(address: str) -> dict[str, Any]:
     status = json.loads(store.get(STATUS_KEY))
     # the members' own heartbeats, fresher than the event log: where each one is right now
     generation = int(store.get("generation")) if store.check(["generation"]) else 0
+    members = PrefixStore(f"g{generation}/", store)  # the generation's keys, as the workers write them
     beats = {}
     for r in status["replicas"]:
-        key = f"g{generation}/hb/{r}"
-        if store.check([key]):
-            raw = store.get(key).decode()
+        key = f"hb/{r}"
+        if members.check([key]):
+            raw = members.get(key).decode()
             beats[r] = "fenced" if not raw.startswith("{") else _beat(json.loads(raw))
     status["heartbeats"] = beats
     status["source"] = f"coordinator {address} (run dir {status.get('run_dir')})"
@@ -118,7 +121,8 @@ def render(s: dict[str, Any]) -> Group:
     for col in ("at s", "step", "cause", "epochs", "seconds lost", "microbatches redone"):
         recov.add_column(col, justify="right")
     for i in s["incidents"]:
-        lost = "[yellow]in progress" if i["seconds"] is None else f"{i['seconds']:.3f}"
+        lost = "[yellow]in progress" if i["seconds"] is None else f"{i['seconds']:.3f}" + (
+            " (then restarted)" if i.get("superseded") else "")
         recov.add_row(_since(i["start"], s), str(i["step"]), i["cause"], f"{i['from_epoch']}->{i['to_epoch']}", lost,
                       str(i["redone"]))
     snap = s["snapshot"]
@@ -137,9 +141,16 @@ def _since(t: float, s: dict[str, Any]) -> str:
     return f"{t - s['t0']:.1f}" if s.get("t0") else "-"
 
 
+def wide_console(width: int = 130) -> Console:
+    """A terminal's own width; `width` columns when writing to a pipe or file (rich would take 80 there and
+    wrap every row of a 7-column table)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=width)
+
+
 def show(target: str, watch: float | None, console: Console | None = None) -> int:
     """Print the screen once, or with `watch` redraw every `watch` s until the run finishes or Ctrl-C."""
-    console = console or Console()
+    console = console or wide_console()
     status = load(target)
     if watch is None:
         console.print(render(status))
