@@ -115,3 +115,5 @@ def test_status_of_a_finished_run_directory_needs_no_coordinator(tmp_path):
     assert code == 0 and not err, err
     assert "run-x" in out and "finished ok" in out and "step 1/1 committed" in out and "no faults" in out
     assert Path(run / "events.jsonl").read_text().count("\n") == 4  # read, never written
+    code, watched, err = _cli(["status", str(run), "--watch", "0.1"])  # a finished run: one screen, then done
+    assert code == 0 and not err and "finished ok" in watched, err

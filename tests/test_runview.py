@@ -26,6 +26,8 @@ def _log() -> list[dict]:
         step(2, 113.4, [0, 1], 2),
         {"event": "verdict", "t": 113.5, "step": 2, "replica": 1, "old": "healthy", "new": "slow", "speed": 0.4,
          "score": 0.3},
+        {"event": "verdict", "t": 113.5, "step": 0, "replica": 2, "old": "healthy", "new": "suspect", "speed": 0.9,
+         "score": 0.7},  # judged after its death (the detector trails the run): it stays dead
         {"event": "snapshot", "t": 113.6, "replica": 0, "share": 0, "step": 2},
         {"event": "snapshot_skipped", "t": 113.6, "replica": 1, "share": 1, "step": 2},
         {"event": "fault", "t": 114.0, "kind": "crash-all", "step": 3},
@@ -48,6 +50,7 @@ def test_the_fold_gives_the_known_answers():
     assert (restart.step, restart.cause, restart.start, restart.end) == (3, "restart-memory", 114.0, 120.0)
     assert v.retries == {"exit": 1} and v.restarts == {"memory": 1} and v.generation == 1
     assert v.live == [(101.0, 3), (111.0, 2), (113.0, 2), (118.0, 3)]
+    assert v.verdicts == {"slow": 1, "suspect": 1}
     assert v.health == {1: "slow"} and v.speed == {1: 0.4} and v.dead == {}  # the new generation has all 3
     s = v.status(125.0)
     assert s["snapshot"] == {"step": 2, "age_s": 125.0 - 113.6, "steps_behind": 1} and s["snapshots_skipped"] == 1
@@ -79,6 +82,14 @@ def test_a_restart_cuts_an_in_step_recovery_short_without_counting_a_second_twic
     cut, restart = v.incidents
     assert (cut.start, cut.end, cut.superseded) == (110.5, 112.0, True)
     assert (restart.start, restart.end, restart.superseded) == (112.0, 117.0, False)
+
+
+def test_without_history_memory_stays_small_and_the_figures_stay_the_same():
+    full, lean = RunView(), RunView(history=False)
+    full.feed(_log())
+    lean.feed(_log())
+    assert lean.status(130.0) == full.status(130.0)
+    assert list(lean.committed) == [3] and len(full.committed) == 4
 
 
 def test_causes():

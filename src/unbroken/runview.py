@@ -56,7 +56,11 @@ class Incident:
 
 @dataclass
 class RunView:
-    """Call `feed(records)` with records in log order; read the attributes or `status()` between feeds."""
+    """Call `feed(records)` with records in log order; read the attributes or `status()` between feeds.
+
+    With `history=False` (a live exporter on a job of millions of steps) memory stays O(failures): step
+    records below the frontier and all but the last 64 points of the tokens curve are dropped."""
+    history: bool = True  # keep every step record and the whole tokens curve (report)
     replicas: int = 0
     steps_planned: int = 0
     microbatches: int = 0
@@ -177,7 +181,7 @@ class RunView:
     def _on_step(self, r):
         s = r["step"]
         self.step_records += 1
-        if s in self.committed:
+        if s in self.committed or s <= self.frontier:
             self.steps_redone += 1
             return None
         self.committed[s] = r
@@ -186,6 +190,10 @@ class RunView:
             self.frontier += 1
             self.tokens += self.committed[self.frontier]["tokens"]
             self.tokens_curve.append((r["t"], self.tokens))
+        if not self.history:
+            for old in [k for k in self.committed if k < self.frontier]:
+                del self.committed[old]
+            del self.tokens_curve[:-64]
         for key, inc in list(self._open.items()):
             if inc.step == s or (key[1] < 0 and self.frontier >= inc.step):
                 inc.end = r["t"]
@@ -194,9 +202,11 @@ class RunView:
         return out
 
     def _on_verdict(self, r):
+        self.verdicts[r["new"]] = self.verdicts.get(r["new"], 0) + 1
+        if r["replica"] in self.dead:
+            return  # the detector judges committed steps, behind the run: a verdict may follow a death
         self.health[r["replica"]] = r["new"]
         self.speed[r["replica"]] = r["speed"]
-        self.verdicts[r["new"]] = self.verdicts.get(r["new"], 0) + 1
 
     def _on_snapshot(self, r):
         if self.snapshot is None or r["step"] >= self.snapshot["step"]:

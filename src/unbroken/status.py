@@ -35,7 +35,7 @@ def load(target: str) -> dict[str, Any]:
 def _from_dir(path: Path) -> dict[str, Any]:
     if not (path / "events.jsonl").is_file():
         raise ConfigError(f"{str(path)!r} is not a run directory (no events.jsonl)")
-    view = RunView()
+    view = RunView(history=False)
     view.feed(read_events(path))
     if view.t0 is None:
         raise ConfigError(f"{str(path)!r} is not a run directory (its events.jsonl has no run_start)")
@@ -130,11 +130,15 @@ def render(s: dict[str, Any]) -> Group:
         ("snapshot: none" if snap is None else f"snapshot: step {snap['step']}, {snap['age_s']:.1f} s old, "
          f"{snap['steps_behind']} steps behind") + f"; {s['snapshots_skipped']} skipped;  checkpoint: " +
         ("none" if s["checkpoint_step"] is None else f"step {s['checkpoint_step']}") +
-        f";  retries {s['retries'] or 0}, restarts {s['restarts'] or 0}, steps redone {s['steps_redone']}")
+        f";  retries: {_counts(s['retries'])};  restarts: {_counts(s['restarts'])};  steps redone: {s['steps_redone']}")
     parts = [head, members]
     parts += [faults] if s["faults"] else [Text("no faults")]
     parts += [recov] if s["incidents"] else [Text("no recoveries")]
     return Group(*parts, persist, Text(f"from {s['source']}", style="dim"))
+
+
+def _counts(by: dict[str, int]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(by.items())) or "none"
 
 
 def _since(t: float, s: dict[str, Any]) -> str:

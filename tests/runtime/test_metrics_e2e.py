@@ -10,6 +10,8 @@ fault fired and took the replica.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import threading
 import time
@@ -154,3 +156,47 @@ def test_status_of_the_running_job_and_of_the_finished_run(observed):
     assert "recent recoveries" in out and "exit" in out and "0->1" in out
     status = json.loads(json.dumps(__import__("unbroken.status").status.load(str(result.run_dir))))
     assert status["replicas"]["1"]["health"] == "dead" and status["members"] == [0, 2]
+
+
+class _Store:
+    """Stands in for the coordinator's store: the exporter only sets its status key."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, key, value):
+        self.kv[key] = value
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_snapshot_and_checkpoint_figures_of_a_real_run(tmp_path):
+    """A run with in-memory snapshots every step and DCP checkpoints every 2 steps; its log and checkpoint
+    directory exported by a fresh Exporter and scraped over HTTP."""
+    from unbroken.runtime.metrics import STATUS_KEY, Exporter
+    shm = f"/dev/shm/unbroken/test-metrics-{os.getpid()}"
+    cfg = make_config(replicas=2, steps=6, microbatches=4, progress=False, out=str(tmp_path / "run"),
+                      snapshot__enabled=True, snapshot__shm_dir=shm, checkpoint__every=2)
+    try:
+        result = launch(cfg)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert result.ok, result.error
+    records = read_events(result.run_dir)
+    snaps = [r for r in records if r["event"] == "snapshot"]
+    skipped = [r for r in records if r["event"] == "snapshot_skipped"]
+    assert snaps and max(r["step"] for r in snaps) == 5
+    port, store = _free_port(), _Store()
+    exporter = Exporter(result.run_dir, store, port=port, checkpoint_dir=str(result.run_dir / "checkpoints"))
+    try:
+        exporter.poll(force=True)
+        scrape = _scrape(port)
+    finally:
+        exporter.close()
+    assert _value(scrape, "unbroken_snapshot_step") == 5
+    assert _value(scrape, "unbroken_snapshots_skipped", "unbroken_snapshots_skipped_total") == len(skipped)
+    assert _value(scrape, "unbroken_snapshot_age_seconds") > 0
+    assert _value(scrape, "unbroken_checkpoint_step") == 4  # steps 0, 2, 4 checkpointed; 4 the newest whole one
+    assert _value(scrape, "unbroken_committed_step") == 5 and _value(scrape, "unbroken_live_replica_groups") == 2
+    status = json.loads(store.kv[STATUS_KEY])
+    assert status["snapshot"]["step"] == 5 and status["checkpoint_step"] == 4 and status["finished"]

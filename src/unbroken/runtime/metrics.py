@@ -62,7 +62,7 @@ class Exporter:
                  checkpoint_dir: str = "", every: float = 0.5):
         self.events, self.store, self.every = Path(run_dir) / "events.jsonl", store, every
         self.run_dir = str(Path(run_dir).resolve())
-        self.view, self.lock, self.offset = RunView(), threading.Lock(), 0
+        self.view, self.lock, self.offset = RunView(history=False), threading.Lock(), 0
         self.ckpt_dir, self.next_read, self.next_ckpt = checkpoint_dir, 0.0, 0.0
         self.server = self.writer = None
         self.error: str | None = None
