@@ -94,6 +94,8 @@ def test_train_refuses_a_metrics_port_in_use_before_touching_anything(tmp_path):
                              f"--metrics.port={port}"])
     _one_line_error(code, err, f"metrics.port={port}", "cannot listen")
     assert not out.exists()  # no run directory, no processes: nothing half-applied
+    code, _, err = _cli(["train", "--out", str(out), "--metrics.port=9400", "--metrics.host=203.0.113.7"])
+    _one_line_error(code, err, "203.0.113.7:9400", "cannot listen")  # not an address of this machine
     code, _, err = _cli(["train", "--out", str(out), "--metrics.port=http"])
     _one_line_error(code, err, "metrics.port='http'")
     code, _, err = _cli(["train", "--out", str(out), "--metrics.port=70000"])

@@ -91,6 +91,7 @@ class RunView:
     snapshot: dict[str, Any] | None = None  # the latest `snapshot` record
     snapshots_skipped: int = 0
     checkpoint_step: int | None = None  # set by the reader (from disk), not from events
+    unreadable: int = 0  # records skipped: a field the fold needs is missing or of the wrong type
     _epoch_cause: dict[int, str] = field(default_factory=dict)
     _open: dict[tuple[int, int], Incident] = field(default_factory=dict)
     _last_fault: dict[int | None, dict[str, Any]] = field(default_factory=dict)  # replica -> pending fault
@@ -101,10 +102,13 @@ class RunView:
         first time a step commits, ("fault", record), ("incident", Incident.as_dict()) once one ends."""
         out: list[tuple[str, dict[str, Any]]] = []
         for r in records:
-            handler = getattr(self, "_on_" + r["event"].replace("-", "_"), None)
-            self.t_last = r["t"] if self.t_last is None else max(self.t_last, r["t"])
-            if handler is not None:
-                out.extend(handler(r) or ())
+            try:
+                handler = getattr(self, "_on_" + r["event"].replace("-", "_"), None)
+                self.t_last = r["t"] if self.t_last is None else max(self.t_last, r["t"])
+                if handler is not None:
+                    out.extend(handler(r) or ())
+            except (KeyError, TypeError, ValueError, AttributeError):
+                self.unreadable += 1  # not of this schema (events.py): counted, never folded half-way
         return out
 
     def _on_run_start(self, r):
@@ -180,6 +184,8 @@ class RunView:
 
     def _on_step(self, r):
         s = r["step"]
+        for key in ("t", "loss", "tokens", "microbatches", "owners"):  # what readers use: checked before any change
+            r[key]
         self.step_records += 1
         if s in self.committed or s <= self.frontier:
             self.steps_redone += 1
@@ -246,4 +252,5 @@ class RunView:
             "snapshot": None if snap is None else {"step": snap["step"], "age_s": now - snap["t"] if now else None,
                                                    "steps_behind": self.frontier - snap["step"]},
             "snapshots_skipped": self.snapshots_skipped, "checkpoint_step": self.checkpoint_step,
+            "unreadable_records": self.unreadable,
         }

@@ -84,8 +84,8 @@ def _checkpoint_step(path: Path, run_id: str) -> int | None:
         ck = cfg.get("checkpoint", {})
         if not ck.get("every"):
             return None
-        from unbroken.runtime.metrics import _latest_checkpoint
-        return _latest_checkpoint(ck.get("dir") or str(path / "checkpoints"), run_id)
+        from unbroken.runtime.metrics import latest_checkpoint_step
+        return latest_checkpoint_step(ck.get("dir") or str(path / "checkpoints"), run_id)
     except (OSError, ValueError):
         return None
 
@@ -134,6 +134,8 @@ def render(s: dict[str, Any]) -> Group:
     parts = [head, members]
     parts += [faults] if s["faults"] else [Text("no faults")]
     parts += [recov] if s["incidents"] else [Text("no recoveries")]
+    if s.get("metrics_error"):
+        parts.append(Text(s["metrics_error"], style="red"))
     return Group(*parts, persist, Text(f"from {s['source']}", style="dim"))
 
 

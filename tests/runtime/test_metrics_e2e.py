@@ -200,3 +200,28 @@ def test_snapshot_and_checkpoint_figures_of_a_real_run(tmp_path):
     assert _value(scrape, "unbroken_committed_step") == 5 and _value(scrape, "unbroken_live_replica_groups") == 2
     status = json.loads(store.kv[STATUS_KEY])
     assert status["snapshot"]["step"] == 5 and status["checkpoint_step"] == 4 and status["finished"]
+
+
+def test_a_record_the_fold_cannot_read_never_takes_the_coordinator_down(tmp_path):
+    """The exporter runs inside the coordinator: a malformed record is reported once, the job goes on."""
+    from unbroken.runtime.metrics import STATUS_KEY, Exporter
+    lines = [{"event": "run_start", "t": 1.0, "replicas": 1, "steps": 2, "microbatches": 1, "run_id": "r"},
+             {"event": "step", "t": 2.0, "step": 0}]  # no tokens, no loss
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    store = _Store()
+    exporter = Exporter(tmp_path, store, tensorboard=str(tmp_path / "tb"))
+    exporter.poll(force=True)
+    assert json.loads(store.kv[STATUS_KEY])["unreadable_records"] == 1  # skipped, not folded half-way
+    # TensorBoard's writes fail from here on (as on a full disk)
+    exporter.writer.add_scalar = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    with open(tmp_path / "events.jsonl", "a") as f:
+        for r in ({"event": "epoch", "t": 3.0, "epoch": 0, "members": [0]},
+                  {"event": "step", "t": 4.0, "step": 0, "loss": 5.0, "tokens": 64, "microbatches": 1,
+                   "owners": {"0": [0]}, "replicas": 1}):
+            f.write(json.dumps(r) + "\n")
+    exporter.poll(force=True)  # does not raise: the coordinator goes on
+    assert exporter.error is not None and "No space left" in exporter.error
+    exporter.poll(force=True)
+    status = json.loads(store.kv[STATUS_KEY])
+    assert status["members"] == [0] and status["step"] == 0 and "No space left" in status["metrics_error"]
+    exporter.close()

@@ -3,7 +3,8 @@
 Owns: the store server (so a trainer's death never takes the store with it), the membership epoch and its
 member lists, dead verdicts (heartbeat silence, no progress, or an exit the launcher reported), and the
 `failed` record when every replica is gone. Does not own: step decisions (members compare-and-set them),
-or starting processes (launch.py).
+or starting processes (launch.py). What operators watch (/metrics, TensorBoard, `unbroken status`) it
+serves through runtime/metrics.py, which reads the event log, never the coordinator's own state.
 
 Run as `python -m unbroken.runtime.coordinator --replicas R --run-dir DIR [...]`; it prints
 `UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears

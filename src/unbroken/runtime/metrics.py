@@ -47,10 +47,10 @@ def check_port(host: str, port: int) -> None:
     try:
         with socket.socket() as s:
             s.bind((host, port))
+    except socket.gaierror:
+        raise ConfigError(f"metrics.host={host!r}: not an address to listen on") from None
     except OSError as e:
         raise ConfigError(f"metrics.port={port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
-    except (socket.gaierror, UnicodeError, OverflowError):
-        raise ConfigError(f"metrics.host={host!r}: not an address to listen on") from None
 
 
 class Exporter:
@@ -77,11 +77,20 @@ class Exporter:
             self.writer = SummaryWriter(tensorboard)
 
     def poll(self, force: bool = False) -> None:
-        """Read what the log gained, update the figures and the store's status snapshot."""
+        """Read what the log gained, update the figures and the store's status snapshot. Never raises:
+        watching a job must not end it (a failure is printed to the coordinator's log once)."""
         now = time.monotonic()
         if not force and now < self.next_read:
             return
         self.next_read = now + self.every
+        try:
+            self._poll(now, force)
+        except Exception as e:  # noqa: BLE001  (a full disk under TensorBoard, a torn JSON we missed, ...)
+            if self.error is None:
+                self.error = f"metrics exporter: {type(e).__name__}: {e}"
+                print(f"unbroken: {self.error}", file=sys.stderr, flush=True)
+
+    def _poll(self, now: float, force: bool) -> None:
         try:
             with open(self.events, "rb") as f:
                 f.seek(self.offset)
@@ -101,7 +110,7 @@ class Exporter:
             shown = self.view.feed(records)
             if self.ckpt_dir and (force or now >= self.next_ckpt):
                 self.next_ckpt = now + 2.0  # a directory listing: not every round
-                self.view.checkpoint_step = _latest_checkpoint(self.ckpt_dir, self.view.run_id)
+                self.view.checkpoint_step = latest_checkpoint_step(self.ckpt_dir, self.view.run_id)
             status = self.view.status(time.time())
         if self.writer is not None:
             self._tensorboard(shown)
@@ -236,7 +245,8 @@ def _serve(exporter: Exporter, host: str, port: int):
     return server
 
 
-def _latest_checkpoint(directory: str, run_id: str) -> int | None:
+def latest_checkpoint_step(directory: str, run_id: str) -> int | None:
+    """Step of the newest complete checkpoint of `run_id` in `directory`; None when there is none (yet)."""
     from unbroken.runtime.checkpoint import CheckpointNotFound, ForeignCheckpoint, latest_checkpoint
     try:
         return latest_checkpoint(directory, run_id)
