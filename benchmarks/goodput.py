@@ -24,8 +24,8 @@ group formation, the restore. That is part of what restart strategies cost. The 
 for good (nothing replaces them here), so it finishes on fewer processes.
 A 4-process CPU run is not ReCoVer's 512-GPU run: the figure is this machine's, printed beside theirs.
 
-Writes runs/goodput/{live,restart-memory,restart-disk}/ and runs/goodput/goodput.png (committed tokens
-over wall time, failures marked). Last lines: `ratio goodput_live_over_restart_memory VALUE`, then
+Writes runs/goodput/{live,restart-memory,restart-disk}/ and runs/goodput/goodput.png (`unbroken report`'s
+picture of the live run, the restart runs' loss and committed tokens beside it). Last lines: `ratio goodput_live_over_restart_memory VALUE`, then
 `ratio goodput_live_over_restart_disk VALUE`.
 Usage: python benchmarks/goodput.py [--quick] [--rounds 2] [--steps 32] [--failures 3] [--out runs/goodput]
 """
@@ -51,6 +51,8 @@ from unbroken.runtime.persist.checkpoint import Checkpointer
 from unbroken.runtime.launcher.launch import launch
 from unbroken.runtime.persist.state import materialize, training_state
 from unbroken.runtime.worker import default_factories
+from unbroken.runplot import write_png
+from unbroken.runreport import timeline
 
 MODES = ("live", "restart-memory", "restart-disk")
 PHASES = ("compute", "allreduce", "optimizer")  # where the kills land, in turn
@@ -122,29 +124,6 @@ def failure_free_step(records: list[dict], first_fault: int, skip: int = 2) -> f
     return statistics.median(gaps)
 
 
-def plot(curves: dict[str, tuple[list[tuple[float, int]], list[float]]], png: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
-    colors = {"live": "tab:green", "restart-memory": "tab:blue", "restart-disk": "tab:red"}
-    for mode, (pts, faults) in curves.items():
-        xs, ys = zip(*pts)
-        ax.step(xs, ys, where="post", color=colors[mode], lw=1.8, label=mode)
-        for n, f in enumerate(faults):  # each mode's own failure times (same steps, different clocks)
-            ax.axvline(f, color=colors[mode], ls=":", alpha=0.7, lw=1,
-                       label=f"{mode}: failures" if n == 0 else None)
-    ax.set_xlabel("wall-clock seconds since run start (process start-up included)")
-    ax.set_ylabel("committed tokens (each step once)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model, 24 steps: a smoke test")
@@ -185,7 +164,6 @@ def main() -> None:
     atexit.register(shutil.rmtree, shm, True)  # also when a run fails and the script exits
     snap = dict(snapshot__enabled=True, snapshot__every=1, snapshot__shm_dir=shm)
     results: dict[str, dict] = {}
-    curves: dict[str, tuple[list[tuple[float, int]], list[float]]] = {}
     every = None
     order = [(m, rnd) for rnd in range(args.rounds) for m in (MODES if rnd % 2 == 0 else MODES[::-1])]
     walls: dict[str, list[float]] = {m: [] for m in MODES}
@@ -212,13 +190,13 @@ def main() -> None:
         if not result.ok:
             raise SystemExit(f"{mode} run failed: {result.error} (see {run_dir})")
         records = read_events(run_dir / "events.jsonl")
-        _, pts, fts, stats = curve(records)
+        _, _, _, stats = curve(records)
         if mode == "live" and rnd == 0:
             step_s = failure_free_step(records, fail_steps[0])
         stats["goodput"] = stats["tokens"] / stats["wall"]
         walls[mode].append(stats["wall"])
         if rnd == 0:
-            results[mode], curves[mode] = stats, (pts, fts)
+            results[mode] = stats
         console.print(f"round {rnd + 1} {mode:>14}: {stats['tokens']} tokens in {stats['wall']:.1f} s = "
                       f"{stats['goodput']:.0f} tokens/s, {stats['restarts']} restarts, "
                       f"{stats['step_records'] - stats['steps']} steps redone")
@@ -235,9 +213,11 @@ def main() -> None:
                   str(s["step_records"] - s["steps"]), f"{s['restore_s']:.2f}",
                   f"{s['goodput'] / results['live']['goodput']:.2f}")
     console.print(t)
-    png = out / "goodput.png"
-    plot(curves, png, f"committed tokens, {args.replicas} replicas, kills at steps {fail_steps}\nrestart-disk "
-                      f"checkpoints every {every} steps (Young/Daly, C = {ckpt_s:.2f} s measured)")
+    png = out / "goodput.png"  # `unbroken report` of the live run, round 1's restart runs beside it
+    timelines = [timeline(out / m, m) for m in MODES]
+    write_png(timelines[0], timelines[1:], png,
+              f"live (failures marked) vs restarts: {args.replicas} replicas, kills at steps {fail_steps}; "
+              f"restart-disk checkpoints every {every} steps (Young/Daly, C = {ckpt_s:.2f} s measured)")
     console.print(f"plot: {png}; runs under {out}/")
     console.print("Each restart pays process start-up (new Python processes, import torch, group formation) "
                   "and the restore: real costs of a restart strategy, included in the wall time.")

@@ -203,7 +203,8 @@ def test_no_import_circles():
 LAYERS = {
     "unbroken.topology": 0, "unbroken.config": 0, "unbroken.events": 0, "unbroken.faultspec": 0,
     "unbroken.policy": 0,
-    "unbroken.model": 1, "unbroken.report": 1, "unbroken.progress": 1,
+    "unbroken.model": 1, "unbroken.report": 1, "unbroken.progress": 1, "unbroken.runview": 1,
+    "unbroken.runreport": 1, "unbroken.runplot": 1,
     # runtime, by how much of a trainer a file needs: the store protocol and leaf helpers first
     "unbroken.runtime": 2, "unbroken.runtime.control": 2, "unbroken.runtime.gradients": 2,
     "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3, "unbroken.runtime.faults": 3,
@@ -213,7 +214,7 @@ LAYERS = {
     "unbroken.runtime.worker": 6, "unbroken.runtime.launcher": 6,
     "unbroken.sim": 2,
     "unbroken.api": 7, "unbroken": 7,
-    "unbroken.eval": 8, "unbroken.commands": 8,
+    "unbroken.eval": 8, "unbroken.commands": 8, "unbroken.status": 8,
     "unbroken.cli": 9,
 }
 

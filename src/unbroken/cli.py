@@ -53,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="one rank of a replica group: run it under torchrun")
     w.add_argument("--coordinator", required=True, help="host:port that `unbroken coordinator` printed")
     w.add_argument("--group", type=int, required=True, help="this torchrun job's replica group (0 .. replicas-1)")
+    st = sub.add_parser("status", help="one screen of a running job (HOST:PORT of its coordinator) or a run dir")
+    st.add_argument("target", metavar="ADDR|RUN_DIR")
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                    help="redraw every SECONDS (default 2) until the run ends")
+    rp = sub.add_parser("report", help="a PNG of a whole run over wall-clock time, and its figures as tables")
+    rp.add_argument("run", metavar="RUN_DIR")
+    rp.add_argument("--compare", action="append", default=[], metavar="REF_DIR",
+                    help="a reference run drawn beside it (repeatable)")
+    rp.add_argument("--png", help="where to write the picture (default RUN_DIR/report.png)")
     _add_optional_commands(sub)
     args, rest = ap.parse_known_args(argv)
     try:
@@ -89,6 +98,13 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         case "worker":
             from unbroken.runtime import worker
             worker.main(["--coordinator", args.coordinator, "--group", str(args.group)])
+        case "status":
+            from unbroken import status
+            if args.watch is not None and args.watch <= 0:
+                raise ConfigError(f"--watch {args.watch}: must be a positive number of seconds")
+            return status.show(args.target, args.watch)
+        case "report":
+            return commands.report_run(args.run, args.compare, args.png)
         case "sim":
             from unbroken.sim import cli as sim_cli
             return sim_cli.run(args)

@@ -13,9 +13,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from unbroken import report
+from unbroken import report, runplot, runreport
 from unbroken.api import make_config
 from unbroken.config import ConfigError, load, parse_overrides
+from unbroken.status import wide_console
 
 console = Console()
 
@@ -82,6 +83,23 @@ def audit(run: str) -> int:
     return 0 if not problems else 1
 
 
+def report_run(run: str, compare: list[str], png: str | None) -> int:
+    """`unbroken report`: the picture of a finished run (beside its references) and the same figures as tables."""
+    main = runreport.timeline(run)
+    refs = [runreport.timeline(r, f"ref {Path(r).name}" if Path(r).name == main.name else None) for r in compare]
+    target = Path(png) if png else Path(run) / "report.png"
+    if not target.parent.is_dir():
+        raise ConfigError(f"--png {png!r}: no such directory {str(target.parent)!r}")
+    drawn = runplot.write_png(main, refs, target)
+    wide = wide_console(140)  # the tables have ~12 columns: not squeezed to rich's 80 in a pipe
+    wide.print(runreport.summary_table([main, *refs]))
+    wide.print(runreport.recovery_table(main))
+    wide.print(runreport.step_table(main, refs))
+    wide.print("panels: " + ", ".join(f"{k} ({n})" for k, n in drawn.items()))
+    wide.print(f"plot: {target}")
+    return 0
+
+
 def demo(out: Path, steps: int, replicas: int) -> int:
     """A failure-free reference and a run that loses half its replicas, in --exact mode, side by side."""
     lost = list(range(1, replicas, 2))[: max(1, replicas // 2)]
@@ -109,9 +127,10 @@ def demo(out: Path, steps: int, replicas: int) -> int:
         table.add_row(str(step), _f(la), _f(lb), str(faulty_steps[step]["replicas"]),
                       "[green]identical" if same else "[red]differs")
     console.print(table)
-    png = report.plot_losses({"failure-free": out / "reference", "loses half its replicas": out / "faulty"},
-                             out / "loss.png",
-                             title=f"unbroken demo: {len(lost)} of {replicas} replicas killed (red lines)")
+    png = out / "report.png"
+    runplot.write_png(runreport.timeline(out / "faulty", "loses half its replicas"),
+                      [runreport.timeline(out / "reference", "failure-free")], png,
+                      title=f"unbroken demo: {len(lost)} of {replicas} replicas killed (red lines), exact mode")
     for name, r in runs.items():
         s = r.summary
         console.print(f"{name}: {s['seconds']:.1f} s, {s['members_lost']} replicas lost, "

@@ -98,6 +98,13 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    port: int = 0  # coordinator serves Prometheus /metrics on this port; 0: off (needs unbroken[metrics])
+    host: str = "127.0.0.1"  # address /metrics listens on; 0.0.0.0 to let a Prometheus elsewhere scrape it
+    tensorboard: str = ""  # directory for TensorBoard event files, written by the coordinator; empty: off
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
@@ -106,6 +113,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     coord: CoordConfig = field(default_factory=CoordConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -141,7 +149,8 @@ def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Conf
 
 
 _SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "coord": CoordConfig,
-             "snapshot": SnapshotConfig, "checkpoint": CheckpointConfig}
+             "snapshot": SnapshotConfig, "checkpoint": CheckpointConfig,
+             "metrics": MetricsConfig}
 
 
 def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
@@ -205,6 +214,7 @@ def validate(cfg: Config) -> None:
         (s.parity == "none" or (s.k >= 1 and s.m >= 1 and s.nodes % group == 0 and (s.parity == "rs" or s.m == 1)),
          f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
+        (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
     for ok, message in checks:
         if not ok:

@@ -1,13 +1,20 @@
 """The event log: one JSON object a line in `RUN_DIR/events.jsonl`, written by every process of a run.
 
 Owns: the record format, appending safely from many processes, and reading a log back.
-Does not own: what to do about an event (policy), or summaries and plots (report.py).
+Does not own: what to do about an event (policy), or summaries, live figures and plots (report.py,
+runview.py, runplot.py).
 
-Every record has "event" (its kind) and "t" (wall-clock seconds, time.time()); most have "replica".
-The simulator writes the same kinds with "t" on its virtual clock, so readers serve real and simulated
-runs alike. Kinds and their fields:
+This docstring is the schema, for third-party readers too. Schema version: `SCHEMA_VERSION` below, carried
+by the first record of a log (`run_start`, field "schema"; logs written before versioning have none:
+version 0, the same fields minus `snapshot`). A version only grows when a field changes meaning or
+goes away; new kinds and new fields may appear within a version, so readers should ignore what they
+do not know. Every record has "event" (its kind), "t" (wall-clock seconds, time.time()) and "who" (the
+writing process: launcher, coordinator, replica<N>, agent<N>); most have "replica". The simulator writes
+the same kinds with "t" on its virtual clock, so readers serve real and simulated runs alike. Kinds and
+their fields:
 
-  run_start      replicas, steps, microbatches, exact, seed, faults, run_id, coordinator (standalone only)
+  run_start      schema, replicas, steps, microbatches, exact, seed, faults, recovery, run_id, coordinator
+                 (its address: a standalone coordinator's run only)
   worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
   step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
                  ranks in all), epoch, tokens, t,
@@ -39,7 +46,10 @@ runs alike. Kinds and their fields:
   restore_failed replica, source, step, error         (that source was refused; the next is tried)
   rebuilt        nodes, step, parity                  (a lost node's shards rebuilt from parity)
   rebuild_failed nodes, error
+  snapshot       replica, share, step                 (an in-memory snapshot's copy began; it commits on
+                 its own thread, or the older snapshot stays)
   snapshot_skipped replica, share, step               (both slots busy: training is never stalled)
+  worker_done    replica                              (a trainer finished its last step)
 Simulated runs (sim/) add:
   steps          an aggregate of many committed steps: from_step, to_step, tokens, total_tokens, ...
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
@@ -57,6 +67,9 @@ from pathlib import Path
 from typing import Any
 
 
+SCHEMA_VERSION = 1
+
+
 class EventLog:
     """Append-only JSON-lines writer, safe across processes.
 
@@ -71,6 +84,8 @@ class EventLog:
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "t": fields.pop("t", time.time()), **self._common, **fields}
+        if event == "run_start":
+            record["schema"] = SCHEMA_VERSION
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
         return record
 

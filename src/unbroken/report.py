@@ -1,7 +1,7 @@
-"""Reading runs back: summary, step-by-step comparison, the exactly-once audit, and loss plots.
+"""Reading runs back: summary, step-by-step comparison, and the exactly-once audit.
 
 Owns: everything computed from `events.jsonl` after (or while) a run happens; reads real and simulated
-logs alike. Does not own: writing events (events.py) or running anything.
+logs alike. Does not own: writing events (events.py), running anything, or pictures (runplot.py).
 """
 from __future__ import annotations
 
@@ -102,32 +102,3 @@ def audit(path: str | Path, microbatches: int) -> list[str]:
         if len(applied.get(s, ())) != 1:
             problems.append(f"step {s}: replicas applied {len(applied.get(s, ()))} different digests")
     return problems
-
-
-def plot_losses(runs: dict[str, str | Path], png: str | Path, title: str = "loss") -> Path:
-    """One PNG with each run's loss per committed step, deaths marked on the faulty runs."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    styles = ["-", "--", ":", "-."]
-    for n, (label, path) in enumerate(runs.items()):
-        records = read_events(path)
-        committed = steps(records)
-        xs = sorted(committed)
-        ax.plot(xs, [committed[s]["loss"] for s in xs], styles[n % 4], marker="o", ms=3, label=label, lw=1.5)
-        for r in records:
-            if r["event"] == "fault":
-                ax.axvline(r["step"], color="red", alpha=0.3, lw=1)
-                ax.annotate(f"{r['kind']} r{r['replica']} ({r['phase']})", (r["step"], ax.get_ylim()[1]),
-                            fontsize=7, rotation=90, va="top", color="red")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return Path(png)

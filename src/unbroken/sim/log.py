@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from unbroken.events import SCHEMA_VERSION
+
 
 class SimLog:
     """Buffered JSON-lines writer. `path=None` keeps records in memory only (tests, benchmarks)."""
@@ -34,6 +36,8 @@ class SimLog:
 
     def emit(self, event: str, t: float, **fields: Any) -> None:
         record = {"event": event, "t": round(t, 6), **fields}
+        if event == "run_start":
+            record["schema"] = SCHEMA_VERSION  # the same record schema as real runs (events.py)
         line = json.dumps(record, separators=(",", ":")) + "\n"
         self._hash.update(line.encode())
         self.count += 1

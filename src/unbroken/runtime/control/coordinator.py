@@ -3,7 +3,8 @@
 Owns: the store server (so a trainer's death never takes the store with it), the membership epoch and its
 member lists, dead verdicts (heartbeat silence, no progress, or an exit the launcher reported), and the
 `failed` record when every replica is gone. Does not own: step decisions (members compare-and-set them),
-or starting processes (launch.py).
+or starting processes (launch.py). What operators watch (/metrics, TensorBoard, `unbroken status`) it
+serves through runtime/control/metrics.py, which reads the event log, never the coordinator's own state.
 
 Run as `python -m unbroken.runtime.control.coordinator --replicas R --run-dir DIR [...]`; it prints
 `UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears
@@ -26,6 +27,7 @@ from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, stale
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import WakeWatch
+from unbroken.runtime.control.metrics import Exporter
 from unbroken.runtime.control.store import connect, finished_among, last_committed
 from unbroken.runtime.control.slowness import SlownessMonitor
 
@@ -137,13 +139,24 @@ class Coordinator:
 
 
 def serve(store: TCPStore, address: str, replicas: int, log: EventLog, make: Callable[[Store], Coordinator],
-          poll_s: float, until_finished: bool = False) -> int:
+          poll_s: float, until_finished: bool = False, exporter: Exporter | None = None) -> int:
     """Run the coordinator's loop on `store` (its server). Returns the exit code.
 
     Under the local launcher (`until_finished` False) it serves until the launcher writes `shutdown`,
     and starts a fresh membership whenever the launcher starts a generation. Standalone (`unbroken
     coordinator`), it ends by itself: 0 once every member finished its last step, 1 once every member
-    was lost (the `failed` record says the last committed step)."""
+    was lost (the `failed` record says the last committed step). `exporter` (metrics.py) is polled every
+    round and closed at the end."""
+    try:
+        return _loop(store, address, make, poll_s, until_finished, exporter)
+    finally:
+        if exporter is not None:
+            exporter.poll(force=True)
+            exporter.close()
+
+
+def _loop(store: TCPStore, address: str, make: Callable[[Store], Coordinator], poll_s: float,
+          until_finished: bool, exporter: Exporter | None) -> int:
 
     def client():
         return connect(address)
@@ -172,6 +185,8 @@ def serve(store: TCPStore, address: str, replicas: int, log: EventLog, make: Cal
                 return 1
         if until_finished and coord.all_finished():
             return 0
+        if exporter is not None:
+            exporter.poll()
         wakes.wait_until(lambda: wakes.current != seen, poll_s)
 
 
@@ -187,15 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
+    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1")
+    ap.add_argument("--tensorboard", default="", help="write TensorBoard event files to this directory")
+    ap.add_argument("--checkpoint-dir", default="", help="where to look for the newest complete checkpoint")
     a = ap.parse_args(argv)
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60), use_libuv=True)
     print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
+    # what the run is doing, for operators: /metrics, TensorBoard, the store's status snapshot
+    exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
     return serve(store, f"{a.host}:{store.port}", a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
                                        a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll),
-                 a.poll)
+                 a.poll, exporter=exporter)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ Unprefixed (they outlive generations):
   config, run_dir, run_id   the run's config (JSON), directory and id   a standalone coordinator, for
                         workers started by torchrun on other hosts
   generation, shutdown  the launcher's orders to the coordinator
+  status/view           the run's latest figures (JSON) for `unbroken status`   the coordinator
   wakes, wake/{n}       the coordinator's wake-ups                launcher
   fired/{i}             fault i of the fault spec fired once      the replica that fired it
   unbroken/snap/{run}/...   the snapshot agents' control plane (`SnapshotKeys`)
@@ -147,6 +148,10 @@ def restore_prefix(generation: int) -> str:
 
 def generation() -> str:
     return "generation"
+
+
+def status() -> str:
+    return "status/view"
 
 
 def config() -> str:

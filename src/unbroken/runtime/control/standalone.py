@@ -22,6 +22,7 @@ from unbroken.events import EventLog
 from unbroken.report import finish_run
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordinator import Coordinator, serve
+from unbroken.runtime.control.metrics import Exporter, preflight
 
 
 def torchrun_line(address: str, group: int, group_size: int, max_restarts: int = 0) -> str:
@@ -54,6 +55,8 @@ def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"--out {str(out)!r}: {e.strerror or e}") from None
+    m = cfg.metrics
+    preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
     store = bind(host, port)
     address = f"{host}:{store.port}"
     for stale in ("events.jsonl", "summary.json"):
@@ -76,7 +79,9 @@ def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
                  lambda s: Coordinator(s, r.replicas, log, c.heartbeat_timeout, c.progress_timeout,
                                        c.startup_timeout, follow_speed=r.quotas == "speed",
                                        beat_every=c.heartbeat_interval),
-                 c.heartbeat_interval, until_finished=True)
+                 c.heartbeat_interval, until_finished=True,
+                 exporter=Exporter(out, store, m.port, m.host, m.tensorboard,
+                                   str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else ""))
     time.sleep(1.0)  # the last members' record writes and final beats reach the store before it closes
     error = None if code == 0 else "every replica group was lost"
     ok, summary, error = finish_run(out, cfg, log, t0, error)

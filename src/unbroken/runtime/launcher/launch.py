@@ -37,6 +37,7 @@ from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
 from unbroken.runtime.control.epochwatch import wake
+from unbroken.runtime.control.metrics import preflight
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 MAX_RESTARTS = 20
@@ -57,10 +58,12 @@ class RunResult:
 
 def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train") -> RunResult:
     """Run `cfg` to the end. Blocks; returns a RunResult (never raises for failures of the run itself)."""
+    m = cfg.metrics
+    preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
     run_dir = Path(cfg.run.out)
     shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in ("events.jsonl", "summary.json"):
+    for stale in ("events.jsonl", "summary.json", "coordinator.addr"):
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     run_id = f"run-{secrets.token_hex(4)}"
@@ -165,7 +168,11 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
-           "--poll", str(cfg.coord.heartbeat_interval)]  # reading beats faster than they come is waste
+           "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
+           "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
+           "--tensorboard", cfg.metrics.tensorboard,
+           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else ""]
+    (run_dir / "coordinator.addr").write_text(f"127.0.0.1:{port}\n")  # for `unbroken status RUN_DIR`
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "ab"))
     return p, f"127.0.0.1:{port}"
 

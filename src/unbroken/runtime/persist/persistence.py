@@ -61,8 +61,10 @@ class Persistence:
         if due_snap:
             for share in shares_of(self.me, members, self.world):
                 # a snapshot system that falls behind must never stall training: skip, keep the older
-                if not self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1},
-                                                      skip_if_busy=True):
+                if self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1},
+                                                  skip_if_busy=True):
+                    self.log.emit("snapshot", replica=self.me, share=share, step=step)  # copy started
+                else:
                     self.log.emit("snapshot_skipped", replica=self.me, share=share, step=step)
             if on_snapshot is not None:
                 on_snapshot()
