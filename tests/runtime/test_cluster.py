@@ -180,6 +180,9 @@ def test_every_group_lost_ends_the_coordinator_with_the_last_committed_step(tmp_
     records = read_events(tmp_path / "cluster")
     assert sorted(e["replica"] for e in records if e["event"] == "fault") == [0, 1]
     assert r.returncode == 1, r.stdout[-2000:]
-    assert "unbroken: error: every replica group was lost; last committed step: 1" in r.stdout
-    assert [e["last_committed_step"] for e in records if e["event"] == "run_failed"] == [1]
+    (last,) = [e["last_committed_step"] for e in records if e["event"] == "run_failed"]
+    # the step both died in never commits; the one before may have committed with its record unwritten
+    # (its writer died beside the next step's compute): the store's decision still counts it
+    assert max(steps(records)) <= last < 2
+    assert f"unbroken: error: every replica group was lost; last committed step: {last}" in r.stdout
     assert all(j.returncode != 0 for j in jobs)

@@ -247,7 +247,7 @@ def _serve(exporter: Exporter, host: str, port: int):
 
 def latest_checkpoint_step(directory: str, run_id: str) -> int | None:
     """Step of the newest complete checkpoint of `run_id` in `directory`; None when there is none (yet)."""
-    from unbroken.runtime.checkpoint import CheckpointNotFound, ForeignCheckpoint, latest_checkpoint
+    from unbroken.runtime.persist.checkpoint import CheckpointNotFound, ForeignCheckpoint, latest_checkpoint
     try:
         return latest_checkpoint(directory, run_id)
     except (CheckpointNotFound, ForeignCheckpoint):
