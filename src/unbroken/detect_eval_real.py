@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=16, help="per step; equal quotas: M/replicas each")
-    p.add_argument("--factor", type=float, nargs=2, default=(1.1, 3.0), metavar=("LO", "HI"),
+    p.add_argument("--factor", type=float, nargs=2, default=(1.1, 4.0), metavar=("LO", "HI"),
                    help="slowdown factors, log-uniform")
     p.add_argument("--duration", type=int, nargs=2, default=(8, 20), metavar=("LO", "HI"), help="steps")
     p.add_argument("--warmup", type=int, default=6, help="no slowdown starts before this step")
@@ -60,7 +60,7 @@ def draw_episode(rng: random.Random, replicas: int, steps: int, factor: tuple[fl
 
 
 def fault_spec(d: Slowdown) -> str:
-    return f"slow:replica={d.replica},from={d.onset},to={d.end},factor={d.factor:g}"
+    return f"slow:replica={d.replica},from={d.onset},to={d.end},factor={d.factor:g},how=spin"
 
 
 def trace_of(records: list[dict], episode: Slowdown, replicas: int) -> tuple[Trace, dict[int, set[int]]]:

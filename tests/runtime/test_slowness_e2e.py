@@ -27,7 +27,7 @@ def test_slow_replica_is_declared_slow_gets_less_work_and_the_trajectory_is_unch
     ref, out = tmp_path / "reference", tmp_path / "slow"
     r = unbroken("train", *RUN, "--out", str(ref), timeout=90)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = unbroken("train", *RUN, "--faults", f"slow:replica={SLOW},from=2,factor=3", "--out", str(out), timeout=100)
+    r = unbroken("train", *RUN, "--faults", f"slow:replica={SLOW},from=2,factor=3,how=spin", "--out", str(out), timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
 
