@@ -35,11 +35,16 @@ class Verdict(StrEnum):
 @dataclass(frozen=True, slots=True)
 class DetectorConfig:
     """Thresholds of the sequential test, in log units of observed/predicted time."""
-    drift: float = math.log(1.05)  # CUSUM allowance: slowdowns under ~5% are tolerated, never accumulate
+    # CUSUM allowance: slowdowns under ~8% are tolerated, never accumulate. Measured on real runs (4
+    # replicas on 2 shared cores, device = thread CPU time): a healthy replica's step score sits at
+    # +0.15..+0.2 for several steps in a row at times (cache and memory contention from its neighbours
+    # shows even in CPU time); at 5% such a stretch reached Slow once in 12 runs, at 8% never in 16,
+    # and 1.26x-1.4x slowdowns were still declared within 3 steps (detect-eval).
+    drift: float = math.log(1.08)
     suspect_at: float = 0.15  # CUSUM level for Suspect (one 1.2x step reaches it)
-    slow_at: float = 0.45  # CUSUM level for Slow: 1.3x sustained gets there in 3 steps, 2x+ in 2
+    slow_at: float = 0.45  # CUSUM level for Slow: 1.3x sustained gets there in 3 steps, 1.6x+ in 2
     max_increment: float = 0.3  # evidence one step may add: one bad step alone is at most Suspect
-    recover_below: float = math.log(1.05)  # a Slow replica's step counts as calm under this score ...
+    recover_below: float = math.log(1.08)  # a Slow replica's step counts as calm under this score ...
     recover_steps: int = 3  # ... and this many calm steps in a row make it Healthy again
     regime_move: float = math.log(1.15)  # a replica "moved" when its raw score is beyond +-15% ...
     regime_quorum: float = 0.5  # ... and more than this share moving the same way is a regime change
