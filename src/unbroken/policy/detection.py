@@ -81,7 +81,11 @@ class _Track:
     verdict: Verdict = Verdict.HEALTHY
     cusum: float = 0.0
     calm: int = 0
-    run: int = 0  # steps since the CUSUM was last 0: how far back the current episode goes
+    # steps since the CUSUM last reached suspect_at from below (and while Slow): how far back the current
+    # episode goes. Not "since the CUSUM was last 0": timing noise keeps a healthy replica's CUSUM a
+    # little above 0 for steps on end, and those steps would dilute the speed estimate (whole-run
+    # simulation: a 2x replica estimated at 0.67)
+    run: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # step-sum log ratios
 
 
@@ -149,7 +153,7 @@ class Detector:
         cfg, t = self.config, self._tracks[replica]
         t.recent.append(total)
         t.cusum = min(max(0.0, t.cusum + min(x - cfg.drift, cfg.max_increment)), 2 * cfg.slow_at)
-        t.run = t.run + 1 if t.cusum > 0 else 0
+        t.run = t.run + 1 if t.cusum >= cfg.suspect_at or t.verdict is Verdict.SLOW else 0
         old = t.verdict
         if old is Verdict.SLOW:
             t.calm = t.calm + 1 if x < cfg.recover_below else 0
