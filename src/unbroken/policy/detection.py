@@ -140,12 +140,14 @@ class Detector:
         else:
             shift = 0.0
         # Common mode: what the whole fleet shares is nobody's fault. A fleet of min_fleet or more has a
-        # robust centre, its median; a smaller one subtracts only the move all its replicas made in the
-        # same direction (a lone replica therefore is never flagged: with nothing to compare it to, a
-        # slower device and a heavier model look alike).
+        # robust centre, its median; a smaller one has none, and takes its fastest replica as the
+        # reference instead: fail-slow goes one way only, and the predictor may be biased to the middle
+        # of a pair (a replica slow from the first step taught it, too, before it was suspected: a 2x
+        # replica beside one healthy one then scored +0.35 instead of +0.69, and its speed read 0.84).
+        # A lone replica is therefore never flagged: with nothing to compare it to, a slower device and
+        # a heavier model look alike.
         rest = [x - shift for x in med.values()]
-        lo, hi = min(rest), max(rest)
-        shift += median(rest) if n >= cfg.min_fleet else lo if lo > 0 else hi if hi < 0 else 0.0
+        shift += median(rest) if n >= cfg.min_fleet else min(rest)
         for r in sorted(group):
             self._update(step, r, med[r] - shift, tot[r] - shift)
 
