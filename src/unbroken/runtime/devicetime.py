@@ -9,6 +9,9 @@ noisy neighbour) does not accumulate it, a throttled core does (it needs more of
                 `time.thread_time()` (CLOCK_THREAD_CPUTIME_ID); torch runs every kernel in that thread.
   threads > 1:  the process's CPU time, `time.process_time()`: the sum over torch's intra-op threads, plus
                 the little the heartbeat and sidecar threads spend meanwhile (they block on sockets).
+CUDA events time the stream from the span's first to its last event: gaps where the device idles
+waiting for the host to launch its next kernel count too (on a device-bound microbatch there are none).
+Not yet run on a GPU here (no device in this environment); tests/runtime/test_devicetime.py has the check.
 Does not own: injecting slowness (faults.py burns CPU through `Span.burn`, so that it shows here as a
 throttled core's would) or deciding anything from the times (policy/detection.py).
 """
