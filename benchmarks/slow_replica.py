@@ -28,6 +28,11 @@ alternate with the others in every round. Stricter figure, printed too: compute 
 which charges the per-step costs that do not shrink with fewer microbatches (all-reduce, commit,
 optimizer step) to the policy.
 
+Beside it, the same figure on device time: per step, the busiest replica's device seconds (the
+critical path of the step's compute), blind to other jobs on the host; it leaves out the all-reduce,
+commit and optimizer step. On 2 cores shared with other work the wall-clock figure moved 0.87-0.99
+between two invocations (a failure-free run's step alone varied 6.2-7.2 healthy microbatches).
+
 Last line: `ratio of_ideal VALUE` = n_ff x R / S over the speed-quota runs' median (target >= 0.95).
 The equal-quota figure is printed just above it, against the same ideal. Leaves out: runs longer than
 --steps (a longer run amortises the same transient further), and a slowdown that starts mid-run (the
@@ -70,9 +75,18 @@ def measure(records: list[dict], slow: int) -> dict[str, object]:
     t = {r["step"]: r["t"] for r in records if r["event"] == "step"}
     owners = {r["step"]: r["owners"] for r in records if r["event"] == "step"}
     last = max(t)
-    healthy = [r["wall"] for r in records if r["event"] == "compute" and r["replica"] != slow and r["step"] >= 1]
+    computes = [r for r in records if r["event"] == "compute" and r["step"] >= 1]
+    healthy = [r["wall"] for r in computes if r["replica"] != slow]
     quotas = [tuple(len(owners[s].get(str(r), [])) for r in range(len(owners[s]))) for s in sorted(owners)]
-    return {"step": (t[last] - t[0]) / last, "healthy": statistics.median(healthy), "quotas": quotas}
+    # Device-time critical path: per step the busiest replica's device seconds (every microbatch it
+    # computed for the step, work a replan threw away included), in healthy microbatches' device time.
+    busy: dict[tuple[int, int], float] = {}
+    for r in computes:
+        busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
+    unit = statistics.median(r["seconds"] for r in computes if r["replica"] != slow)
+    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in range(1, last + 1)) / last
+    return {"step": (t[last] - t[0]) / last, "healthy": statistics.median(healthy), "quotas": quotas,
+            "device_path": path / unit}
 
 
 def main() -> None:
@@ -104,6 +118,7 @@ def main() -> None:
                 data__batch_size=args.batch_size, data__seq_len=str(args.seq_len))
     modes = ("speed", "equal", "none")  # none: the failure-free run the ideal is scaled from
     units: dict[str, list[float]] = {q: [] for q in modes}  # per run: step time / median healthy mb
+    paths: dict[str, list[float]] = {q: [] for q in modes}  # per run: device-time critical path, same unit
     rows = []
     with tempfile.TemporaryDirectory(prefix="slow-replica-") as tmp:
         for rnd in range(args.rounds):
@@ -120,6 +135,7 @@ def main() -> None:
                 step, t_h, qs = m["step"], m["healthy"], m["quotas"]
                 first = next((n for n, q in enumerate(qs) if q == tuple(match or ())), None)
                 units[quotas].append(step / t_h)
+                paths[quotas].append(m["device_path"])
                 rows.append((rnd + 1, quotas, declared, first, qs[-1], step, t_h, step / t_h))
                 console.print(f"round {rnd + 1} {quotas:>5}: slow declared at step {declared}, matching quotas "
                               f"from step {first}, step {1e3 * step:.1f} ms = {step / t_h:.2f} healthy "
@@ -141,8 +157,17 @@ def main() -> None:
                   f"{s_sum:g} = {ideal:.2f}, compute-only ideal M / {s_sum:g} = {args.microbatches / s_sum:.2f}; "
                   f"speed quotas {n_speed:.2f}, equal quotas {n_equal:.2f} "
                   f"(speed quotas {n_equal / n_speed:.2f}x faster)")
+    p_ff, p_speed, p_equal = (statistics.median(paths[q]) for q in ("none", "speed", "equal"))
+    p_ideal = p_ff * args.replicas / s_sum
+    console.print(f"device-time critical path per step (the busiest replica's device seconds; blind to the host's "
+                  f"load, leaves out all-reduce, commit and optimizer): failure-free {p_ff:.2f}, speed quotas "
+                  f"{p_speed:.2f}, equal quotas {p_equal:.2f} healthy microbatches; of ideal "
+                  f"{p_ideal / p_speed:.3f} (speed), {p_ideal / p_equal:.3f} (equal)")
+    console.print("per run, wall-clock step in healthy microbatches: " + ", ".join(
+        f"{q} {[round(u, 2) for u in units[q]]}" for q in modes))
     console.print(f"wall time {time.time() - t_start:.0f} s")
     print(f"ratio of_compute_only_ideal {args.microbatches / s_sum / n_speed:.3f}")
+    print(f"ratio of_ideal_device_time {p_ideal / p_speed:.3f}")
     print(f"ratio of_ideal_equal_quotas {ideal / n_equal:.3f}")
     print(f"ratio of_ideal {ideal / n_speed:.3f}")
 
