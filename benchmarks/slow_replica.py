@@ -35,7 +35,8 @@ scaled from the failure-free runs' alike. Why it is the headline: on this machin
 other jobs, a wall-clock ratio cannot mean much. Measured here, the wall-clock figure moved 0.87-0.99
 between two invocations at moderate load (a failure-free run's step alone varied 6.2-7.2 healthy
 microbatches between rounds), and at a load average of 11 it put speed quotas below equal quotas (0.79
-against 0.85) while device time gave 0.97 against 0.69. What it leaves out: the all-reduce, the commit
+against 0.85) while device time gave 0.97 against 0.69; at a load average of 3-8, device time 0.943
+against 0.686, wall clock 1.005 against 0.978 (equal quotas cannot beat 0.67 on a quiet host). What it leaves out: the all-reduce, the commit
 and the optimizer step (per-step costs the quotas do not change), and time a replica waits for a core.
 The wall-clock figures are printed above it (`ratio of_ideal_wall_clock`); on a quiet host with one
 core per replica they are the throughput.
