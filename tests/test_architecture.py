@@ -208,6 +208,7 @@ LAYERS = {
     "unbroken.runreport": 1, "unbroken.runplot": 1,
     # runtime, by how much of a trainer a file needs: the store protocol and leaf helpers first
     "unbroken.runtime": 2, "unbroken.runtime.control": 2, "unbroken.runtime.gradients": 2,
+    "unbroken.runtime.devicetime": 2,
     "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3, "unbroken.runtime.faults": 3,
     "unbroken.runtime.step": 3,
     "unbroken.runtime.persist": 4, "unbroken.runtime.speculation": 4,
@@ -233,7 +234,7 @@ def test_no_import_runs_back_up_a_layer():
     assert not {n: d for n, d in up.items() if d}, "imports from a lower layer into a higher one"
 
 
-TRAINER_OWN = {"__init__", "trainer", "worker", "gradients", "speculation", "faults", "step"}
+TRAINER_OWN = {"__init__", "trainer", "worker", "gradients", "speculation", "faults", "step", "devicetime"}
 PROCESS_FOLDERS = {"launcher", "control", "parallel", "persist", "snapshot"}
 
 

@@ -22,7 +22,8 @@ their fields:
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
                  waited: s spent waiting for a peer's decision or a new epoch in the step)
-  compute        step, replica, epoch, microbatch, seconds, tokens, sumsq   (one per microbatch)
+  compute        step, replica, epoch, microbatch, seconds, wall, tokens, sumsq   (one per microbatch;
+                 seconds: device time, what the detector reads (runtime/devicetime.py); wall: wall time)
   reduce         step, replica, epoch, seconds, ok, wait
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)

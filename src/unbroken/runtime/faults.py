@@ -2,8 +2,9 @@
 
 Owns: firing the faults of `faultspec` that target this replica. kill = SIGKILL of this process; hang =
 SIGSTOP of this process, with a detached `sh` that sends SIGCONT after `for` seconds (so the zombie path
-runs for real); slow = stretch each microbatch's compute time by `factor` (sleep for (factor-1) x the
-measured compute, so a 2x slow replica takes twice as long per microbatch). Does not own: detection —
+runs for real); slow = stretch each microbatch's compute by `factor`: how=spin burns (factor-1) x its
+device time (CPU time on a CPU) in the computing thread, as a throttled device; how=sleep sleeps (factor-1)
+x its wall time, which only wall clocks see. Does not own: detection —
 nothing here is visible to the coordinator or the detector except through time and signals.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed import Store
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 from unbroken.runtime.control import keys
+from unbroken.runtime.devicetime import Span
 
 
 class Injector:
@@ -47,22 +49,19 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGSTOP)
                 self.log.emit("woke", replica=self.me, step=step, phase=phase)
 
-    def stretch(self, step: int, compute_s: float) -> float:
-        """After a microbatch's compute: let (factor-1) x its time pass, to emulate a slow device.
+    def stretch(self, step: int, span: Span) -> None:
+        """After a microbatch's compute, still inside its timed `span`: make it F times as long.
 
-        how=sleep frees the CPU meanwhile; how=spin burns it, so that on a machine with fewer cores
-        than replicas the slow replica keeps its share of the CPU and its peers see the same contention
-        as beside a healthy one (a sleeping replica hands its core to them, see README). Returns the
-        seconds added."""
+        how=spin burns (F-1) x the span's device time so far on the span's own clock (devicetime.py):
+        more CPU time in the computing thread, as a core throttled by F would need, so the detector sees
+        it, and under contention it also takes longer in wall time, as real slow work would. how=sleep
+        sleeps (F-1) x the span's wall time: wall time only, which the detector does not read (it
+        emulates a host-side stall, e.g. a slow data loader, not a slow device)."""
         slowing = [f for f in self.slow if f.slows(self.me, step)]
         if not slowing:
-            return 0.0
+            return
         worst = max(slowing, key=lambda f: f.factor)
-        extra = compute_s * (worst.factor - 1.0)
         if worst.how == "spin":
-            end = time.perf_counter() + extra
-            while time.perf_counter() < end:
-                pass
-        elif extra > 0:
-            time.sleep(extra)
-        return extra
+            span.burn(span.so_far() * (worst.factor - 1.0))
+        else:
+            time.sleep(max(0.0, (time.perf_counter() - span.wall0) * (worst.factor - 1.0)))

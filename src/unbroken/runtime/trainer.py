@@ -45,6 +45,7 @@ from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
 from unbroken.runtime.control.coordination import Coordination, Decision, Plan
+from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
 from unbroken.runtime.control.heartbeat import Heartbeat
@@ -72,6 +73,7 @@ class Trainer:
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer = parts.model, parts.data, parts.optimizer
         self.params = unique_parameters(self.model)
+        self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
         dtype = torch.float64 if cfg.run.exact else torch.float32
         self.accs = (Accumulator(self.params, dtype), Accumulator(self.params, dtype))  # steps alternate
         self.groups: dict[int, EpochGroup] = {}
@@ -237,16 +239,16 @@ class Trainer:
         for n, i in enumerate(microbatches):
             self.hb.at(step, "compute", i)
             mb = self.data.microbatch(step, i)
-            t = time.perf_counter()
+            span = self.clock.start()  # device time (devicetime.py): what the detector reads
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
             loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, work.tokens)
             loss.backward()
             work.acc.add(loss)
-            seconds = time.perf_counter() - t
-            seconds += self.faults.stretch(step, seconds)
+            self.faults.stretch(step, span)
+            seconds, wall = span.stop()
             work.timings[i] = (mb.tokens, mb.sumsq, seconds)
             self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
-                          tokens=mb.tokens, sumsq=mb.sumsq)
+                          wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
         return rec.Computed(microbatches)

@@ -7,21 +7,25 @@ strategy that a replica is slow: slowness reaches it only as longer simulated ti
 detection logic (policy/detection.py, policy/predictor.py) or in-step recovery (live.py).
 
 Simulated timings: each microbatch of replica r costs the scenario's `microbatch_seconds` times r's
-slowdown factor when its stretch of steps began, times multiplicative noise uniform in +-TIMING_NOISE
-drawn from the engine's seeded RNG (same seed, same log). Every microbatch holds `tokens_per_microbatch` tokens
-as one sequence (sumsq = tokens^2); the scenario gives no document lengths, so the predictor's fit is
-constant across microbatches and only the noise varies.
+slowdown factor when its stretch of steps began, times device-time noise of the size measured on real
+runs (thread CPU time per microbatch, 4 replicas on 2 shared cores, 8 failure-free runs, residuals of
+a fitted cost model after the fleet's per-step median): a replica-step component shared by the step's
+microbatches, log-sd STEP_NOISE, persisting from one step to the next with correlation STEP_NOISE_LAG1
+(measured 0.02-0.055 and -0.05-0.23), and a per-microbatch one, log-sd MB_NOISE (measured 0.03-0.07);
+both drawn from the engine's seeded RNG (same seed, same log). Every microbatch holds
+`tokens_per_microbatch` tokens as one sequence (sumsq = tokens^2); the scenario gives no document
+lengths, so the predictor's fit is constant across microbatches and only the noise varies.
 
-Approximation (cost; stated in the run_start record): the detector is called only in windows of
-`tail_steps` committed steps opened by every change it could see: a fail-slow episode beginning or ending,
-a replaced replica rejoining into a slot still slowed. That is long enough for a verdict to settle
-(Suspect, Slow, back to Healthy after `recover_steps` calm steps), for a speed estimate over
-`speed_window` steps and for a CUSUM to drain.
-Outside the windows the last speeds stay in force: within an episode the simulated speeds are constant, so
-further calls would only add noise (and cost: at Llama 3 scale every step of every episode is tens of
-thousands of calls, each refitting the predictor). Each call observes the slowed replicas, those whose verdict is not
-Healthy, and the HEALTHY_SAMPLE lowest-numbered other members (deterministic), not the whole fleet. Steps
-redone by in-step recovery are not observed.
+Coverage: the detector observes every committed step of the whole run (so its false alarms on noise are
+counted: `detector` record before run_end), unless the run would commit more than WHOLE_RUN_STEPS steps
+(the Llama 3 scenario: ~750,000 steps of 128 replicas would take tens of minutes of detector calls). Then, an
+approximation stated in the run_start record, it is called only in windows of `tail_steps` committed
+steps opened by every change it could see: a fail-slow episode beginning or ending, a replaced replica
+rejoining into a slot still slowed; long enough for a verdict to settle (Suspect, Slow, back to Healthy
+after `recover_steps` calm steps), for a speed estimate over `speed_window` steps and for a CUSUM to
+drain, and outside them the last speeds stay in force. Each call observes the slowed replicas, those
+whose verdict is not Healthy, and the HEALTHY_SAMPLE lowest-numbered other members (deterministic), not
+the whole fleet. Steps redone by in-step recovery are not observed.
 """
 from __future__ import annotations
 
@@ -35,7 +39,12 @@ from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.sim.cluster import Fault
 from unbroken.sim.strategies.live import Live
 
-TIMING_NOISE = 0.03  # chosen: +-3% multiplicative, uniform, per microbatch
+MB_NOISE = 0.05  # measured (see above): log-sd of a microbatch's device time about its replica-step
+STEP_NOISE = 0.05  # measured: log-sd of a replica-step's shared component about the fleet's median
+STEP_NOISE_LAG1 = 0.2  # measured: its correlation with the same replica's previous step
+WHOLE_RUN_STEPS = 5_000  # chosen: runs up to this many steps are observed at every step (~1 ms a step
+# at 8 replicas x 8 microbatches: the ResiHP scenarios, ~1,500 steps, take ~1.4 s)
+GRACE_STEPS = 5  # a Slow verdict this many steps after its replica's episode ended still counts as true
 HEALTHY_SAMPLE = 64  # chosen: healthy members observed per call besides the slowed and unhealthy ones
 
 
@@ -50,14 +59,26 @@ class LiveDetect(Live):
         # CUSUM at its cap drains by about `drift` a calm step; +1 for the step in flight at the change
         self.tail_steps = cfg.recover_steps + math.ceil(2 * cfg.slow_at / cfg.drift) + 1
         self.tail_until = 0  # observe the committed steps before this one (a window opened by a change)
+        self.whole_run = self.horizon / self.t_full <= WHOLE_RUN_STEPS
+        self.step_noise: dict[int, float] = {}  # replica -> its replica-step noise component, last step
+        self.slowed_until: dict[int, int] = {}  # replica -> last step it was observed slowed
+        self.observed = self.false_alarms = self.alarms = 0  # replica-steps observed; Slow verdicts
         self.armed = -1  # seg_id whose next step end has a `detect` event
         self.plan_of = (-1, Counter(), {})  # (seg_id, microbatches per member, slowdown factors != 1)
         w = self.sc.workload
         self.features = (w.tokens_per_microbatch, float(w.tokens_per_microbatch) ** 2)
 
     def describe(self) -> dict[str, Any]:
-        return {"detector": "unbroken.policy.detection.Detector", "timing_noise": TIMING_NOISE,
-                "detector_sample": HEALTHY_SAMPLE, "detector_tail_steps": self.tail_steps,
+        noise = {"mb_log_sd": MB_NOISE, "step_log_sd": STEP_NOISE, "step_lag1": STEP_NOISE_LAG1}
+        if self.whole_run:
+            return {"detector": "unbroken.policy.detection.Detector", "timing_noise": noise,
+                    "detector_coverage": "every committed step", "detector_sample": HEALTHY_SAMPLE,
+                    "detector_approximation": f"each call observes the slowed and non-Healthy members plus the "
+                    f"{HEALTHY_SAMPLE} lowest-numbered other members; steps redone by in-step recovery are not "
+                    "observed"}
+        return {"detector": "unbroken.policy.detection.Detector", "timing_noise": noise,
+                "detector_coverage": "windows", "detector_sample": HEALTHY_SAMPLE,
+                "detector_tail_steps": self.tail_steps,
                 "detector_approximation": f"detector called only on the {self.tail_steps} steps after a "
                 "fail-slow episode starts or ends or a replaced replica rejoins a slowed slot, last speeds kept "
                 f"in between; each call observes the slowed and non-Healthy members plus the {HEALTHY_SAMPLE} "
@@ -75,7 +96,7 @@ class LiveDetect(Live):
         super().on_slow(t)
 
     def active(self) -> bool:
-        return self.seg is not None and self.step < self.tail_until
+        return self.seg is not None and (self.whole_run or self.step < self.tail_until)
 
     def arm(self) -> None:
         """Schedule `detect` at the end of the stretch's next step, once per stretch at a time."""
@@ -116,15 +137,25 @@ class LiveDetect(Live):
         focus = [r for r in seg.members if r in factors or verdicts.get(r, Verdict.HEALTHY) is not Verdict.HEALTHY]
         keep = set(focus)
         healthy = [r for r in seg.members if r not in keep][:HEALTHY_SAMPLE]
-        rnd, mb, (tokens, sumsq) = self.engine.rng.random, self.sc.workload.microbatch_seconds, self.features
+        gauss, mb, (tokens, sumsq) = self.engine.rng.gauss, self.sc.workload.microbatch_seconds, self.features
+        step = self.step - 1
         timings = {}
         for r in sorted(keep.union(healthy)):
-            base = mb * factors.get(r, 1.0)
-            timings[r] = [MicrobatchTiming(tokens, sumsq, base * (1.0 + TIMING_NOISE * (2.0 * rnd() - 1.0)))
+            # AR(1) with stationary log-sd STEP_NOISE: x' = phi x + sqrt(1 - phi^2) e
+            shared = STEP_NOISE_LAG1 * self.step_noise.get(r, 0.0) + \
+                math.sqrt(1.0 - STEP_NOISE_LAG1 ** 2) * gauss(0.0, STEP_NOISE)
+            self.step_noise[r] = shared
+            base = mb * factors.get(r, 1.0) * math.exp(shared)
+            timings[r] = [MicrobatchTiming(tokens, sumsq, base * math.exp(gauss(0.0, MB_NOISE)))
                           for _ in range(counts[r])]
-        step = self.step - 1
+            if r in factors:
+                self.slowed_until[r] = step
+        self.observed += len(timings)
         self.detector.observe(step, timings)
         for c in self.detector.take_events():
+            if isinstance(c, VerdictChange) and c.new is Verdict.SLOW:
+                self.alarms += 1
+                self.false_alarms += step - self.slowed_until.get(c.replica, -10 ** 9) > GRACE_STEPS
             if isinstance(c, VerdictChange):
                 self.log.emit("verdict", t, step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
                               speed=round(c.speed, 4), score=round(c.score, 4))
@@ -133,6 +164,16 @@ class LiveDetect(Live):
                               moved=c.moved, replicas=c.replicas)
         self.arm()  # before any replan, so the next step is observed on this stretch's plan
         self.apply(t, self._weights(self.detector.speeds()))
+
+    def finish(self, t: float) -> dict[str, Any]:
+        """The detector's alarms before run_end: Slow verdicts, and those on a replica that was not slowed
+        (nor within GRACE_STEPS after its episode): false alarms, per 1,000 replica-steps observed."""
+        if self.seg is not None:
+            self.flush(t)
+        self.log.emit("detector", t, observed_replica_steps=self.observed, alarms=self.alarms,
+                      false_alarms=self.false_alarms,
+                      false_per_1000=round(1000 * self.false_alarms / self.observed, 4) if self.observed else 0.0)
+        return super().finish(t)
 
     def _weights(self, speeds: dict[int, float]) -> dict[int, float] | None:
         """Quota weights over the whole fleet: unmeasured or Healthy replicas count 1.0; None if all are."""
