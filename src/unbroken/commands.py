@@ -1,7 +1,8 @@
 """What each `unbroken` subcommand does, given parsed arguments. Terminal output goes through rich.
 
-Owns: train/compare/demo/audit as user-facing commands with their exit codes (0 ok, 1 run failed or runs
-differ, 2 bad input). Does not own: parsing (cli.py) or any training logic.
+Owns: train, demo, compare, audit, report, status, coordinator and worker as user-facing commands, each
+a parser and a run (`add_parsers`), with their exit codes (0 ok, 1 run failed or runs differ, 2 bad
+input). Does not own: the top-level parser (cli.py) or any training logic.
 """
 from __future__ import annotations
 
@@ -138,6 +139,74 @@ def demo(out: Path, steps: int, replicas: int) -> int:
     console.print(f"plot: {png}")
     print(f"identical: {cmp.identical}/{cmp.total} steps")
     return 0 if cmp.identical == cmp.total else 1
+
+
+def add_parsers(sub) -> None:
+    """Register train, demo, compare, audit, report, status, coordinator and worker on the top-level
+    parser's subparsers; each parser's `run(args, rest)` returns the exit code."""
+    overrides = "Any config key can be set with --section.key=value, e.g. --model.n_layer=4."
+    t = sub.add_parser("train", help="train with fault tolerance; writes OUT/events.jsonl and summary.json",
+                       epilog=overrides)
+    t.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
+    t.add_argument("--replicas", type=int)
+    t.add_argument("--steps", type=int)
+    t.add_argument("--microbatches", type=int)
+    t.add_argument("--exact", action="store_true", default=None, help="bitwise the failure-free trajectory")
+    t.add_argument("--faults", help="e.g. 'kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,for=8'")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--data", help="text file or uint16 .bin token file (default: Python's stdlib source)")
+    t.add_argument("--out", help="run directory (default runs/latest)")
+    t.set_defaults(run=train, overrides=True)
+    c = sub.add_parser("compare", help="compare two runs step by step")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--rtol", type=float)
+    c.set_defaults(run=lambda args, rest: compare(args.a, args.b, args.rtol))
+    d = sub.add_parser("demo", help="a failure-free run and one that loses half its replicas, side by side")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--steps", type=int, default=24)
+    d.add_argument("--replicas", type=int, default=4)
+    d.set_defaults(run=lambda args, rest: demo(Path(args.out), args.steps, args.replicas))
+    a = sub.add_parser("audit", help="check that every committed step reduced each microbatch exactly once")
+    a.add_argument("run_dir", metavar="run")
+    a.set_defaults(run=lambda args, rest: audit(args.run_dir))
+    rp = sub.add_parser("report", help="a PNG of a whole run over wall-clock time, and its figures as tables")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--compare", action="append", default=[], metavar="REF_DIR",
+                    help="a reference run drawn beside it (repeatable)")
+    rp.add_argument("--png", help="where to write the picture (default RUN_DIR/report.png)")
+    rp.set_defaults(run=lambda args, rest: report_run(args.run_dir, args.compare, args.png))
+    st = sub.add_parser("status", help="one screen of a running job (HOST:PORT of its coordinator) or a run dir")
+    st.add_argument("target", metavar="ADDR|RUN_DIR")
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                    help="redraw every SECONDS (default 2) until the run ends")
+    st.set_defaults(run=status)
+    k = sub.add_parser("coordinator", help="serve a run's coordinator for torchrun jobs (README: On a cluster)",
+                       epilog=overrides)
+    k.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
+    k.add_argument("--out", required=True, help="run directory (shared by the workers' hosts)")
+    k.add_argument("--host", default="127.0.0.1", help="address to bind: the cluster's private interface")
+    k.add_argument("--port", type=int, default=29400)
+    k.set_defaults(run=coordinator, overrides=True)
+    w = sub.add_parser("worker", help="one rank of a replica group: run it under torchrun")
+    w.add_argument("--coordinator", required=True, help="host:port that `unbroken coordinator` printed")
+    w.add_argument("--group", type=int, required=True, help="this torchrun job's replica group (0 .. replicas-1)")
+    w.set_defaults(run=worker)
+
+
+def status(args: argparse.Namespace, rest: list[str]) -> int:
+    """`unbroken status ADDR|RUN_DIR [--watch S]` (status.py)."""
+    from unbroken import status as screen
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch {args.watch}: must be a positive number of seconds")
+    return screen.show(args.target, args.watch)
+
+
+def worker(args: argparse.Namespace, rest: list[str]) -> int:
+    """`unbroken worker`: the same process as `python -m unbroken.runtime.worker` (it never returns)."""
+    from unbroken.runtime import worker as entry
+    entry.main(["--coordinator", args.coordinator, "--group", str(args.group)])
+    return 1  # not reached: the worker ends its process
 
 
 def _f(x: float | None) -> str:
