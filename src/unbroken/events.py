@@ -13,7 +13,7 @@ runs alike. Kinds and their fields:
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
                  waited: s spent waiting for a peer's decision or a new epoch in the step)
-  compute        step, replica, epoch, microbatch, seconds, tokens, sumsq   (one per microbatch)
+  compute        step, replica, microbatch, seconds, tokens, sumsq   (one per microbatch computed)
   reduce         step, replica, epoch, seconds, ok, wait
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
@@ -51,6 +51,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,24 +77,62 @@ class EventLog:
         os.close(self._fd)
 
 
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All complete records of a log (a torn last line from a killed writer is skipped)."""
-    return list(iter_events(path))
+class CorruptLog(ValueError):
+    """A line of the log that does not parse and is not a torn last line: the log cannot be trusted."""
 
 
-def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+@dataclass(frozen=True)
+class LogRead:
+    """A log read back: its complete records, and the torn last line a killed writer left (or None)."""
+    records: list[dict[str, Any]]
+    torn: str | None
+
+
+def read_log(path: str | os.PathLike[str]) -> LogRead:
+    """Every record of a log (a run directory or its events.jsonl). Only the last line may fail to
+    parse, and only if it lacks its newline (a writer killed mid-record); it is returned as `torn`.
+    Raises CorruptLog naming the first other line that does not parse (a JSON object a line, or
+    nothing counts), FileNotFoundError if there is no log."""
     p = Path(path)
     if p.is_dir():
         p = p / "events.jsonl"
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n"):
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+    records: list[dict[str, Any]] = []
+    torn = None
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                torn = line  # the last line (only it can lack a newline)
+                break
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict) or "event" not in record:
+                raise CorruptLog(f"{p}: line {n} is not an event record: {line.strip()[:60]!r}")
+            records.append(record)
+    return LogRead(records, torn)
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of a log; a torn last line from a killed writer is skipped (read_log
+    reports it). Raises CorruptLog for any other line that does not parse."""
+    return read_log(path).records
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    yield from read_events(path)
 
 
 def steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Committed step records by step number."""
+    """Committed step records by step number, the last copy of each (a step redone after a whole-job
+    restart has one copy per generation; `step_copies` keeps them all)."""
     return {r["step"]: r for r in records if r["event"] == "step"}
+
+
+def step_copies(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Every record of each committed step, in log order: one, or one per generation that ran it."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["event"] == "step" and isinstance(r.get("step"), int):
+            out.setdefault(r["step"], []).append(r)
+    return out
