@@ -38,6 +38,10 @@ runs alike. Kinds and their fields:
   rebuilt        nodes, step, parity                  (a lost node's shards rebuilt from parity)
   rebuild_failed nodes, error
   snapshot_skipped replica, share, step               (both slots busy: training is never stalled)
+  torn           replica, step                        (at a restart: a snapshot slot left mid-copy by its
+                                                       dead writer; never committed, never restored)
+  shard_rejected replica, step, rebuilt               (a restore read a shard that failed its checksum;
+                                                       rebuilt: repaired from parity and verified)
 Simulated runs (sim/) add:
   steps          an aggregate of many committed steps: from_step, to_step, tokens, total_tokens, ...
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
