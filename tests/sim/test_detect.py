@@ -5,6 +5,7 @@ import pytest
 
 from unbroken.sim.runner import simulate
 from unbroken.sim.scenario import load
+from unbroken.sim.strategies import detect
 
 
 @pytest.mark.timeout(30)
@@ -18,7 +19,8 @@ def test_detector_verdicts_drive_quotas():
     quotas = [r for r in recs if r["event"] == "quotas"]
     assert len(slows) == len(sc.trace)
     for r in verdicts:
-        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score"}
+        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score", "false_alarm"}
+        assert r["false_alarm"] is False
     for onset in slows:
         after = [v for v in verdicts if v["replica"] == onset["replica"] and v["t"] >= onset["t"]]
         # healthy -> suspect -> slow within a few steps, then back to healthy after the episode
@@ -35,7 +37,25 @@ def test_detector_verdicts_drive_quotas():
 
 
 @pytest.mark.timeout(30)
-def test_no_slowness_no_detector_calls():
+def test_no_slowness_no_alarm_though_the_detector_runs(monkeypatch):
+    """Over healthy stretches the detector runs too (a window every HEALTHY_EVERY steps), so a false
+    alarm would be counted; with no slowness and 3% noise there is none."""
+    calls = []
+    observe = detect.Detector.observe
+    monkeypatch.setattr(detect.Detector, "observe", lambda self, *a: calls.append(a[0]) or observe(self, *a))
     sc = load("scenarios/resihp_256_failstop.toml")
     recs = simulate(sc, "unbroken_detect", seed=0, keep=True).records
+    end = next(r for r in recs if r["event"] == "run_end")
+    assert len(calls) > 3 * detect.HEALTHY_EVERY // 100 and end["false_alarms"] == 0
+    assert any(s % detect.HEALTHY_EVERY == 0 for s in calls)
     assert not [r for r in recs if r["event"] in ("verdict", "quotas")]
+
+
+@pytest.mark.timeout(30)
+def test_false_alarms_are_counted(monkeypatch):
+    """The count can fail: timings far noisier than the predictor expects raise alarms on healthy replicas."""
+    monkeypatch.setattr(detect, "TIMING_NOISE", 0.9)
+    sc = load("scenarios/resihp_256_failstop.toml")
+    recs = simulate(sc, "unbroken_detect", seed=0, keep=True).records
+    alarms = [r for r in recs if r["event"] == "verdict" and r["false_alarm"]]
+    assert alarms and next(r for r in recs if r["event"] == "run_end")["false_alarms"] == len(alarms)

@@ -14,7 +14,10 @@ constant across microbatches and only the noise varies.
 
 Approximation (cost; stated in the run_start record): the detector is called only in windows of
 `tail_steps` committed steps opened by every change it could see: a fail-slow episode beginning or ending,
-a replaced replica rejoining into a slot still slowed. That is long enough for a verdict to settle
+a replaced replica rejoining into a slot still slowed; and, so that its false alarms are counted, over
+healthy stretches too: a window at every HEALTHY_EVERY-th step, whatever happens (nothing is slowed in
+most of them: a verdict other than Healthy for a replica not slowed is a false alarm, marked so in its
+`verdict` record and counted in run_end's `false_alarms`). That is long enough for a verdict to settle
 (Suspect, Slow, back to Healthy after `recover_steps` calm steps), for a speed estimate over
 `speed_window` steps and for a CUSUM to drain.
 Outside the windows the last speeds stay in force: within an episode the simulated speeds are constant, so
@@ -37,6 +40,7 @@ from unbroken.sim.strategies.live import Live
 
 TIMING_NOISE = 0.03  # chosen: +-3% multiplicative, uniform, per microbatch
 HEALTHY_SAMPLE = 64  # chosen: healthy members observed per call besides the slowed and unhealthy ones
+HEALTHY_EVERY = 200  # chosen: a window opens every this many steps, slowed or not (false alarms counted)
 
 
 class LiveDetect(Live):
@@ -54,13 +58,15 @@ class LiveDetect(Live):
         self.plan_of = (-1, Counter(), {})  # (seg_id, microbatches per member, slowdown factors != 1)
         w = self.sc.workload
         self.features = (w.tokens_per_microbatch, float(w.tokens_per_microbatch) ** 2)
+        self.false_alarms = 0  # verdicts other than Healthy for a replica that was not slowed
 
     def describe(self) -> dict[str, Any]:
         return {"detector": "unbroken.policy.detection.Detector", "timing_noise": TIMING_NOISE,
                 "detector_sample": HEALTHY_SAMPLE, "detector_tail_steps": self.tail_steps,
                 "detector_approximation": f"detector called only on the {self.tail_steps} steps after a "
-                "fail-slow episode starts or ends or a replaced replica rejoins a slowed slot, last speeds kept "
-                f"in between; each call observes the slowed and non-Healthy members plus the {HEALTHY_SAMPLE} "
+                "fail-slow episode starts or ends or a replaced replica rejoins a slowed slot, and on the "
+                f"{self.tail_steps} steps from every {HEALTHY_EVERY}th step (healthy stretches: false alarms "
+                f"counted), last speeds kept in between; each call observes the slowed and non-Healthy members plus the {HEALTHY_SAMPLE} "
                 "lowest-numbered other members; steps redone by in-step recovery are not observed"}
 
     # ---- when to observe ------------------------------------------------------------------------
@@ -75,18 +81,20 @@ class LiveDetect(Live):
         super().on_slow(t)
 
     def active(self) -> bool:
-        return self.seg is not None and self.step < self.tail_until
+        return self.seg is not None and (self.step < self.tail_until or self.step % HEALTHY_EVERY < self.tail_steps)
 
     def arm(self) -> None:
-        """Schedule `detect` at the end of the stretch's next step, once per stretch at a time."""
+        """Schedule `detect` at the end of the step in flight if a window is open, else at the end of
+        the next window's first step; once per stretch at a time."""
         seg = self.seg
-        if seg is not None and self.armed != self.seg_id and self.active():
+        if seg is not None and self.armed != self.seg_id:
             if self.plan_of[0] != self.seg_id:  # first call of a stretch is from `start`: its plan is current
                 factors = {r: self.slowdown(r) for r in seg.members if self.slowdown(r) != 1.0}
                 counts = Counter(workload.assign(self.M, seg.members, self.weights))
                 self.plan_of = (self.seg_id, counts, factors)
+            ahead = 0 if self.active() else -self.step % HEALTHY_EVERY  # steps until the next healthy window
             self.armed = self.seg_id
-            self.engine.at(self.seg.end_time(self.seg_done + 1), "detect", self.seg_id)
+            self.engine.at(self.seg.end_time(self.seg_done + ahead + 1), "detect", self.seg_id)
 
     def start(self, t: float) -> None:
         super().start(t)
@@ -126,13 +134,18 @@ class LiveDetect(Live):
         self.detector.observe(step, timings)
         for c in self.detector.take_events():
             if isinstance(c, VerdictChange):
+                false_alarm = c.new is not Verdict.HEALTHY and c.replica not in factors
+                self.false_alarms += false_alarm
                 self.log.emit("verdict", t, step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
-                              speed=round(c.speed, 4), score=round(c.score, 4))
+                              speed=round(c.speed, 4), score=round(c.score, 4), false_alarm=false_alarm)
             elif isinstance(c, RegimeChange):
                 self.log.emit("regime", t, step=c.step, device_class=c.device_class, factor=round(c.factor, 4),
                               moved=c.moved, replicas=c.replicas)
         self.arm()  # before any replan, so the next step is observed on this stretch's plan
         self.apply(t, self._weights(self.detector.speeds()))
+
+    def end_fields(self) -> dict[str, Any]:
+        return {"false_alarms": self.false_alarms}
 
     def _weights(self, speeds: dict[int, float]) -> dict[int, float] | None:
         """Quota weights over the whole fleet: unmeasured or Healthy replicas count 1.0; None if all are."""
