@@ -1,5 +1,6 @@
-"""Calibration against reality: a scenario built from a real run's events.jsonl, and the simulator's
-prediction of that same run's wall time and committed tokens.
+"""Calibration against reality: a scenario built from a real run's events.jsonl, the simulator's
+prediction of that same run's wall time and committed tokens, and (predict_other) of another run with
+other faults from the first one's costs.
 
 Owns: reading costs off a real log (step time from `step` records' step_time, per-microbatch time from
 `compute` records, detection from fault -> member_dead, re-forming from member_dead -> recovery, start-up
@@ -108,3 +109,36 @@ def predict(run_dir: str | Path) -> Prediction:
     horizon = cal.measured_wall - cal.startup
     tokens = sum(r["tokens"] for r in steps if r["t"] <= horizon + 1e-9 and r["step"] < cal.steps)
     return Prediction(cal.measured_wall, predicted_wall, cal.measured_tokens, tokens)
+
+
+def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Prediction:
+    """Predict one real run from another: every cost (start-up, step and microbatch time, detection,
+    re-forming) is read off `calibration_dir`; of `target_dir` only what a user states before running
+    it is used: replicas, microbatches, steps and its fault spec (each fault at its step, placed at
+    step x the calibrated step time; not the target's measured fault times). The measured side is the
+    target's wall time, run start to its last commit. Raises ValueError if either log has no step."""
+    cal = scenario_from_run(calibration_dir)
+    recs = read_events(Path(target_dir) / "events.jsonl")
+    start = next(r for r in recs if r["event"] == "run_start")
+    steps = sorted((r for r in recs if r["event"] == "step"), key=lambda r: r["step"])
+    if not steps:
+        raise ValueError(f"{target_dir}: no committed step in events.jsonl")
+    w = cal.scenario.workload
+    per_replica = -(-w.microbatches // cal.scenario.cluster.dp)
+    step_time = per_replica * w.microbatch_seconds + w.sync_seconds
+    n, wall = int(start["steps"]), steps[-1]["t"] - start["t"]
+    trace = [{"at_hours": f["step"] * step_time / 3600, "cause": str(f.get("kind", "fault")), "scope": "gpu"}
+             for f in recs if f["event"] == "fault" and f.get("step") is not None]
+    tree: dict[str, Any] = {
+        "name": f"predicted-{Path(target_dir).name}", "source": str(target_dir),
+        "cluster": {"dp": int(start["replicas"]), "tp": 1, "pp": 1, "gpus_per_node": 1},
+        "workload": {"microbatches": int(start["microbatches"]), "tokens_per_microbatch": w.tokens_per_microbatch,
+                     "microbatch_seconds": w.microbatch_seconds, "sync_seconds": w.sync_seconds,
+                     "duration_hours": 4 * n * step_time * int(start["microbatches"]) / 3600 + 1 / 60},
+        "costs": {f: getattr(cal.scenario.costs, f) for f in cal.scenario.costs.__dataclass_fields__},
+        "trace": trace,
+    }
+    res = simulate(from_tree(tree, tree["name"]), "unbroken_live", seed=0, log_steps=True, keep=True)
+    done = [r["t"] for r in res.records if r["event"] == "step" and r["step"] == n - 1]
+    predicted = cal.startup + (done[0] if done else res.end["seconds"])
+    return Prediction(wall, predicted, sum(r["tokens"] for r in steps), int(start["steps"]) * steps[0]["tokens"])
