@@ -181,3 +181,15 @@ def test_compare_checks_every_copy_of_a_redone_step(clean, tmp_path):
     (run / "events.jsonl").write_text("".join(ls))
     r = unbroken("compare", str(clean), str(run))
     assert r.returncode == 1 and r.stdout.splitlines()[-1] == "identical: 3/4 steps", r.stdout[-2000:]
+
+
+def test_summary_counts_a_corrupt_line_the_audit_refuses(clean, tmp_path):
+    """The launcher's summary is written whatever happened, so it reports a corrupt line instead of
+    failing; the audit is what refuses the log."""
+    from unbroken.report import summarize
+    run = copy(clean, tmp_path)
+    ls = lines(run)
+    ls[4] = "garbage\n"
+    (run / "events.jsonl").write_text("".join(ls))
+    assert summarize(run)["corrupt_lines"] == [5]
+    assert summarize(clean)["corrupt_lines"] == []

@@ -87,21 +87,25 @@ class CorruptLog(ValueError):
 
 @dataclass(frozen=True)
 class LogRead:
-    """A log read back: its complete records, and the torn last line a killed writer left (or None)."""
+    """A log read back: its complete records, the torn last line a killed writer left (or None), and
+    the numbers of other lines that did not parse (only when read with strict=False)."""
     records: list[dict[str, Any]]
     torn: str | None
+    corrupt: tuple[int, ...] = ()
 
 
-def read_log(path: str | os.PathLike[str]) -> LogRead:
+def read_log(path: str | os.PathLike[str], strict: bool = True) -> LogRead:
     """Every record of a log (a run directory or its events.jsonl). Only the last line may fail to
     parse, and only if it lacks its newline (a writer killed mid-record); it is returned as `torn`.
     Raises CorruptLog naming the first other line that does not parse (a JSON object a line, or
-    nothing counts), FileNotFoundError if there is no log."""
+    nothing counts), FileNotFoundError if there is no log. With strict=False (a summary that must be
+    written whatever happened) such lines are skipped and their numbers returned in `corrupt`."""
     p = Path(path)
     if p.is_dir():
         p = p / "events.jsonl"
     records: list[dict[str, Any]] = []
     torn = None
+    corrupt: list[int] = []
     with open(p, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.endswith("\n"):
@@ -112,9 +116,12 @@ def read_log(path: str | os.PathLike[str]) -> LogRead:
             except json.JSONDecodeError:
                 record = None
             if not isinstance(record, dict) or "event" not in record:
-                raise CorruptLog(f"{p}: line {n} is not an event record: {line.strip()[:60]!r}")
+                if strict:
+                    raise CorruptLog(f"{p}: line {n} is not an event record: {line.strip()[:60]!r}")
+                corrupt.append(n)
+                continue
             records.append(record)
-    return LogRead(records, torn)
+    return LogRead(records, torn, tuple(corrupt))
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

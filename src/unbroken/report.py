@@ -14,8 +14,11 @@ from unbroken.events import read_events, read_log, step_copies, steps
 
 
 def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
-    """Totals of a run: steps committed, tokens, faults, deaths, recoveries, wall time, final digest."""
-    records = read_events(path)
+    """Totals of a run: steps committed, tokens, faults, deaths, recoveries, wall time, final digest.
+    Never fails on a corrupt line (the launcher writes it whatever happened): it counts them in
+    `corrupt_lines`, and the audit fails the run for them."""
+    log = read_log(path, strict=False)
+    records = log.records
     committed = steps(records)
     start = next((r["t"] for r in records if r["event"] == "run_start"), None)
     end = next((r for r in records if r["event"] == "run_end"), None)
@@ -39,6 +42,7 @@ def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
         "ok": bool(end and end.get("ok")),
         "error": end.get("error") if end else None,
         "exact": cfg.run.exact if cfg is not None else None,
+        "corrupt_lines": list(log.corrupt),
     }
 
 
