@@ -117,7 +117,8 @@ def curve(records: list[dict]) -> tuple[float, list[tuple[float, int]], list[flo
     faults = [r["t"] - start for r in records if r["event"] == "fault"]
     restored = [r["seconds"] for r in records if r["event"] == "restored"]
     held = replica_seconds(records, start, end)
-    stats = {"wall": end - start, "tokens": total, "replica_s": held, "steps": frontier + 1, "step_records": records_seen,
+    stats = {"wall": end - start, "tokens": total, "replica_s": held, "steps": frontier + 1,
+             "step_records": records_seen,
              "restarts": sum(r["event"] == "restart" for r in records),
              "restore_s": statistics.median(restored) if restored else 0.0}
     return start, pts, faults, stats

@@ -143,7 +143,7 @@ def main() -> None:
         print(f"{kind}: median step {1e3 * step:.0f} ms, bound {bound / step:.2f} step times; "
               f"median recovery {1e3 * statistics.median(tr.recovery_s for tr in ts):.0f} ms")
     for kind in kinds:
-        print(f"ratio recovery_{kind} {statistics.median(tr.ratio for tr in [t for t in trials if t.kind == kind]):.2f}")
+        print(f"ratio recovery_{kind} {statistics.median(tr.ratio for tr in trials if tr.kind == kind):.2f}")
 
 
 if __name__ == "__main__":
