@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -220,6 +221,7 @@ def main() -> None:
     order = [(m, rnd) for rnd in range(args.rounds) for m in (MODES if rnd % 2 == 0 else MODES[::-1])]
     walls: dict[str, list[float]] = {m: [] for m in MODES}
     held: dict[str, list[float]] = {m: [] for m in MODES}  # replica-seconds held, per run
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # CPU seconds of all the run's processes
     step_s = 0.0  # set by the first live run, which always precedes restart-disk in round 0
     for mode, rnd in order:  # live, memory, disk, disk, memory, live, ...: load drift hits all modes alike
         extra: dict = dict(snap)
@@ -238,8 +240,11 @@ def main() -> None:
             extra = dict(checkpoint__every=every)
         run_dir = out / (mode if rnd == 0 else f"{mode}-{rnd}")
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # never resume an earlier run's files
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with console.status(f"{mode}: {steps} steps, {args.failures} failures"):
             result = launch(make_config(**base, **extra, recovery=mode, out=str(run_dir)), title=mode)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, reaped by now
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if not result.ok:
             raise SystemExit(f"{mode} run failed: {result.error} (see {run_dir})")
         records = read_events(run_dir / "events.jsonl")
@@ -249,6 +254,7 @@ def main() -> None:
         stats["goodput"] = stats["tokens"] / stats["wall"]
         walls[mode].append(stats["wall"])
         held[mode].append(stats["replica_s"])
+        cpu[mode].append(cpu_s)
         if rnd == 0:
             results[mode], curves[mode] = stats, (pts, fts)
         console.print(f"round {rnd + 1} {mode:>14}: {stats['tokens']} tokens in {stats['wall']:.1f} s = "
@@ -286,6 +292,10 @@ def main() -> None:
     console.print(f"raw tokens per wall second, not charging capacity (restart modes hold {args.replicas} "
                   f"replicas throughout, live fewer after its failures): live/memory "
                   f"{g['live'] / g['restart-memory']:.3f}, live/disk {g['live'] / g['restart-disk']:.3f}")
+    console.print("CPU seconds used by all of a run's processes (trainers, coordinator, agents; what a shared "
+                  "machine actually gave it): " + ", ".join(
+                      f"{m} {statistics.fmean(cpu[m]):.0f} s = {results[m]['tokens'] / statistics.fmean(cpu[m]):.0f} "
+                      f"tokens/CPU-s" for m in MODES))
     console.print("The ratios below leave out: a spare's cost (restart modes get one at once, for free) and "
                   "the capacity live could regain by replacing replicas (it cannot yet).")
     print(f"ratio goodput_per_replica_s_live_over_restart_memory {gc['live'] / gc['restart-memory']:.3f}")
