@@ -137,6 +137,12 @@ def test_every_replica_lost_is_a_clear_error(tmp_path):
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last == "unbroken: error: every replica was lost; last committed step: 2"
+    # both kills fired, and step 3 never committed (with nobody left, the last death is not declared
+    # and step 2's record may die with its writer: the launcher's line above reads the store)
+    events = read_events(out)
+    fired = {(e["replica"], e["step"], e["phase"]) for e in events if e["event"] == "fault"}
+    assert fired == {(0, 3, "compute"), (1, 3, "allreduce")}
+    assert all(e["step"] < 3 for e in events if e["event"] == "step")
 
 
 def test_external_kill_minus_9(reference, tmp_path):
