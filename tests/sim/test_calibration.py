@@ -7,7 +7,7 @@ first run; of the second only its configuration, its fault spec and its speed be
 shared machine's speed moves 2x between runs a minute apart: measured), and predicts the seconds from
 the fault to the last commit. Equal quotas in both, so the detector's choices are not part of it.
 
-Why a fail-slow and not a kill: the simulator assumes a replica computes as fast after a peer dies as
+The premise: the simulator assumes a replica computes as fast after a peer dies as
 before. On this host, shared with other jobs, the lone survivor took the freed CPU and computed its
 microbatches in 37 ms against 61-70 ms beside its peer (measured), so a killed replica's cost is
 over-predicted 1.7-2.3x here, and a slowed replica's own compute sped up likewise once its peer
