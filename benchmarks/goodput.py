@@ -20,13 +20,23 @@ its first failure (live runs first for that reason). `--checkpoint.every` = roun
 MTBF) / step time), at least 1.
 
 Every restart pays what a real one pays here: new processes, `import torch` (seconds on this machine),
-group formation, the restore. That is part of what restart strategies cost. The live run loses replicas
-for good (nothing replaces them here), so it finishes on fewer processes.
+group formation, the restore. That is part of what restart strategies cost.
+
+Capacity, the same story for every mode: each mode is charged the replica-seconds it holds. A restart
+mode relaunches all R replicas (a spare replaces the failed one at once), so it holds R for the whole
+run; the live run loses replicas for good (nothing replaces them yet), so it holds a replica until the
+coordinator declares it dead. The ratio lines are of goodput per replica-second held (tokens / replica-
+seconds); raw tokens per wall second, which flatters whichever mode holds more, is printed beside them.
+For replica-seconds to be machine capacity, every replica must own a core: by default R = the number
+of cores, one torch thread each (on 2 cores: 2 replicas, 1 failure). With more processes than cores
+(4 on 2 cores) a lost replica frees no capacity until fewer than `cores` remain, and live would look
+better than it is: the script warns.
 A 4-process CPU run is not ReCoVer's 512-GPU run: the figure is this machine's, printed beside theirs.
 
 Writes runs/goodput/{live,restart-memory,restart-disk}/ and runs/goodput/goodput.png (`unbroken report`'s
-picture of the live run, the restart runs' loss and committed tokens beside it). Last lines: `ratio goodput_live_over_restart_memory VALUE`, then
-`ratio goodput_live_over_restart_disk VALUE`.
+picture of the live run, the restart runs' loss and committed tokens beside it). Last lines:
+`ratio goodput_per_replica_s_live_over_restart_memory VALUE`, then
+`ratio goodput_per_replica_s_live_over_restart_disk VALUE`.
 Usage: python benchmarks/goodput.py [--quick] [--rounds 2] [--steps 32] [--failures 3] [--out runs/goodput]
 """
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -109,10 +120,22 @@ def curve(records: list[dict]) -> tuple[float, list[tuple[float, int]], list[flo
             pts.append((r["t"] - start, total))
     faults = [r["t"] - start for r in records if r["event"] == "fault"]
     restored = [r["seconds"] for r in records if r["event"] == "restored"]
-    stats = {"wall": end - start, "tokens": total, "steps": frontier + 1, "step_records": records_seen,
+    held = replica_seconds(records, start, end)
+    stats = {"wall": end - start, "tokens": total, "replica_s": held, "steps": frontier + 1,
+             "step_records": records_seen,
              "restarts": sum(r["event"] == "restart" for r in records),
              "restore_s": statistics.median(restored) if restored else 0.0}
     return start, pts, faults, stats
+
+
+def replica_seconds(records: list[dict], start: float, end: float) -> float:
+    """Replica-seconds the run held: every replica from run start to run end, except that one the
+    coordinator declared dead and that never came back (live: no restart follows) is held only until
+    then. A restart relaunches every replica, so a death followed by a restart costs the whole slot."""
+    replicas = next(r["replicas"] for r in records if r["event"] == "run_start")
+    last_restart = max((r["t"] for r in records if r["event"] == "restart"), default=start)
+    gone = {r["replica"]: r["t"] for r in records if r["event"] == "member_dead" and r["t"] >= last_restart}
+    return sum((gone.get(k, end) - start) for k in range(replicas))
 
 
 def failure_free_step(records: list[dict], first_fault: int, skip: int = 2) -> float:
@@ -128,8 +151,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model, 24 steps: a smoke test")
     ap.add_argument("--steps", type=int, default=None, help="default 32 (24 with --quick)")
-    ap.add_argument("--failures", type=int, default=3, help="successive kills, spread over the run")
-    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--failures", type=int, default=None, help="successive kills (default: replicas - 1, at most 3)")
+    ap.add_argument("--replicas", type=int, default=None, help="default: the number of cores (one each)")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--n-layer", type=int, default=None, help="default 4 (2 with --quick)")
     ap.add_argument("--n-embd", type=int, default=None, help="default 128 (64 with --quick)")
@@ -139,6 +162,9 @@ def main() -> None:
     ap.add_argument("--ckpt-reps", type=int, default=3)
     ap.add_argument("--out", default="runs/goodput")
     args = ap.parse_args()
+    cores = os.cpu_count() or 2
+    args.replicas = args.replicas or max(2, cores)
+    args.failures = args.failures if args.failures is not None else min(3, args.replicas - 1)
     steps = args.steps or (24 if args.quick else 32)
     n_layer = args.n_layer or (2 if args.quick else 4)
     n_embd = args.n_embd or (64 if args.quick else 128)
@@ -146,6 +172,12 @@ def main() -> None:
     if not 1 <= args.failures < args.replicas:
         raise SystemExit("--failures must leave replica 0 alive: 1 .. replicas-1")
     console = Console(width=130)
+    console.print(f"capacity: {args.replicas} replicas, one torch thread each, on {cores} cores; every mode is "
+                  f"charged the replica-seconds it holds (restart modes: all {args.replicas} replicas, relaunched "
+                  f"after each failure; live: each replica until it is declared dead)")
+    if args.replicas > cores:
+        console.print(f"[red]warning: {args.replicas} processes on {cores} cores: a lost replica frees no core "
+                      f"until fewer than {cores} remain, so replica-seconds overstate what live gives up")
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,6 +199,8 @@ def main() -> None:
     every = None
     order = [(m, rnd) for rnd in range(args.rounds) for m in (MODES if rnd % 2 == 0 else MODES[::-1])]
     walls: dict[str, list[float]] = {m: [] for m in MODES}
+    held: dict[str, list[float]] = {m: [] for m in MODES}  # replica-seconds held, per run
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # CPU seconds of all the run's processes
     step_s = 0.0  # set by the first live run, which always precedes restart-disk in round 0
     for mode, rnd in order:  # live, memory, disk, disk, memory, live, ...: load drift hits all modes alike
         extra: dict = dict(snap)
@@ -185,8 +219,11 @@ def main() -> None:
             extra = dict(checkpoint__every=every)
         run_dir = out / (mode if rnd == 0 else f"{mode}-{rnd}")
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # never resume an earlier run's files
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with console.status(f"{mode}: {steps} steps, {args.failures} failures"):
             result = launch(make_config(**base, **extra, recovery=mode, out=str(run_dir)), title=mode)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, reaped by now
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if not result.ok:
             raise SystemExit(f"{mode} run failed: {result.error} (see {run_dir})")
         records = read_events(run_dir / "events.jsonl")
@@ -195,6 +232,8 @@ def main() -> None:
             step_s = failure_free_step(records, fail_steps[0])
         stats["goodput"] = stats["tokens"] / stats["wall"]
         walls[mode].append(stats["wall"])
+        held[mode].append(stats["replica_s"])
+        cpu[mode].append(cpu_s)
         if rnd == 0:
             results[mode] = stats
         console.print(f"round {rnd + 1} {mode:>14}: {stats['tokens']} tokens in {stats['wall']:.1f} s = "
@@ -205,13 +244,14 @@ def main() -> None:
     t = Table(title=f"goodput, {args.replicas} trainer processes on {os.cpu_count()} cores, "
                     f"{args.failures} kills at steps {fail_steps}", title_justify="left")
     t.title += " (round 1; pooled figures below)"
-    for col in ("mode", "wall s", "tokens", "tokens/s", "restarts", "steps redone", "median restore s",
-                "vs live"):
+    for col in ("mode", "wall s", "tokens", "tokens/s", "replica-s held", "tokens/replica-s", "restarts",
+                "steps redone", "median restore s", "vs live (per replica-s)"):
         t.add_column(col, justify="right")
     for mode, s in results.items():
-        t.add_row(mode, f"{s['wall']:.1f}", str(s["tokens"]), f"{s['goodput']:.0f}", str(s["restarts"]),
-                  str(s["step_records"] - s["steps"]), f"{s['restore_s']:.2f}",
-                  f"{s['goodput'] / results['live']['goodput']:.2f}")
+        per = s["tokens"] / s["replica_s"]
+        t.add_row(mode, f"{s['wall']:.1f}", str(s["tokens"]), f"{s['goodput']:.0f}", f"{s['replica_s']:.0f}",
+                  f"{per:.1f}", str(s["restarts"]), str(s["step_records"] - s["steps"]), f"{s['restore_s']:.2f}",
+                  f"{per / (results['live']['tokens'] / results['live']['replica_s']):.2f}")
     console.print(t)
     png = out / "goodput.png"  # `unbroken report` of the live run, round 1's restart runs beside it
     timelines = [timeline(out / m, m) for m in MODES]
@@ -226,12 +266,23 @@ def main() -> None:
                   f"{time.time() - t_start:.0f} s")
     # pooled over rounds: every run commits the same tokens, so this is tokens / mean wall time
     g = {m: len(walls[m]) * results[m]["tokens"] / sum(walls[m]) for m in MODES}
+    gc = {m: len(held[m]) * results[m]["tokens"] / sum(held[m]) for m in MODES}  # per replica-second held
     console.print("pooled over " + str(args.rounds) + " rounds: " + ", ".join(
-        f"{m} {g[m]:.0f} tokens/s (walls {', '.join(f'{w:.0f}' for w in walls[m])} s)" for m in MODES))
-    print(f"ratio goodput_live_over_restart_memory {g['live'] / g['restart-memory']:.3f}")
+        f"{m} {g[m]:.0f} tokens/s, {gc[m]:.1f} tokens/replica-s (walls {', '.join(f'{w:.0f}' for w in walls[m])} s)"
+        for m in MODES))
+    console.print(f"raw tokens per wall second, not charging capacity (restart modes hold {args.replicas} "
+                  f"replicas throughout, live fewer after its failures): live/memory "
+                  f"{g['live'] / g['restart-memory']:.3f}, live/disk {g['live'] / g['restart-disk']:.3f}")
+    console.print("CPU seconds used by all of a run's processes (trainers, coordinator, agents; what a shared "
+                  "machine actually gave it): " + ", ".join(
+                      f"{m} {statistics.fmean(cpu[m]):.0f} s = {results[m]['tokens'] / statistics.fmean(cpu[m]):.0f} "
+                      f"tokens/CPU-s" for m in MODES))
+    console.print("The ratios below leave out: a spare's cost (restart modes get one at once, for free) and "
+                  "the capacity live could regain by replacing replicas (it cannot yet).")
+    print(f"ratio goodput_per_replica_s_live_over_restart_memory {gc['live'] / gc['restart-memory']:.3f}")
     print(f"(beside the next figure: ReCoVer reports {RECOVER_PAPER}x at 512 GPUs; "
           f"a {args.replicas}-process CPU run is not that)")
-    print(f"ratio goodput_live_over_restart_disk {g['live'] / g['restart-disk']:.3f}")
+    print(f"ratio goodput_per_replica_s_live_over_restart_disk {gc['live'] / gc['restart-disk']:.3f}")
 
 
 if __name__ == "__main__":

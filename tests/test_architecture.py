@@ -207,6 +207,7 @@ LAYERS = {
     "unbroken.model": 1, "unbroken.report": 1, "unbroken.progress": 1, "unbroken.runview": 1,
     "unbroken.runreport": 1, "unbroken.runplot": 1,
     # runtime, by how much of a trainer a file needs: the store protocol and leaf helpers first
+    "unbroken.audit": 1,
     "unbroken.runtime": 2, "unbroken.runtime.control": 2, "unbroken.runtime.gradients": 2,
     "unbroken.runtime.devicetime": 2,
     "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3, "unbroken.runtime.faults": 3,

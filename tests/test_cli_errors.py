@@ -61,3 +61,28 @@ def test_compare_and_audit_on_a_non_run_directory(tmp_path):
 def test_usage_errors_are_one_line():
     assert_one_line_error(unbroken(timeout=25), "command")
     assert_one_line_error(unbroken("compare", "only-one", timeout=25), "b")
+
+
+@pytest.mark.parametrize("args, token", [
+    (["--coord.collective_timeout=-1"], "coord.collective_timeout=-1.0"),
+    (["--coord.run_timeout=0"], "coord.run_timeout=0.0"),
+    (["--snapshot.enabled=true", "--snapshot.shm_dir=FILE/shm"], "snapshot.shm_dir="),
+    (["--checkpoint.every=2", "--checkpoint.dir=FILE/ckpt"], "checkpoint.dir="),
+])
+def test_bad_timeouts_and_unwritable_directories(tmp_path, args, token):
+    """A path under a regular file can be created by nobody, root included (os.access would say yes
+    to root for a read-only directory)."""
+    (tmp_path / "FILE").write_text("not a directory")
+    args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
+    out = tmp_path / "run"
+    r = unbroken("train", *SMALL, *args, "--out", str(out), timeout=25)
+    line = assert_one_line_error(r, token)
+    assert "is not a directory" in line or "must be > 0" in line
+    assert not out.exists()
+
+
+def test_unwritable_out_is_one_line(tmp_path):
+    (tmp_path / "FILE").write_text("not a directory")
+    out = tmp_path / "FILE" / "run"
+    line = assert_one_line_error(unbroken("train", *SMALL, "--out", str(out), timeout=25), "run.out=")
+    assert str(out) in line and "Traceback" not in line

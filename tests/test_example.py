@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.events import read_events
 from unbroken.report import audit
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "custom_model.py"
@@ -35,5 +36,8 @@ def test_custom_model_survives_a_kill(tmp_path):
     assert "ok=True steps=12" in r.stdout, r.stdout[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["steps_committed"] == 12 and summary["members_lost"] == 1, summary
-    assert summary["faults"] == 1 and summary["final_loss"] < 5.6  # below ln(256): it learned something
+    assert summary["faults"] == 1
+    # it learned: a model that never learns stays near ln(256) = 5.545, its loss at step 0
+    losses = [e["loss"] for e in sorted(read_events(out), key=lambda e: e.get("step", -1)) if e["event"] == "step"]
+    assert losses[0] > 5.0 and summary["final_loss"] < losses[0] - 1.0, losses
     assert audit(out, 4) == []

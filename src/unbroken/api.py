@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.config import Config, ConfigError, build
+from unbroken.config import Config, ConfigError, build, check_paths
 from unbroken.faultspec import FaultSpecError, parse
 
 _RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress", "quotas",
@@ -48,6 +48,7 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
             raise ConfigError(f"--faults: node={f.node} is out of range (0..{cfg.snapshot.nodes - 1}, snapshot.nodes)")
         if f.kind in ("node", "corrupt", "tear") and not cfg.snapshot.enabled:
             raise ConfigError(f"--faults: {f.kind} needs in-memory snapshots (--snapshot.enabled=true)")
+    check_paths(cfg)
     return cfg
 
 

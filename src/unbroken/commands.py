@@ -18,6 +18,7 @@ from unbroken import report, runplot, runreport
 from unbroken.api import make_config
 from unbroken.config import ConfigError, load, parse_overrides
 from unbroken.status import wide_console
+from unbroken.events import CorruptLog
 
 console = Console()
 
@@ -55,29 +56,44 @@ def coordinator(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def compare(a: str, b: str, rtol: float | None) -> int:
+    """Exit 0 only if both runs are complete and every step matches (digests, or losses within rtol)."""
     for d in (a, b):
         if not (Path(d) / "events.jsonl").is_file():
             raise ConfigError(f"{d!r} is not a run directory (no events.jsonl)")
-    cmp = report.compare(a, b, rtol)
+    try:
+        cmp = report.compare(a, b, rtol)
+    except CorruptLog as e:
+        raise ConfigError(str(e)) from None
     table = Table(title=f"{a}  vs  {b}")
     for col in ("step", "loss A", "loss B", "digest", f"rtol {rtol}" if rtol is not None else ""):
         table.add_column(col)
     for step, la, lb, same, close in cmp.rows:
         table.add_row(str(step), _f(la), _f(lb), "same" if same else "[red]differs", "ok" if close else "")
     console.print(table)
+    for p in cmp.problems:
+        print(f"incomplete: {p}")
     if rtol is not None:
         print(f"within rtol: {cmp.within}/{cmp.total} steps")
-        return 0 if cmp.within == cmp.total else 1
-    print(f"identical: {cmp.identical}/{cmp.total} steps")
-    return 0 if cmp.identical == cmp.total else 1
+        return 0 if cmp.within == cmp.total and not cmp.problems else 1
+    print(f"identical: {cmp.identical}/{cmp.total} steps" + (" (a run is incomplete)" if cmp.problems else ""))
+    return 0 if cmp.identical == cmp.total and not cmp.problems else 1
 
 
 def audit(run: str) -> int:
+    """Exit 0 only if the run is complete and every microbatch of every step was reduced exactly once."""
+    from unbroken.audit import audit_run, run_config
     if not (Path(run) / "events.jsonl").is_file():
         raise ConfigError(f"{run!r} is not a run directory (no events.jsonl)")
-    from unbroken.config import Config
-    cfg = Config.from_json((Path(run) / "config.json").read_text())
-    problems = report.audit(run, cfg.run.microbatches)
+    try:
+        config = run_config(run)
+    except FileNotFoundError:
+        raise ConfigError(f"{run!r} has no config.json: cannot tell what the run was meant to do") from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        problems = audit_run(run, config)
+    except CorruptLog as e:
+        raise ConfigError(str(e)) from None
     for p in problems:
         print(p)
     print(f"audit: {len(problems)} problems")

@@ -198,6 +198,8 @@ def validate(cfg: Config) -> None:
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
         (cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size}: need at least 1"),
         (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),
+        *((getattr(cfg.coord, t) > 0, f"coord.{t}={getattr(cfg.coord, t)}: must be > 0 (seconds)")
+          for t in ("startup_timeout", "progress_timeout", "collective_timeout", "run_timeout")),
         (cfg.coord.heartbeat_timeout > 2 * cfg.coord.heartbeat_interval,
          "coord.heartbeat_timeout must exceed two heartbeat intervals"),
     ]
@@ -222,6 +224,37 @@ def validate(cfg: Config) -> None:
     if cfg.data.path and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
     _check_seq_len(cfg.data.seq_len, m.block_size)
+
+
+def check_paths(cfg: Config) -> None:
+    """Raise ConfigError naming the first directory the run would write but cannot: run.out, and
+    snapshot.shm_dir / checkpoint.dir where they are used. Call before anything starts (it reads the
+    file system, so `validate`, which workers call on a config already checked, does not)."""
+    wanted = [("run.out", cfg.run.out)]
+    if cfg.snapshot.enabled:
+        wanted.append(("snapshot.shm_dir", cfg.snapshot.shm_dir))
+    if cfg.checkpoint.every and cfg.checkpoint.dir:
+        wanted.append(("checkpoint.dir", cfg.checkpoint.dir))
+    for key, path in wanted:
+        problem = _unwritable(Path(path))
+        if problem:
+            raise ConfigError(f"{key}={path!r}: {problem}")
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a directory could not be created or written there, or None. The nearest existing ancestor
+    must be a directory we may write into (the run creates the rest)."""
+    import os
+    if path.exists():
+        if not path.is_dir():
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "directory is not writable"
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {str(parent)!r} is not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {str(parent)!r} is not writable"
 
 
 def _check_seq_len(spec: str, block_size: int) -> None:

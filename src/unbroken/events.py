@@ -51,6 +51,10 @@ their fields:
                  its own thread, or the older snapshot stays)
   snapshot_skipped replica, share, step               (both slots busy: training is never stalled)
   worker_done    replica                              (a trainer finished its last step)
+  torn           replica, step                        (at a restart: a snapshot slot left mid-copy by its
+                                                       dead writer; never committed, never restored)
+  shard_rejected replica, step, rebuilt               (a restore read a shard that failed its checksum;
+                                                       rebuilt: repaired from parity and verified)
 Simulated runs (sim/) add:
   steps          an aggregate of many committed steps: from_step, to_step, tokens, total_tokens, ...
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
@@ -64,6 +68,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,24 +99,69 @@ class EventLog:
         os.close(self._fd)
 
 
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All complete records of a log (a torn last line from a killed writer is skipped)."""
-    return list(iter_events(path))
+class CorruptLog(ValueError):
+    """A line of the log that does not parse and is not a torn last line: the log cannot be trusted."""
 
 
-def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+@dataclass(frozen=True)
+class LogRead:
+    """A log read back: its complete records, the torn last line a killed writer left (or None), and
+    the numbers of other lines that did not parse (only when read with strict=False)."""
+    records: list[dict[str, Any]]
+    torn: str | None
+    corrupt: tuple[int, ...] = ()
+
+
+def read_log(path: str | os.PathLike[str], strict: bool = True) -> LogRead:
+    """Every record of a log (a run directory or its events.jsonl). Only the last line may fail to
+    parse, and only if it lacks its newline (a writer killed mid-record); it is returned as `torn`.
+    Raises CorruptLog naming the first other line that does not parse (a JSON object a line, or
+    nothing counts), FileNotFoundError if there is no log. With strict=False (a summary that must be
+    written whatever happened) such lines are skipped and their numbers returned in `corrupt`."""
     p = Path(path)
     if p.is_dir():
         p = p / "events.jsonl"
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n"):
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+    records: list[dict[str, Any]] = []
+    torn = None
+    corrupt: list[int] = []
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                torn = line  # the last line (only it can lack a newline)
+                break
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict) or "event" not in record:
+                if strict:
+                    raise CorruptLog(f"{p}: line {n} is not an event record: {line.strip()[:60]!r}")
+                corrupt.append(n)
+                continue
+            records.append(record)
+    return LogRead(records, torn, tuple(corrupt))
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of a log; a torn last line from a killed writer is skipped (read_log
+    reports it). Raises CorruptLog for any other line that does not parse."""
+    return read_log(path).records
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    yield from read_events(path)
 
 
 def steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Committed step records by step number."""
+    """Committed step records by step number, the last copy of each (a step redone after a whole-job
+    restart has one copy per generation; `step_copies` keeps them all)."""
     return {r["step"]: r for r in records if r["event"] == "step"}
+
+
+def step_copies(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Every record of each committed step, in log order: one, or one per generation that ran it."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["event"] == "step" and isinstance(r.get("step"), int):
+            out.setdefault(r["step"], []).append(r)
+    return out

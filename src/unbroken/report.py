@@ -5,11 +5,12 @@ logs alike. Does not own: writing events (events.py), running anything, or pictu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.events import read_events, steps
+from unbroken.audit import audit_run
+from unbroken.events import read_log, step_copies, steps
 
 
 def finish_run(run_dir: Path, cfg: Any, log: Any, t0: float, error: str | None) -> tuple[bool, dict, str | None]:
@@ -32,8 +33,11 @@ def finish_run(run_dir: Path, cfg: Any, log: Any, t0: float, error: str | None) 
 
 
 def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
-    """Totals of a run: steps committed, tokens, faults, deaths, recoveries, wall time, final digest."""
-    records = read_events(path)
+    """Totals of a run: steps committed, tokens, faults, deaths, recoveries, wall time, final digest.
+    Never fails on a corrupt line (the launcher writes it whatever happened): it counts them in
+    `corrupt_lines`, and the audit fails the run for them."""
+    log = read_log(path, strict=False)
+    records = log.records
     committed = steps(records)
     start = next((r["t"] for r in records if r["event"] == "run_start"), None)
     end = next((r for r in records if r["event"] == "run_end"), None)
@@ -57,48 +61,68 @@ def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
         "ok": bool(end and end.get("ok")),
         "error": end.get("error") if end else None,
         "exact": cfg.run.exact if cfg is not None else None,
+        "corrupt_lines": list(log.corrupt),
     }
 
 
 @dataclass(frozen=True)
 class Comparison:
-    rows: list[tuple[int, float | None, float | None, bool, bool]]  # step, loss a, loss b, same digest, within rtol
+    """rows: (step, loss a, loss b, same digest, within rtol), one per step 0..N-1 of the longer run;
+    a step with several copies (redone after a whole-job restart) counts as the same only if every
+    copy in both runs has the reference's first copy's digest. problems: why a run is not complete
+    (compare proves nothing about a run that did not finish)."""
+    rows: list[tuple[int, float | None, float | None, bool, bool]]
     identical: int
     within: int
     total: int
+    problems: list[str] = field(default_factory=list)
 
 
 def compare(a: str | Path, b: str | Path, rtol: float | None = None) -> Comparison:
-    """Per-step comparison of run b against reference a (the reference's steps are the N)."""
-    sa, sb = steps(read_events(a)), steps(read_events(b))
-    rows = []
-    for s in sorted(set(sa) | set(sb)):
-        ra, rb = sa.get(s), sb.get(s)
-        same = bool(ra and rb and ra["param_digest"] == rb["param_digest"])
-        close = bool(ra and rb and abs(ra["loss"] - rb["loss"]) <= (rtol or 0.0) * abs(ra["loss"]))
-        rows.append((s, ra and ra["loss"], rb and rb["loss"], same, close))
-    total = max(len(sa), len(sb))
-    return Comparison(rows, sum(r[3] for r in rows), sum(r[4] for r in rows), total)
-
-
-def audit(path: str | Path, microbatches: int) -> list[str]:
-    """Exactly-once audit: for every committed step, the microbatches reduced in its commit epoch, by
-    owner, must be 0..M-1, each exactly once, and every member's applied digest must agree.
-    Returns the problems found (empty: the log is clean)."""
-    records = read_events(path)
+    """Per-step comparison of run b against reference a. Both must be complete (run_end ok, every
+    step 0..N-1 recorded, no torn line) and of the same length, or `problems` says why not.
+    Raises CorruptLog if a line of either log other than a torn last one does not parse."""
     problems = []
-    applied: dict[int, set[str]] = {}
-    for r in records:
-        if r["event"] == "applied":
-            applied.setdefault(r["step"], set()).add(r.get("state_digest") or r["param_digest"])
-    for s, r in sorted(steps(records).items()):
-        owned = [mb for mbs in r["owners"].values() for mb in mbs]
-        if sorted(owned) != list(range(microbatches)):
-            dup = sorted({m for m in owned if owned.count(m) > 1})
-            missing = sorted(set(range(microbatches)) - set(owned))
-            problems.append(f"step {s}: duplicated {dup}, missing {missing}")
-        if sorted(map(int, r["owners"])) != sorted(r["members"]):
-            problems.append(f"step {s}: owners {sorted(r['owners'])} are not the commit members {r['members']}")
-        if len(applied.get(s, ())) != 1:
-            problems.append(f"step {s}: replicas applied {len(applied.get(s, ()))} different digests")
+    copies = []
+    for name, path in (("A", a), ("B", b)):
+        log = read_log(path)
+        problems += [f"run {name}: {p}" for p in _completeness(log.records, log.torn)]
+        copies.append(step_copies(log.records))
+    ca, cb = copies
+    n = max([len(ca), len(cb), *(s + 1 for s in ca), *(s + 1 for s in cb)])
+    rows = []
+    for s in range(n):
+        ra, rb = ca.get(s, []), cb.get(s, [])
+        same = bool(ra and rb and {r.get("param_digest") for r in ra + rb} == {ra[0].get("param_digest")} != {None})
+        ref = ra[0].get("loss") if ra else None
+        close = bool(ra and rb and ref is not None and all(
+            isinstance(r.get("loss"), (int, float)) and abs(r["loss"] - ref) <= (rtol or 0.0) * abs(ref)
+            for r in ra + rb))
+        rows.append((s, ref, rb[-1]["loss"] if rb else None, same, close))
+    return Comparison(rows, sum(r[3] for r in rows), sum(r[4] for r in rows), n, problems)
+
+
+def _completeness(records: list[dict[str, Any]], torn: str | None) -> list[str]:
+    """Why a log is not a finished run's: no run_start, no run_end ok, a step without a record."""
+    problems = [] if torn is None else ["torn last line"]
+    start = next((r for r in records if r["event"] == "run_start"), None)
+    if start is None:
+        return problems + ["no run_start record (empty or truncated log)"]
+    end = next((r for r in records if r["event"] == "run_end"), None)
+    if end is None or not end.get("ok"):
+        problems.append("the run did not finish" + (f": {end.get('error')}" if end else " (no run_end)"))
+    bad = sorted({r.get("step") for r in records if r["event"] == "step"
+                  and not all(k in r for k in ("step", "loss", "param_digest"))}, key=str)
+    if bad:
+        problems.append(f"step records lacking step, loss or param_digest: {bad}")
+    recorded = {r.get("step") for r in records if r["event"] == "step"}
+    absent = [s for s in range(start["steps"]) if s not in recorded]
+    if absent:
+        problems.append(f"{len(absent)} of {start['steps']} steps have no record (first: {absent[0]})")
     return problems
+
+
+def audit(path: str | Path, microbatches: int | None = None) -> list[str]:
+    """The audit of audit.py (completeness and exactly-once), without a config.json check: the
+    problems found, empty if the log is clean."""
+    return audit_run(path, None, microbatches)

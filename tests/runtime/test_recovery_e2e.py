@@ -36,12 +36,30 @@ def assert_trajectory(reference, out, lost: int):
     return read_events(out)
 
 
+def assert_killed(events, *kills: tuple[int, int, str]) -> None:
+    """Each (replica, step, phase) kill fired (its `fault` record) and took the replica out of the
+    run: declared dead, and absent from every step committed after the one it died in. A kill before
+    its step's commit (compute, allreduce, commit) leaves that step committed without it; one at the
+    optimizer phase comes after the commit, so the step keeps it and the next one does not."""
+    fired = {(e["replica"], e["step"], e["phase"]) for e in events if e["event"] == "fault" and e["kind"] == "kill"}
+    assert fired == set(kills), fired
+    dead = {e["replica"] for e in events if e["event"] == "member_dead"}
+    members = {e["step"]: e["members"] for e in events if e["event"] == "step"}
+    for replica, step, phase in kills:
+        assert replica in dead
+        first_without = step + 1 if phase == "optimizer" else step
+        assert all(replica not in m for s, m in members.items() if s >= first_without), members
+        if phase == "optimizer":
+            assert replica in members[step]
+
+
 @pytest.mark.parametrize("step_ahead", ["off", "on"])  # the optimizer steps before the decision (or not)
 @pytest.mark.parametrize("phase", ["compute", "allreduce", "commit", "optimizer"])
 def test_kill_in_each_phase(reference, tmp_path, phase, step_ahead):
     r, out = run_with(tmp_path, f"kill:replica=1,step=4,phase={phase}", f"--run.step_ahead={step_ahead}")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=1)
+    assert_killed(events, (1, 4, phase))
     steps = {e["step"]: e for e in events if e["event"] == "step"}
     assert steps[3]["replicas"] == 4 and steps[11]["replicas"] == 3
     # the dead replica's microbatches were taken over inside the step they were lost in (or the next
@@ -58,6 +76,7 @@ def test_two_kills_in_one_step(reference, tmp_path):
     r, out = run_with(tmp_path, "kill:replica=1,step=5,phase=allreduce; kill:replica=2,step=5,phase=compute")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=2)
+    assert_killed(events, (1, 5, "allreduce"), (2, 5, "compute"))
     assert {e["step"]: e["replicas"] for e in events if e["event"] == "step"}[5] == 2
 
 
@@ -65,6 +84,7 @@ def test_two_of_four_lost_at_different_steps(reference, tmp_path):
     r, out = run_with(tmp_path, "kill:replica=3,step=2,phase=commit; kill:replica=0,step=7,phase=optimizer")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=2)
+    assert_killed(events, (3, 2, "commit"), (0, 7, "optimizer"))
     members = {e["step"]: e["members"] for e in events if e["event"] == "step"}
     assert members[1] == [0, 1, 2, 3] and members[11] == [1, 2]
 
@@ -117,6 +137,12 @@ def test_every_replica_lost_is_a_clear_error(tmp_path):
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last == "unbroken: error: every replica was lost; last committed step: 2"
+    # both kills fired, and step 3 never committed (with nobody left, the last death is not declared
+    # and step 2's record may die with its writer: the launcher's line above reads the store)
+    events = read_events(out)
+    fired = {(e["replica"], e["step"], e["phase"]) for e in events if e["event"] == "fault"}
+    assert fired == {(0, 3, "compute"), (1, 3, "allreduce")}
+    assert all(e["step"] < 3 for e in events if e["event"] == "step")
 
 
 def test_external_kill_minus_9(reference, tmp_path):
@@ -138,7 +164,8 @@ def test_external_kill_minus_9(reference, tmp_path):
     os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=200)
     assert proc.returncode == 0, err[-2000:]
-    assert_trajectory(reference, out, lost=1)
+    events = assert_trajectory(reference, out, lost=1)
+    assert [e["replica"] for e in events if e["event"] == "member_dead"] == [2]  # the one we killed
 
 
 def test_default_mode_stays_within_float32_rounding(tmp_path):
@@ -149,3 +176,12 @@ def test_default_mode_stays_within_float32_rounding(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     c = unbroken("compare", str(ref), str(faulty), "--rtol", "1e-4")
     assert c.returncode == 0 and c.stdout.strip().splitlines()[-1] == "within rtol: 8/8 steps"
+    # the kill fired, in step 3 before it committed: step 3 committed without replica 2, recovered in it
+    events = read_events(faulty)
+    fault = [(e["kind"], e["replica"], e["step"], e["phase"]) for e in events if e["event"] == "fault"]
+    assert fault == [("kill", 2, 3, "allreduce")]
+    assert [e["replica"] for e in events if e["event"] == "member_dead"] == [2]
+    members = {e["step"]: e["members"] for e in events if e["event"] == "step"}
+    assert members[2] == [0, 1, 2] and members[3] == [0, 1]
+    assert any(e["event"] == "recovery" and e["step"] == 3 for e in events)
+    assert audit(faulty) == []

@@ -87,18 +87,27 @@ def test_corrupted_shard_is_caught_and_never_loaded(reference, tmp_path):
     out, events = run(tmp_path, "corrupt:replica=1,step=4; crash-all:step=6", *XOR2)
     on_trajectory(reference, out)
     corrupt = next(e for e in events if e["event"] == "fault" and e["kind"] == "corrupt")
-    assert corrupt["corrupted_step"] is not None
-    # whatever step was restored, the state loaded was the failure-free one (on_trajectory), so the
-    # flipped bytes were either rebuilt from parity or refused in favour of an older whole snapshot
-    assert len(restored(events, "memory", reference, out)) >= 4
+    hit = corrupt["corrupted_step"]
+    assert hit is not None  # the flipped slot is of the step the restore reads (chaos.py)
+    # the restore read that shard, its checksum refused it, the agents rebuilt it from parity...
+    rejected = [e for e in events if e["event"] == "shard_rejected"]
+    assert [(e["replica"], e["step"], e["rebuilt"]) for e in rejected] == [(1, hit, True)], rejected
+    # ...and every replica loaded step `hit`, the failure-free run's parameters of it (restored checks)
+    got = restored(events, "memory", reference, out)
+    assert len(got) >= 4 and {e["step"] for e in got} == {hit}, got
 
 
 def test_trainer_killed_during_its_snapshot_copy(reference, tmp_path):
     out, events = run(tmp_path, "tear:replica=0,step=5", "--run.recovery=restart-memory",
                       "--snapshot.enabled=true")
     on_trajectory(reference, out)
+    fault = [e for e in events if e["event"] == "fault" and e["kind"] == "tear"]
+    assert [(e["replica"], e["step"], e["phase"]) for e in fault] == [(0, 5, "snapshot")]
+    # the copy of step 5 was cut off: its slot still WRITING at the restart...
+    assert {(e["replica"], e["step"]) for e in events if e["event"] == "torn"} == {(0, 5)}
+    # ...and never restored: every replica loaded an older whole snapshot, the failure-free one
     got = restored(events, "memory", reference, out)
-    assert len(got) >= 4 and max(e["step"] for e in got) <= 5  # the torn copy (if torn) is never used
+    assert len(got) >= 4 and max(e["step"] for e in got) < 5
 
 
 def test_restart_disk_baseline_loses_the_work_since_the_checkpoint(reference, tmp_path):

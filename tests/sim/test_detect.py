@@ -19,7 +19,8 @@ def test_detector_verdicts_drive_quotas():
     quotas = [r for r in recs if r["event"] == "quotas"]
     assert len(slows) == len(sc.trace)
     for r in verdicts:
-        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score"}
+        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score", "false_alarm"}
+        assert r["false_alarm"] is False
     for onset in slows:
         after = [v for v in verdicts if v["replica"] == onset["replica"] and v["t"] >= onset["t"]]
         # healthy -> suspect -> slow within a few steps, then back to healthy after the episode

@@ -1,5 +1,6 @@
-"""Calibration against reality: a scenario built from a real run's events.jsonl, and the simulator's
-prediction of that same run's wall time and committed tokens.
+"""Calibration against reality: a scenario built from a real run's events.jsonl, the simulator's
+prediction of that same run's wall time and committed tokens, and (predict_other) of another run with
+other faults from the first one's costs.
 
 Owns: reading costs off a real log (step time from `step` records' step_time, per-microbatch time from
 `compute` records, detection from fault -> member_dead, re-forming from member_dead -> recovery, start-up
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.events import read_events
+from unbroken.faultspec import parse
 from unbroken.sim.runner import simulate
 from unbroken.sim.scenario import Scenario, from_tree
 
@@ -63,7 +65,7 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
         [r["step_time"] for r in steps]
     step_time = statistics.median(clean)
     R, M = int(start["replicas"]), int(start["microbatches"])
-    compute = [r["seconds"] for r in recs if r["event"] == "compute" and r.get("step") not in fault_steps]
+    compute = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute" and r.get("step") not in fault_steps]
     per_replica = -(-M // R)
     t_mb = statistics.median(compute) if compute else step_time / per_replica
     t_mb = min(t_mb, step_time / per_replica)
@@ -108,3 +110,52 @@ def predict(run_dir: str | Path) -> Prediction:
     horizon = cal.measured_wall - cal.startup
     tokens = sum(r["tokens"] for r in steps if r["t"] <= horizon + 1e-9 and r["step"] < cal.steps)
     return Prediction(cal.measured_wall, predicted_wall, cal.measured_tokens, tokens)
+
+
+def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Prediction:
+    """Predict what another real run's faults cost. Every cost (the split of a step into microbatch
+    compute and sync, detection, re-forming) is read off `calibration_dir`; of `target_dir` only what a
+    user states before running it (replicas, microbatches, steps, its fault spec from run_start: kills
+    and hangs at their step, slow stretches from their first to their last step) and the machine's
+    speed in that minute: its median commit-to-commit interval before its first fault, which scales the
+    calibrated compute and sync (a shared machine's speed drifts 2x between runs a minute apart; so the
+    figure is what the faults cost, not how fast the host was). Measured and predicted (`*_wall`):
+    seconds from the commit of the step before the first fault to the last commit; start-up is not
+    simulated. Raises ValueError if either log lacks steps, or the target a fault after its step 3."""
+    cal = scenario_from_run(calibration_dir)
+    recs = read_events(Path(target_dir) / "events.jsonl")
+    start = next(r for r in recs if r["event"] == "run_start")
+    commit = {r["step"]: r["t"] for r in recs if r["event"] == "step"}
+    n, R, M = int(start["steps"]), int(start["replicas"]), int(start["microbatches"])
+    spec = parse(start["faults"], R, n)
+    first = min((f.start if f.kind == "slow" else f.step for f in spec), default=0)
+    gaps = [commit[s] - commit[s - 1] for s in range(2, first) if s in commit and s - 1 in commit]
+    if not gaps or n - 1 not in commit or first - 1 not in commit:
+        raise ValueError(f"{target_dir}: needs every step committed and a first fault after step 3")
+    w = cal.scenario.workload
+    cal_step = -(-w.microbatches // cal.scenario.cluster.dp) * w.microbatch_seconds + w.sync_seconds
+    scale = statistics.median(gaps) / cal_step  # this minute's host speed against the calibration's
+    mb, sync = w.microbatch_seconds * scale, w.sync_seconds * scale
+    step_time = -(-M // R) * mb + sync
+    trace = []
+    for f in spec:
+        if f.kind == "slow":
+            end = n if f.stop is None else f.stop
+            trace.append({"at_hours": f.start * step_time / 3600, "cause": "slow", "scope": "slow",
+                          "factor": f.factor, "duration_seconds": (end - f.start) * step_time * f.factor})
+        elif f.kind in ("kill", "hang"):
+            trace.append({"at_hours": f.step * step_time / 3600, "cause": f.kind, "scope": "gpu"})
+    tree: dict[str, Any] = {
+        "name": f"predicted-{Path(target_dir).name}", "source": str(target_dir),
+        "cluster": {"dp": R, "tp": 1, "pp": 1, "gpus_per_node": 1},
+        "workload": {"microbatches": M, "tokens_per_microbatch": w.tokens_per_microbatch,
+                     "microbatch_seconds": mb, "sync_seconds": sync,
+                     "duration_hours": 4 * n * step_time * M / 3600 + 1 / 60},
+        "costs": {f: getattr(cal.scenario.costs, f) for f in cal.scenario.costs.__dataclass_fields__},
+        "trace": trace,
+    }
+    res = simulate(from_tree(tree, tree["name"]), "unbroken_live", seed=0, log_steps=True, keep=True)
+    done = [r["t"] for r in res.records if r["event"] == "step" and r["step"] == n - 1]
+    predicted = (done[0] if done else res.end["seconds"]) - first * step_time
+    tokens = sum(r["tokens"] for r in recs if r["event"] == "step")
+    return Prediction(commit[n - 1] - commit[first - 1], predicted, tokens, n * (tokens // len(commit)))

@@ -23,6 +23,7 @@ class Summary:
     lost_gpu_hours: dict[str, float] = field(default_factory=dict)
     curve: tuple[tuple[float, int, float], ...] = ()  # (t s, committed tokens so far, GPU-hours in service)
     faults: int = 0
+    false_alarms: int | None = None  # the fail-slow detector's, where a strategy runs one
 
     @property
     def tokens_per_gpu_hour(self) -> float:
@@ -79,7 +80,7 @@ def summarize(records: list[dict[str, Any]]) -> Summary:
     seconds = float(end.get("seconds", curve[-1][0] if curve else 0.0))
     return Summary(start.get("strategy", "real"), seconds, steps, tokens, gpus,
                    end.get("steps_batch_differs", differ), dict(end.get("lost_gpu_hours", {})), tuple(curve),
-                   sum(1 for r in records if r["event"] == "fault"))
+                   sum(1 for r in records if r["event"] == "fault"), end.get("false_alarms"))
 
 
 def table(summaries: list[Summary], title: str) -> Table:

@@ -3,10 +3,12 @@
 Owns: firing `node`, `crash-all` and `corrupt` faults of the spec (worker-side kinds are faults.py's).
 node:node=n,step=s     once step s-1 is committed: SIGKILL node n's agent and trainers, delete its memory
 crash-all:step=s       once step s-1 is committed: SIGKILL every trainer at once
-corrupt:replica=r,step=s   at the first restart after step s: flip bytes in replica r's newest stored
-                           shard (what a restore will read; once its parity is encoded), so the
-                           checksum path must catch it
-Each fault fires once per run, whatever restarts follow. Does not own: recovering (launcher, agents).
+corrupt:replica=r,step=s   at the first restart after step s: flip bytes in replica r's stored shard
+                           of the step a memory restore will read (the newest every replica holds
+                           committed; once its parity is encoded), so the checksum path must catch it
+Each fault fires once per run, whatever restarts follow. Also reports, at each restart, every snapshot
+slot left mid-copy by a writer that died copying (`torn` records: what a `tear` fault must leave).
+Does not own: recovering (launcher, agents).
 """
 from __future__ import annotations
 
@@ -47,23 +49,62 @@ class Chaos:
                     os.kill(workers[r].pid, signal.SIGKILL)
 
     def before_restart(self, last_committed: int) -> None:
-        """Call with all trainers stopped, before a restart: apply due corruptions."""
+        """Call with all trainers stopped, before a restart: report torn slots, apply due corruptions."""
+        if self.agents is None:
+            return
+        self._report_torn()
         for f in [f for f in self.pending if f.kind == "corrupt" and f.step <= last_committed]:
             self.pending.remove(f)
             self.log.emit("fault", kind="corrupt", replica=f.replica, step=f.step,
                           corrupted_step=self._corrupt(f.replica))
 
+    def _slots(self, replica: int) -> list[SlotFile]:
+        """The replica's data slot files that exist on its node (the caller closes them)."""
+        paths = [data_path(node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(replica)), self.run_id,
+                           replica, b) for b in (0, 1)]
+        return [SlotFile.open(p) for p in paths if p.exists()]
+
+    def _report_torn(self) -> None:
+        """A `torn` record for each slot still WRITING: its writer died copying (the agent commits
+        only slots marked COPIED, so a restore never reads one)."""
+        for r in range(self.cfg.run.replicas):
+            for s in self._slots(r):
+                if s.get("state") == State.WRITING:
+                    self.log.emit("torn", replica=r, step=s.get("step"))
+                s.close()
+
+    def _restore_step(self, timeout_s: float = 5.0) -> int | None:
+        """The step a memory restore will read (SnapshotClient.latest_committed's rule: the newest
+        every replica holds committed, with its whole-state digest), once the agents have committed
+        what the dead trainers finished copying (no slot left COPIED), or after timeout_s."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            states = []
+            for r in range(self.cfg.run.replicas):
+                for s in self._slots(r):
+                    states.append(s.get("state"))
+                    s.close()
+            if State.COPIED not in states:
+                break
+            time.sleep(0.02)
+        keys, store = snapshot_keys(self.run_id), self.agents.store
+        held: dict[str, list[int]] = {}
+        for n in range(self.cfg.snapshot.nodes):
+            held.update(get_json(store, keys.held(n), {}))
+        common = set.intersection(*(set(held.get(str(r), [])) for r in range(self.cfg.run.replicas)))
+        return max((s for s in common if store.check([keys.digest(s)])), default=None)
+
     def _corrupt(self, replica: int) -> int | None:
-        """Flip 64 payload bytes of the replica's newest committed slot; returns that slot's step."""
-        slots = []
-        for b in (0, 1):
-            path = data_path(node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(replica)), self.run_id, replica, b)
-            if path.exists():
-                slots.append(SlotFile.open(path))
-        done = [s for s in slots if s.get("state") == State.COMMITTED]
+        """Flip 64 payload bytes of the replica's committed slot of the step a restore will read;
+        returns that step (None: no such slot, nothing flipped)."""
+        target = self._restore_step()
+        slots = self._slots(replica)
+        done = [s for s in slots if s.get("state") == State.COMMITTED and s.get("step") == target]
         if not done:
+            for s in slots:
+                s.close()
             return None
-        newest = max(done, key=lambda s: s.get("step"))
+        newest = done[0]
         self._settle(self.cfg.topology().node_of(replica), newest.get("step"))
         payload = newest.payload()
         payload[:64] = payload[:64] ^ 0xFF

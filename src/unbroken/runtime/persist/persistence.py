@@ -10,6 +10,7 @@ DCP's format (checkpoint.py), or deciding to restart (the launcher).
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from pathlib import Path
 
@@ -59,15 +60,20 @@ class Persistence:
             return
         tensors = training_state(self.model, self.optimizer)
         if due_snap:
+            # the copies wait for `on_snapshot` (a fault point: a `tear` kills us there, mid-copy)
+            gate = threading.Event() if on_snapshot is not None else None
             for share in shares_of(self.me, members, self.world):
                 # a snapshot system that falls behind must never stall training: skip, keep the older
                 if self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1},
-                                                  skip_if_busy=True):
+                                                  skip_if_busy=True, gate=gate):
                     self.log.emit("snapshot", replica=self.me, share=share, step=step)  # copy started
                 else:
                     self.log.emit("snapshot_skipped", replica=self.me, share=share, step=step)
             if on_snapshot is not None:
-                on_snapshot()
+                try:
+                    on_snapshot()
+                finally:
+                    gate.set()
         if due_ckpt:
             self.ckpt.maybe_save(step, tensors)  # DCP stages a copy before returning
 
@@ -118,6 +124,9 @@ class Persistence:
             except StateLoadError as e:
                 self.log.emit("restore_failed", replica=self.me, source="memory", step=s, error=str(e))
                 ok = 0
+            for _, bad in client.rejected:  # the shard read failed its checksum: repaired, or refused
+                self.log.emit("shard_rejected", replica=self.me, step=bad, rebuilt=bool(ok))
+            client.rejected.clear()
             if _agree(group, ok):
                 try:
                     return client.restore(step=s, group=group, out=tensors).step

@@ -59,6 +59,7 @@ class SnapshotClient:
         self._error: BaseException | None = None
         self._layout: Layout | None = None
         self._pdone = -1
+        self.rejected: list[tuple[int, int]] = []  # (rank, step) of each shard that failed its checksum
 
     @property
     def node(self) -> int:
@@ -74,12 +75,14 @@ class SnapshotClient:
 
     # -- save -------------------------------------------------------------------------------
     def save_async(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict,
-                   skip_if_busy: bool = False) -> bool:
+                   skip_if_busy: bool = False, gate: threading.Event | None = None) -> bool:
         """Start copying this rank's share of `tensors` (and `meta`, JSON-able) for `step`; returns
         once the copy runs on a background thread. Waits for the previous save first. When the agent
         is two snapshots behind (backpressure) it blocks up to timeout_s, or with `skip_if_busy`
         returns False at once and saves nothing (the older snapshots stay whole). The first call
-        blocks while the agent creates the slots. Returns True when a copy started."""
+        blocks while the agent creates the slots. With `gate`, the copy thread marks the slot torn
+        (WRITING) and waits for the gate before copying a byte: a fault fired meanwhile dies
+        mid-snapshot for certain. Returns True when a copy started."""
         self.wait()
         layout = self._layout if self._layout and _same(self._layout, tensors) else Layout.of(tensors)
         self._layout = layout
@@ -94,6 +97,8 @@ class SnapshotClient:
 
         def copy() -> None:
             try:
+                if gate is not None:
+                    gate.wait()
                 copy_range_out(tensors, layout, lo, hi, slot.payload())
                 slot.set(state=int(State.COPIED))  # the agent checksums and commits it
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
@@ -260,6 +265,7 @@ class SnapshotClient:
             if rec and digest == slot.get("checksum") == rec["checksum"]:
                 return data, slot.doc(), digest
             if attempt == 0:  # corrupt in memory: the agents rebuild this node from parity
+                self.rejected.append((rank, step))
                 request_rebuild(self.store, self.run_id, [self.node], step=step,
                                 timeout_s=self.timeout_s)
         raise errors.ChecksumMismatch(f"shard of rank {rank} step {step} fails its checksum "

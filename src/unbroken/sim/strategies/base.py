@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from unbroken.policy import workload
+from unbroken.sim.beyond import beyond_runtime
 from unbroken.sim.cluster import Fault
 from unbroken.sim.engine import Engine
 from unbroken.sim.log import SimLog
@@ -73,7 +74,8 @@ class Run(abc.ABC):
         self.log.emit("run_start", 0.0, strategy=self.name, scenario=self.sc.name, replicas=self.R, gpus=self.N,
                       steps=None, microbatches=self.M, tokens_per_microbatch=self.tpm, exact=False,
                       step_seconds=self.t_full, ckpt_every=self.ckpt_every, chosen=list(self.sc.chosen),
-                      simplifications=list(SIMPLIFICATIONS), faults=len(self.faults), **self.describe())
+                      simplifications=list(SIMPLIFICATIONS), faults=len(self.faults),
+                      beyond_runtime=beyond_runtime(self.sc), **self.describe())
         for f in self.faults:
             e.at(f.t, "fault", f)
         e.at(self.aggregate, "tick")
@@ -83,6 +85,10 @@ class Run(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Strategy parameters for the run_start record."""
+        return {}
+
+    def end_fields(self) -> dict[str, Any]:
+        """Strategy counters for the run_end record."""
         return {}
 
     def _on_tick(self, t: float, _: Any) -> None:
@@ -307,6 +313,6 @@ class Run(abc.ABC):
         rec = dict(ok=True, steps_committed=self.step, seconds=t, tokens=self.tokens,
                    useful_gpu_hours=round(useful / 3600, 6), lost_gpu_hours=lost,
                    gpu_hours=round(self.N * t / 3600, 6), gpu_hours_in_service=round(self.gpu_s / 3600, 6),
-                   steps_batch_differs=self.differ, epochs=self.epoch)
+                   steps_batch_differs=self.differ, epochs=self.epoch, **self.end_fields())
         self.log.emit("run_end", t, **rec)
         return {"event": "run_end", "t": t, **rec}

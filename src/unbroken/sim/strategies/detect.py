@@ -46,6 +46,7 @@ WHOLE_RUN_STEPS = 5_000  # chosen: runs up to this many steps are observed at ev
 # at 8 replicas x 8 microbatches: the ResiHP scenarios, ~1,500 steps, take ~1.4 s)
 GRACE_STEPS = 5  # a Slow verdict this many steps after its replica's episode ended still counts as true
 HEALTHY_SAMPLE = 64  # chosen: healthy members observed per call besides the slowed and unhealthy ones
+HEALTHY_WINDOWS = 24  # chosen: windows over healthy stretches per run, evenly spaced (false alarms counted)
 
 
 class LiveDetect(Live):
@@ -67,6 +68,8 @@ class LiveDetect(Live):
         self.plan_of = (-1, Counter(), {})  # (seg_id, microbatches per member, slowdown factors != 1)
         w = self.sc.workload
         self.features = (w.tokens_per_microbatch, float(w.tokens_per_microbatch) ** 2)
+        # steps between the starts of healthy-stretch windows: the failure-free step count over HEALTHY_WINDOWS
+        self.healthy_every = max(2 * self.tail_steps, round(self.horizon / self.t_full / HEALTHY_WINDOWS))
 
     def describe(self) -> dict[str, Any]:
         noise = {"mb_log_sd": MB_NOISE, "step_log_sd": STEP_NOISE, "step_lag1": STEP_NOISE_LAG1}
@@ -80,8 +83,9 @@ class LiveDetect(Live):
                 "detector_coverage": "windows", "detector_sample": HEALTHY_SAMPLE,
                 "detector_tail_steps": self.tail_steps,
                 "detector_approximation": f"detector called only on the {self.tail_steps} steps after a "
-                "fail-slow episode starts or ends or a replaced replica rejoins a slowed slot, last speeds kept "
-                f"in between; each call observes the slowed and non-Healthy members plus the {HEALTHY_SAMPLE} "
+                "fail-slow episode starts or ends or a replaced replica rejoins a slowed slot, and on the "
+                f"{self.tail_steps} steps from every {self.healthy_every}th step (healthy stretches: false alarms "
+                f"counted), last speeds kept in between; each call observes the slowed and non-Healthy members plus the {HEALTHY_SAMPLE} "
                 "lowest-numbered other members; steps redone by in-step recovery are not observed"}
 
     # ---- when to observe ------------------------------------------------------------------------
@@ -96,18 +100,21 @@ class LiveDetect(Live):
         super().on_slow(t)
 
     def active(self) -> bool:
-        return self.seg is not None and (self.whole_run or self.step < self.tail_until)
+        return self.seg is not None and (self.whole_run or self.step < self.tail_until
+                                         or self.step % self.healthy_every < self.tail_steps)
 
     def arm(self) -> None:
-        """Schedule `detect` at the end of the stretch's next step, once per stretch at a time."""
+        """Schedule `detect` at the end of the step in flight if a window is open, else at the end of
+        the next window's first step; once per stretch at a time."""
         seg = self.seg
-        if seg is not None and self.armed != self.seg_id and self.active():
+        if seg is not None and self.armed != self.seg_id:
             if self.plan_of[0] != self.seg_id:  # first call of a stretch is from `start`: its plan is current
                 factors = {r: self.slowdown(r) for r in seg.members if self.slowdown(r) != 1.0}
                 counts = Counter(workload.assign(self.M, seg.members, self.weights))
                 self.plan_of = (self.seg_id, counts, factors)
+            ahead = 0 if self.active() else -self.step % self.healthy_every  # steps to the next healthy window
             self.armed = self.seg_id
-            self.engine.at(self.seg.end_time(self.seg_done + 1), "detect", self.seg_id)
+            self.engine.at(self.seg.end_time(self.seg_done + ahead + 1), "detect", self.seg_id)
 
     def start(self, t: float) -> None:
         super().start(t)
@@ -153,12 +160,14 @@ class LiveDetect(Live):
         self.observed += len(timings)
         self.detector.observe(step, timings)
         for c in self.detector.take_events():
-            if isinstance(c, VerdictChange) and c.new is Verdict.SLOW:
-                self.alarms += 1
-                self.false_alarms += step - self.slowed_until.get(c.replica, -10 ** 9) > GRACE_STEPS
             if isinstance(c, VerdictChange):
+                # a Slow verdict on a replica not slowed (nor within GRACE_STEPS after its episode)
+                false_alarm = (c.new is Verdict.SLOW
+                               and step - self.slowed_until.get(c.replica, -10 ** 9) > GRACE_STEPS)
+                self.alarms += c.new is Verdict.SLOW
+                self.false_alarms += false_alarm
                 self.log.emit("verdict", t, step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
-                              speed=round(c.speed, 4), score=round(c.score, 4))
+                              speed=round(c.speed, 4), score=round(c.score, 4), false_alarm=false_alarm)
             elif isinstance(c, RegimeChange):
                 self.log.emit("regime", t, step=c.step, device_class=c.device_class, factor=round(c.factor, 4),
                               moved=c.moved, replicas=c.replicas)
@@ -174,6 +183,9 @@ class LiveDetect(Live):
                       false_alarms=self.false_alarms,
                       false_per_1000=round(1000 * self.false_alarms / self.observed, 4) if self.observed else 0.0)
         return super().finish(t)
+
+    def end_fields(self) -> dict[str, Any]:
+        return {"false_alarms": self.false_alarms}
 
     def _weights(self, speeds: dict[int, float]) -> dict[int, float] | None:
         """Quota weights over the whole fleet: unmeasured or Healthy replicas count 1.0; None if all are."""

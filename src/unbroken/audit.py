@@ -1,0 +1,155 @@
+"""The audit of a real run's log: complete, and every microbatch of every step reduced exactly once.
+
+Owns: what "nothing lost, nothing counted twice" means for a log, checked from the records alone:
+  - the log: every line parses except at most a torn last line (reported as a problem, not skipped
+    silently); any other line that does not parse, or a record without the fields read here, makes
+    the log unreadable (CorruptLog), not merely faulty; it holds `run_start`, and the run ended with
+    `run_end ok` (a run that did not finish is a failure);
+  - the run directory's config.json is this run's (its replicas, steps, microbatches, seed, exact and
+    faults are those of `run_start`);
+  - completeness: every step 0..N-1 has a step record; a step redone after a whole-job restart has one
+    copy per generation that committed it, and each copy is checked; two copies in one generation are
+    a problem;
+  - exactly once: each copy's owners cover microbatches 0..M-1, each once, and the owners are the
+    commit epoch's members;
+  - the owners did what the record says: each owner computed, in that step and generation, every
+    microbatch it is credited with (its `compute` records), and reduced in the commit epoch (its
+    `reduce ok` record); otherwise a microbatch was credited without being computed;
+  - every member applied the same parameters (`applied` digests of the step and generation agree).
+Does not own: reading the log (events.py), comparing two runs (report.compare), or simulated logs
+(sim/audit.py).
+
+A generation is the stretch of the log between whole-job restarts: the launcher writes `restart` only
+after every trainer of the generation before is dead, so records after the k-th `restart` are
+generation k's.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from unbroken.events import CorruptLog, read_log
+
+# run_start fields that config.json must repeat (config key under [run] of the same name)
+_SAME = ("replicas", "steps", "microbatches", "exact", "seed", "faults")
+
+
+def audit_run(path: str | Path, config: dict[str, Any] | None = None, microbatches: int | None = None) -> list[str]:
+    """Audit one run: `path` a run directory or its events.jsonl; `config` the run section of its
+    config.json (as a dict), checked against `run_start` when given; `microbatches` M, else run_start's.
+    Returns one line per problem (empty: complete and exactly once). Raises FileNotFoundError if there
+    is no log, CorruptLog (one line) if a line other than a torn last one does not parse or a record
+    lacks a field the audit reads: such a log is not one the product wrote."""
+    log = read_log(path)
+    problems: list[str] = []
+    if log.torn is not None:
+        problems.append(f"torn last line (a writer died mid-record): {log.torn.strip()[:60]!r}")
+    records = log.records
+    start = next((r for r in records if r["event"] == "run_start"), None)
+    if start is None:
+        return problems + ["no run_start record: not the log of a run (empty or truncated)"]
+    if config is not None:
+        for key in _SAME:
+            if key in start and config.get(key) != start[key]:
+                problems.append(f"config.json is not this run's: run.{key} = {config.get(key)!r}, "
+                                f"the log's run_start says {start[key]!r}")
+    end = next((r for r in records if r["event"] == "run_end"), None)
+    if end is None:
+        problems.append("the run did not finish: no run_end record")
+    elif not end.get("ok"):
+        problems.append(f"the run failed: {end.get('error')}")
+    try:
+        n_steps, m = start["steps"], microbatches if microbatches is not None else start["microbatches"]
+        problems += _exactly_once(records, n_steps, m)
+    except (KeyError, TypeError, AttributeError) as e:  # a hand-edited or foreign record
+        raise CorruptLog(f"{path}: a record lacks a field or has the wrong type ({type(e).__name__}: {e})") from None
+    return problems
+
+
+def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int) -> list[str]:
+    computed: dict[tuple[int, int, int], set[int]] = defaultdict(set)  # (gen, step, replica) -> microbatches
+    reduced: set[tuple[int, int, int, int]] = set()  # (gen, step, epoch, replica) with a reduce ok
+    applied: dict[tuple[int, int], set[str]] = defaultdict(set)  # (gen, step) -> state digests
+    copies: list[tuple[int, dict[str, Any]]] = []  # (gen, step record)
+    gen = 0
+    for r in records:
+        kind = r["event"]
+        if kind == "restart":
+            gen += 1
+        elif kind == "compute":
+            computed[gen, r["step"], r["replica"]].add(r["microbatch"])
+        elif kind == "reduce" and r.get("ok"):
+            reduced.add((gen, r["step"], r["epoch"], r["replica"]))
+        elif kind == "applied":
+            applied[gen, r["step"]].add(r.get("state_digest") or r.get("param_digest"))
+        elif kind == "step":
+            copies.append((gen, r))
+    problems: list[str] = []
+    seen: dict[tuple[int, int], int] = {}
+    for g, r in copies:
+        s = r.get("step")
+        missing_fields = [f for f in ("step", "owners", "members", "epoch") if f not in r]
+        if missing_fields:
+            raise CorruptLog(f"the record of step {s} lacks {', '.join(missing_fields)}")
+        seen[g, s] = seen.get((g, s), 0) + 1
+        where = f"step {s}" + (f" (generation {g})" if g else "")
+        problems += [f"{where}: {p}" for p in _check_copy(r, g, m, computed, reduced, applied)]
+    for (g, s), n in sorted(seen.items()):
+        if n > 1:
+            problems.append(f"step {s}: recorded {n} times in generation {g}")
+    recorded = {s for _, s in seen}
+    absent = [s for s in range(n_steps) if s not in recorded]
+    if absent:
+        problems.append(f"steps without a record: {_ranges(absent)} (of 0..{n_steps - 1})")
+    extra = sorted(s for s in recorded if not 0 <= s < n_steps)
+    if extra:
+        problems.append(f"steps outside 0..{n_steps - 1}: {extra}")
+    return problems
+
+
+def _check_copy(r: dict[str, Any], g: int, m: int, computed, reduced, applied) -> list[str]:
+    s, epoch, members = r["step"], r["epoch"], sorted(r["members"])
+    owners = {int(k): v for k, v in r["owners"].items()}
+    problems = []
+    owned = [mb for mbs in owners.values() for mb in mbs]
+    if sorted(owned) != list(range(m)):
+        dup = sorted({x for x in owned if owned.count(x) > 1})
+        missing = sorted(set(range(m)) - set(owned))
+        problems.append(f"microbatches duplicated {dup}, missing {missing}")
+    if sorted(owners) != members:
+        problems.append(f"owners {sorted(owners)} are not the commit members {members}")
+    for o, mbs in sorted(owners.items()):
+        never = sorted(set(mbs) - computed.get((g, s, o), set()))
+        if never:
+            problems.append(f"replica {o} is credited with microbatches {never} it never computed")
+        if (g, s, epoch, o) not in reduced:
+            problems.append(f"replica {o} has no successful reduce in the commit epoch {epoch}")
+    digests = applied.get((g, s), set())
+    if len(digests) != 1:
+        problems.append(f"members applied {len(digests)} different parameter digests")
+    return problems
+
+
+def _ranges(xs: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7': a missing tail of thousands of steps stays one short line."""
+    out, lo = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(str(lo) if lo == a else f"{lo}-{a}")
+            lo = b
+    return ", ".join(out)
+
+
+def run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The [run] section of a run directory's config.json. Raises FileNotFoundError without one,
+    ValueError if it is not a config."""
+    text = (Path(run_dir) / "config.json").read_text()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{Path(run_dir) / 'config.json'} is not JSON ({e.msg})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("run"), dict):
+        raise ValueError(f"{Path(run_dir) / 'config.json'} has no [run] section")
+    return cfg["run"]

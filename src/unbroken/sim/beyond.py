@@ -1,0 +1,30 @@
+"""What the simulator models that the runtime cannot do yet: the one list, kept in one place.
+
+Owns: BEYOND_RUNTIME (each capability the simulator assumes and the runtime lacks today, with the words
+that say so) and `beyond_runtime(scenario)`, the entries a scenario actually relies on. Every simulated
+run states them in its `run_start` record, and benchmarks/paper_scenarios.py prints them beside its
+figures, so no simulated number passes for something the runtime has shown. Does not own: the models
+themselves (strategies/, cluster.py). When the runtime gains one of these, delete its entry here.
+"""
+from __future__ import annotations
+
+from unbroken.sim.scenario import Scenario
+
+BEYOND_RUNTIME: dict[str, str] = {
+    "rejoin": "replaced replicas rejoining a running job (the runtime loses a replica for good)",
+    "replica_groups": "replica groups of TP x PP ranks (a runtime replica is one process)",
+    "hosts": "many hosts (the runtime launches every process on one machine)",
+}
+
+
+def beyond_runtime(sc: Scenario) -> list[str]:
+    """The BEYOND_RUNTIME entries `sc` relies on, as sentences: rejoining if failed hardware is ever
+    replaced (costs.replace_seconds finite), replica groups if TP x PP > 1, hosts if the cluster has
+    more GPUs than one node holds."""
+    c = sc.cluster
+    uses = {
+        "rejoin": sc.costs.replace_seconds < float("inf"),
+        "replica_groups": c.tp * c.pp > 1,
+        "hosts": c.gpus > c.gpus_per_node,
+    }
+    return [text for key, text in BEYOND_RUNTIME.items() if uses[key]]

@@ -1,0 +1,20 @@
+"""Every simulated run says what it models that the runtime cannot do yet (sim/beyond.py), in run_start."""
+from __future__ import annotations
+
+import pytest
+
+from unbroken.sim.beyond import BEYOND_RUNTIME
+from unbroken.sim.runner import simulate
+from unbroken.sim.scenario import load
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path, keys", [
+    ("scenarios/recover_512.toml", ["replica_groups", "hosts"]),  # lost GPUs never come back: no rejoin
+    ("scenarios/resihp_256_failstop.toml", ["rejoin", "replica_groups", "hosts"]),
+])
+def test_run_start_names_what_the_runtime_cannot_do(path, keys):
+    for strategy in ("unbroken_live", "checkpoint_restart"):
+        recs = simulate(load(path), strategy, seed=0, keep=True, aggregate_seconds=3600).records
+        start = next(r for r in recs if r["event"] == "run_start")
+        assert start["beyond_runtime"] == [BEYOND_RUNTIME[k] for k in keys]

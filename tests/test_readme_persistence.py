@@ -1,0 +1,42 @@
+"""The README's persistence commands work as written: the block under "## Persistence" is run as a user
+would (in a fresh directory, `unbroken` being the installed CLI), and its faults had their effects."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unbroken.events import read_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def persistence_block() -> str:
+    text = README.read_text()
+    section = text[text.index("## Persistence"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the persistence section holds one bash block"
+    return blocks[0]
+
+
+def test_persistence_commands_run_as_written(tmp_path):
+    script = f'set -e\nunbroken() {{ "{sys.executable}" -m unbroken.cli "$@"; }}\n' + persistence_block()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    lines = r.stdout.splitlines()
+    assert lines.count("identical: 8/8 steps") == 2 and lines.count("audit: 0 problems") == 2, r.stdout[-3000:]
+    snap = read_events(tmp_path / "runs" / "snap")
+    kinds = [(e["event"], e.get("kind")) for e in snap]
+    assert ("fault", "corrupt") in kinds and ("fault", "crash-all") in kinds and ("restart", None) in kinds
+    assert {e["source"] for e in snap if e["event"] == "restored"} == {"memory"}
+    assert any(e["event"] == "shard_rejected" and e["rebuilt"] for e in snap)  # the flipped shard: rebuilt
+    disk = read_events(tmp_path / "runs" / "disk")
+    assert {e["source"] for e in disk if e["event"] == "restored"} == {"disk"}
