@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.config import Config, ConfigError
 from unbroken.events import EventLog
@@ -23,6 +23,7 @@ from unbroken.report import finish_run
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordinator import Coordinator, serve
 from unbroken.runtime.control.metrics import Exporter, preflight
+from unbroken.runtime.control.store import last_committed
 
 
 def torchrun_line(address: str, group: int, group_size: int, max_restarts: int = 0) -> str:
@@ -83,10 +84,12 @@ def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
                  exporter=Exporter(out, store, m.port, m.host, m.tensorboard,
                                    str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else ""))
     time.sleep(1.0)  # the last members' record writes and final beats reach the store before it closes
-    error = None if code == 0 else "every replica group was lost"
+    # the store's word, as in the `run_failed` record: it also counts a commit whose record's writer died
+    last = last_committed(PrefixStore(keys.generation_prefix(0), store))
+    error = None if code == 0 else f"every replica group was lost; last committed step: {last}"
     ok, summary, error = finish_run(out, cfg, log, t0, error)
     say(f"run dir: {out}  steps committed: {summary['steps_committed']}/{r.steps}  "
         f"final loss: {summary['final_loss']}  groups lost: {summary['members_lost']}")
     if not ok:
-        say(f"unbroken: error: {error}; last committed step: {summary['last_committed_step']}")
+        say(f"unbroken: error: {error}")
     return 0 if ok else 1
