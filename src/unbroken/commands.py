@@ -18,7 +18,7 @@ from unbroken import report, runplot, runreport
 from unbroken.api import make_config
 from unbroken.config import ConfigError, load, parse_overrides
 from unbroken.status import wide_console
-from unbroken.events import CorruptLog
+from unbroken.events import CorruptLog, read_events
 
 console = Console()
 
@@ -139,7 +139,7 @@ def demo(out: Path, steps: int, replicas: int) -> int:
     table = Table(title="failure-free reference vs. a run that loses half its replicas")
     for col in ("step", "reference loss", "faulty loss", "replicas", "param digest"):
         table.add_column(col, justify="right")
-    faulty_steps = report.steps(report.read_events(out / "faulty"))
+    faulty_steps = report.steps(read_events(out / "faulty"))
     for step, la, lb, same, _ in cmp.rows:
         table.add_row(str(step), _f(la), _f(lb), str(faulty_steps[step]["replicas"]),
                       "[green]identical" if same else "[red]differs")

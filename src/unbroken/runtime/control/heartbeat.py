@@ -30,6 +30,7 @@ class Heartbeat:
         self._store = PrefixStore(prefix, connect(address)) if prefix else connect(address)
         self._on_fenced = on_fenced
         self._stop = threading.Event()
+        self._kick = threading.Event()  # beat now (see `at`)
         self._seq = 0
         self._last = ""  # the value of our last beat ("": none yet, the key is missing)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -40,12 +41,20 @@ class Heartbeat:
         self._thread.start()
 
     def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
-        """Record where the replica is; cheap (a dict update), call at every phase and microbatch."""
+        """Record where the replica is; cheap (a dict update), call at every phase and microbatch.
+
+        Leaving "start" beats at once: the coordinator judges a member whose last beat says "start" by
+        the start-up timeout (minutes), so one killed before its thread's next beat would stay a member
+        that long (seen under torchrun, where no launcher reports the exit: 120 s of survivors waiting)."""
+        leaving_start = self.where["phase"] == "start" and phase != "start"
         self.where = {"step": step, "phase": phase, "mb": mb,
                       "epoch": self.where["epoch"] if epoch is None else epoch}
+        if leaving_start:
+            self._kick.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
 
     def _beat(self) -> bool:
         """Write the next beat; False if the coordinator's fence mark stands where our last beat was."""
@@ -62,6 +71,10 @@ class Heartbeat:
         os._exit(3)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._kick.wait(self.interval)  # every interval, or at once when kicked
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             if not self._beat():
                 self._fence()
