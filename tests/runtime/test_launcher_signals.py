@@ -63,3 +63,45 @@ def test_sigterm_to_the_launcher_stops_every_child_and_exits_non_zero(tmp_path):
         time.sleep(0.1)
     assert not [p for p in children if alive(p)], "children outlived the launcher"
     assert (out / "summary.json").exists()  # ended, not cut off: the summary is written
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_coordinator_ends_the_run_with_one_line_and_a_summary(tmp_path):
+    """kill -9 of the coordinator mid-run: the launcher notices, kills the trainers, writes summary.json and
+    ends with one line naming the last committed step, and exit 1 (before: a C++ trace and no summary)."""
+    import json as _json
+    import signal as _signal
+    import time as _time
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "train", "--replicas", "2", "--steps", "400",
+                          "--microbatches", "4", "--run.progress=false", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        events = out / "events.jsonl"
+        deadline = _time.monotonic() + 90
+        while _time.monotonic() < deadline:  # wait for a few committed steps
+            if events.exists() and events.read_text().count('{"event":"step"') >= 3:
+                break
+            _time.sleep(0.2)
+        else:
+            raise AssertionError("no steps committed")
+        os.kill(int((out / "logs" / "coordinator.pid").read_text()), _signal.SIGKILL)
+        killed = _time.monotonic()
+        stdout, stderr = p.communicate(timeout=60)
+        took = _time.monotonic() - killed
+    finally:
+        if p.poll() is None:
+            p.kill()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert p.returncode == 1, stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("unbroken: error: the coordinator was lost; last committed step: "), stderr
+    last = int(lines[0].rsplit(" ", 1)[1])
+    records = [_json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+    recorded = max(r["step"] for r in records if r["event"] == "step")
+    assert recorded - 1 <= last <= recorded and last < 399  # it ended mid-run, at the log's last step
+    end = [r for r in records if r["event"] == "run_end"]
+    assert len(end) == 1 and not end[0]["ok"] and "coordinator was lost" in end[0]["error"]
+    summary = _json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False and summary["last_committed_step"] == recorded
+    assert took < 20, took

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed import PrefixStore
+from torch.distributed import DistError, PrefixStore
 
 from unbroken.config import Config
 from unbroken.events import EventLog
@@ -85,13 +85,15 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
         chaos = Chaos(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps), cfg, log, agents,
                       run_id)
-        watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw))
+        watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw), coordinator)
         generation, resume = 0, ""
         while True:
             workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
                                         resume, run_id) for r in range(cfg.run.replicas)}
             procs.extend(workers.values())
             outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
+            if outcome == "lost":  # the store went with the coordinator: nothing to tell anyone, end
+                raise _CoordinatorLost(error)
             if outcome != "restart":
                 break
             if generation >= MAX_RESTARTS:
@@ -110,6 +112,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             pass  # killed below: nothing it holds matters once the run has ended
     except KeyboardInterrupt:
         error = "interrupted"
+    except _CoordinatorLost as e:
+        error = str(e)
     finally:
         restore_sigterm()
         view.close()
@@ -174,6 +178,7 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
            "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else ""]
     (run_dir / "coordinator.addr").write_text(f"127.0.0.1:{port}\n")  # for `unbroken status RUN_DIR`
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "ab"))
+    (run_dir / "logs" / "coordinator.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p, f"127.0.0.1:{port}"
 
 
@@ -192,6 +197,10 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
     p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p
+
+
+class _CoordinatorLost(Exception):
+    """The coordinator's process ended before the run did (killed, OOM, its host gone): its store is gone."""
 
 
 class _ExitWait:
@@ -229,19 +238,48 @@ class _Watch:
     """Watches one generation of workers until it finishes, fails, needs a restart, or times out."""
 
     def __init__(self, cfg: Config, log: EventLog, view: LiveView, run_dir: Path, t0: float, chaos: Chaos,
-                 agents: AgentSet | None, wake: Callable[[], None]):
+                 agents: AgentSet | None, wake: Callable[[], None], coordinator: subprocess.Popen | None = None):
         self.cfg, self.log, self.view, self.t0, self.chaos, self.agents = cfg, log, view, t0, chaos, agents
         self.wake = wake  # the coordinator's loop: an exit is a verdict it should reach at once
+        self.coordinator = coordinator  # its end ends the run (the store is gone)
         self.events, self.offset, self.last_step = run_dir / "events.jsonl", 0, -1
         self.persistent = cfg.snapshot.enabled or cfg.checkpoint.every > 0
         self.worker_error: str | None = None
 
     def run(self, store, workers: dict[int, subprocess.Popen]) -> tuple[str, str | None]:
+        """Watch until the generation ends: ("done" | "failed" | "timeout" | "restart" | "lost", error).
+        "lost": the coordinator's process ended, and with it the store (a store call that fails because
+        of it counts the same)."""
         exits = _ExitWait(workers)
         try:
             return self._loop(store, workers, exits)
+        except DistError:
+            if self.coordinator is not None and self._coordinator_gone(wait_s=2.0):
+                return "lost", self._lost()
+            raise
         finally:
             exits.close()
+
+    def _coordinator_gone(self, wait_s: float = 0.0) -> bool:
+        try:
+            self.coordinator.wait(timeout=wait_s) if wait_s else None
+        except subprocess.TimeoutExpired:
+            pass
+        return self.coordinator.poll() is not None
+
+    def _lost(self) -> str:
+        """The one line for a lost coordinator, with the last step whose record is in the log (read
+        directly: firing launcher-side faults on the way, as `_tail` would, is no longer wanted)."""
+        with open(self.events, "rb") as f:
+            f.seek(self.offset)
+            lines = f.read().splitlines()
+        for line in lines:
+            if line.startswith(b'{"event":"step"'):
+                try:
+                    self.last_step = max(self.last_step, json.loads(line)["step"])
+                except (ValueError, KeyError):
+                    pass  # a torn last line
+        return f"the coordinator was lost; last committed step: {self.last_step}"
 
     def _loop(self, store, workers: dict[int, subprocess.Popen], exits: _ExitWait) -> tuple[str, str | None]:
         reported: set[int] = set()
@@ -257,6 +295,8 @@ class _Watch:
                 # 20 ms pace: they fire on the step record they wait for, inside the step they name.
                 exits.wait(0.02 if self.chaos.pending else 0.1)
             rounds += 1
+            if self.coordinator is not None and self._coordinator_gone():
+                return "lost", self._lost()
             for r, p in workers.items():
                 code = p.poll()
                 if code is not None and r not in reported:
