@@ -40,7 +40,7 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
         tree.setdefault(section, {})[name] = value
     cfg = build(tree)
     try:
-        faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
+        faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     except FaultSpecError as e:
         raise ConfigError(f"--faults: {e}") from None
     for f in faults:

@@ -62,16 +62,18 @@ def audit_run(path: str | Path, config: dict[str, Any] | None = None, microbatch
         problems.append(f"the run failed: {end.get('error')}")
     try:
         n_steps, m = start["steps"], microbatches if microbatches is not None else start["microbatches"]
-        problems += _exactly_once(records, n_steps, m)
+        problems += _exactly_once(records, n_steps, m, range(start.get("group_size", 1)))
     except (KeyError, TypeError, AttributeError) as e:  # a hand-edited or foreign record
         raise CorruptLog(f"{path}: a record lacks a field or has the wrong type ({type(e).__name__}: {e})") from None
     return problems
 
 
-def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int) -> list[str]:
-    computed: dict[tuple[int, int, int], set[int]] = defaultdict(set)  # (gen, step, replica) -> microbatches
-    reduced: set[tuple[int, int, int, int]] = set()  # (gen, step, epoch, replica) with a reduce ok
-    applied: dict[tuple[int, int], set[str]] = defaultdict(set)  # (gen, step) -> state digests
+def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int, ranks: range = range(1)) -> list[str]:
+    # A replica group of several ranks: each rank computes its share of the group's microbatches and
+    # reduces (and applies) its own shard, so each check below holds per rank.
+    computed: dict[tuple, set[int]] = defaultdict(set)  # (gen, step, replica, rank) -> microbatches
+    reduced: set[tuple[int, int, int, int, int]] = set()  # (gen, step, epoch, replica, rank) with a reduce ok
+    applied: dict[tuple[int, int, int], set[str]] = defaultdict(set)  # (gen, step, rank) -> state digests
     copies: list[tuple[int, dict[str, Any]]] = []  # (gen, step record)
     gen = 0
     for r in records:
@@ -79,11 +81,11 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int) -> list[s
         if kind == "restart":
             gen += 1
         elif kind == "compute":
-            computed[gen, r["step"], r["replica"]].add(r["microbatch"])
+            computed[gen, r["step"], r["replica"], r.get("rank", 0)].add(r["microbatch"])
         elif kind == "reduce" and r.get("ok"):
-            reduced.add((gen, r["step"], r["epoch"], r["replica"]))
+            reduced.add((gen, r["step"], r["epoch"], r["replica"], r.get("rank", 0)))
         elif kind == "applied":
-            applied[gen, r["step"]].add(r.get("state_digest") or r.get("param_digest"))
+            applied[gen, r["step"], r.get("rank", 0)].add(r.get("state_digest") or r.get("param_digest"))
         elif kind == "step":
             copies.append((gen, r))
     problems: list[str] = []
@@ -95,7 +97,8 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int) -> list[s
             raise CorruptLog(f"the record of step {s} lacks {', '.join(missing_fields)}")
         seen[g, s] = seen.get((g, s), 0) + 1
         where = f"step {s}" + (f" (generation {g})" if g else "")
-        problems += [f"{where}: {p}" for p in _check_copy(r, g, m, computed, reduced, applied)]
+        problems += [f"{where}: {p}" for rank in ranks
+                     for p in _check_copy(r, g, m, computed, reduced, applied, rank, len(ranks) > 1)]
     for (g, s), n in sorted(seen.items()):
         if n > 1:
             problems.append(f"step {s}: recorded {n} times in generation {g}")
@@ -109,26 +112,28 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int) -> list[s
     return problems
 
 
-def _check_copy(r: dict[str, Any], g: int, m: int, computed, reduced, applied) -> list[str]:
+def _check_copy(r: dict[str, Any], g: int, m: int, computed, reduced, applied, rank: int = 0,
+                named: bool = False) -> list[str]:
     s, epoch, members = r["step"], r["epoch"], sorted(r["members"])
     owners = {int(k): v for k, v in r["owners"].items()}
     problems = []
+    who = f" rank {rank}" if named else ""  # groups of one rank: as before
     owned = [mb for mbs in owners.values() for mb in mbs]
-    if sorted(owned) != list(range(m)):
+    if rank == 0 and sorted(owned) != list(range(m)):
         dup = sorted({x for x in owned if owned.count(x) > 1})
         missing = sorted(set(range(m)) - set(owned))
         problems.append(f"microbatches duplicated {dup}, missing {missing}")
-    if sorted(owners) != members:
+    if rank == 0 and sorted(owners) != members:
         problems.append(f"owners {sorted(owners)} are not the commit members {members}")
     for o, mbs in sorted(owners.items()):
-        never = sorted(set(mbs) - computed.get((g, s, o), set()))
+        never = sorted(set(mbs) - computed.get((g, s, o, rank), set()))
         if never:
-            problems.append(f"replica {o} is credited with microbatches {never} it never computed")
-        if (g, s, epoch, o) not in reduced:
-            problems.append(f"replica {o} has no successful reduce in the commit epoch {epoch}")
-    digests = applied.get((g, s), set())
+            problems.append(f"replica {o}{who} is credited with microbatches {never} it never computed")
+        if (g, s, epoch, o, rank) not in reduced:
+            problems.append(f"replica {o}{who} has no successful reduce in the commit epoch {epoch}")
+    digests = applied.get((g, s, rank), set())
     if len(digests) != 1:
-        problems.append(f"members applied {len(digests)} different parameter digests")
+        problems.append(f"members{who} applied {len(digests)} different parameter digests")
     return problems
 
 

@@ -98,6 +98,13 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # ranks per replica group: one torchrun job of this many processes per group, the model sharded
+    # over them with FSDP2 (HSDP: the replicate dimension across groups is the fault-tolerant one)
+    group_size: int = 1
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     port: int = 0  # coordinator serves Prometheus /metrics on this port; 0: off (needs unbroken[metrics])
     host: str = "127.0.0.1"  # address /metrics listens on; 0.0.0.0 to let a Prometheus elsewhere scrape it
@@ -114,13 +121,14 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     coord: CoordConfig = field(default_factory=CoordConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     def topology(self) -> Topology:
-        """Replica groups x ranks over the snapshot nodes (one rank per group until groups grow)."""
-        return Topology.of_nodes(self.run.replicas, 1, self.snapshot.nodes)
+        """Replica groups x ranks per group, over the snapshot nodes."""
+        return Topology.of_nodes(self.run.replicas, self.parallel.group_size, self.snapshot.nodes)
 
     @staticmethod
     def from_json(text: str) -> "Config":
@@ -150,7 +158,7 @@ def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Conf
 
 _SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "coord": CoordConfig,
              "snapshot": SnapshotConfig, "checkpoint": CheckpointConfig,
-             "metrics": MetricsConfig}
+             "metrics": MetricsConfig, "parallel": ParallelConfig}
 
 
 def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
@@ -197,6 +205,10 @@ def validate(cfg: Config) -> None:
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
         (cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size}: need at least 1"),
+        (cfg.parallel.group_size >= 1, f"parallel.group_size={cfg.parallel.group_size}: need at least 1 rank"),
+        (cfg.data.batch_size % max(1, cfg.parallel.group_size) == 0,
+         f"parallel.group_size={cfg.parallel.group_size} does not divide data.batch_size={cfg.data.batch_size} "
+         f"(each rank of a group takes an equal share of every microbatch's sequences)"),
         (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),
         *((getattr(cfg.coord, t) > 0, f"coord.{t}={getattr(cfg.coord, t)}: must be > 0 (seconds)")
           for t in ("startup_timeout", "progress_timeout", "collective_timeout", "run_timeout")),
@@ -216,6 +228,9 @@ def validate(cfg: Config) -> None:
         (s.parity == "none" or (s.k >= 1 and s.m >= 1 and s.nodes % group == 0 and (s.parity == "rs" or s.m == 1)),
          f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
+        (cfg.parallel.group_size == 1 or not s.enabled,
+         f"parallel.group_size={cfg.parallel.group_size} with snapshot.enabled=true: in-memory snapshots of "
+         f"sharded groups are not built yet (use one rank per group)"),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
     for ok, message in checks:

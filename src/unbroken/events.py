@@ -13,8 +13,11 @@ writing process: launcher, coordinator, replica<N>, agent<N>); most have "replic
 the same kinds with "t" on its virtual clock, so readers serve real and simulated runs alike. Kinds and
 their fields:
 
-  run_start      schema, replicas, steps, microbatches, exact, seed, faults, recovery, run_id, coordinator
-                 (its address: a standalone coordinator's run only)
+  run_start      schema, replicas, steps, microbatches, exact, seed, faults, recovery, run_id, group_size
+                 (ranks per replica group), coordinator (its address: a standalone coordinator's run only)
+  A replica group of several ranks: every rank writes its own compute, reduce, applied and fenced
+  records, with `rank` (absent: rank 0); `applied`'s state_digest is of its shard; `param_digest` in
+  the step record is then sha256 over the ranks' shard sha256s (hex, rank order).
   worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
   step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
                  ranks in all), epoch, tokens, t,

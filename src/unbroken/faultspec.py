@@ -10,6 +10,7 @@
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
+kill, hang and slow take `rank=J` in a replica group of several ranks (default 0): that rank's process.
 
 Phases of step s (kill and hang): `compute` after the replica's first microbatch, `allreduce` as its
 all-reduce is issued, `commit` once the all-reduce succeeded, before the replica adds itself to the
@@ -42,6 +43,7 @@ class Fault:
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
     node: int | None = None
     how: str = "sleep"  # slow: how the stretch passes, "sleep" or "spin" (see README)
+    rank: int = 0  # kill, hang, slow: which rank of the replica group
 
     def slows(self, replica: int, step: int) -> bool:
         return (self.kind == "slow" and self.replica == replica and step >= self.start
@@ -50,9 +52,9 @@ class Fault:
 
 # kind -> (required keys, optional keys)
 _KEYS: dict[str, tuple[set[str], set[str]]] = {
-    "kill": ({"replica", "step"}, {"phase"}),
-    "hang": ({"replica", "step", "for"}, {"phase"}),
-    "slow": ({"replica", "factor"}, {"from", "to", "how"}),
+    "kill": ({"replica", "step"}, {"phase", "rank"}),
+    "hang": ({"replica", "step", "for"}, {"phase", "rank"}),
+    "slow": ({"replica", "factor"}, {"from", "to", "how", "rank"}),
     "node": ({"node", "step"}, set()),
     "crash-all": ({"step"}, set()),
     "corrupt": ({"replica", "step"}, set()),
@@ -60,8 +62,10 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {
 }
 
 
-def parse(spec: str, replicas: int, steps: int, extra_kinds: dict[str, tuple[set[str], set[str]]] | None = None) -> tuple[Fault, ...]:
-    """Parse and validate a fault spec for a run of `replicas` replicas and `steps` steps.
+def parse(spec: str, replicas: int, steps: int, extra_kinds: dict[str, tuple[set[str], set[str]]] | None = None,
+          group_size: int = 1) -> tuple[Fault, ...]:
+    """Parse and validate a fault spec for a run of `replicas` replica groups of `group_size` ranks and
+    `steps` steps.
 
     Raises FaultSpecError naming the bad token. An empty spec is no faults.
     """
@@ -90,7 +94,7 @@ def parse(spec: str, replicas: int, steps: int, extra_kinds: dict[str, tuple[set
                 raise FaultSpecError(f"unknown argument {key!r} for {kind} in {part!r}")
         for key in sorted(required - kv.keys()):
             raise FaultSpecError(f"{kind} needs {key}= in {part!r}")
-        faults.append(_build(kind, kv, part, replicas, steps))
+        faults.append(_build(kind, kv, part, replicas, steps, group_size))
     return tuple(faults)
 
 
@@ -115,10 +119,12 @@ def _float(kv: dict[str, str], key: str, part: str, lo: float) -> float:
     return v
 
 
-def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int) -> Fault:
+def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, group_size: int = 1) -> Fault:
     f: dict = {"kind": kind}
     if "replica" in kv:
         f["replica"] = _int(kv, "replica", part, 0, replicas)
+    if "rank" in kv:
+        f["rank"] = _int(kv, "rank", part, 0, group_size)
     if "node" in kv:
         f["node"] = _int(kv, "node", part, 0, None)
     if "step" in kv:
@@ -156,7 +162,7 @@ def canonical(faults: tuple[Fault, ...]) -> str:
               ("for", f.seconds if f.kind == "hang" or f.seconds else None),
               ("factor", f.factor if slow or f.factor != 1.0 else None),
               ("from", f.start if slow or f.start else None), ("to", f.stop),
-              ("how", f.how if f.how != "sleep" else None)]
+              ("how", f.how if f.how != "sleep" else None), ("rank", f.rank or None)]
         parts.append(f"{f.kind}:" + ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in kv if v is not None))
     return "; ".join(parts)

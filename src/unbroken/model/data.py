@@ -50,6 +50,19 @@ class Microbatch:
     sumsq: int  # sum over sequences of length**2: the attention work, for the predictor
 
 
+def part(mb: Microbatch, rank: int, parts: int) -> Microbatch:
+    """Rank `rank`'s share of microbatch `mb` inside a replica group of `parts` ranks: its rows (sequences)
+    rank*B/parts .. (rank+1)*B/parts - 1, with their own token count and sum of squared lengths, so that
+    its loss weighted by its tokens over the step's sums, over the group's ranks, to the whole
+    microbatch's. A pure function of the data API: B must be a multiple of `parts` (config checks it)."""
+    if parts == 1:
+        return mb
+    rows = mb.x.shape[0] // parts
+    x, y = mb.x[rank * rows:(rank + 1) * rows], mb.y[rank * rows:(rank + 1) * rows]
+    lengths = (y != -1).sum(dim=1).tolist()  # targets that count, per sequence
+    return Microbatch(x, y, sum(lengths), sum(n * n for n in lengths))
+
+
 class Corpus:
     """A flat uint8/uint16 token array plus document boundaries (start offsets, ascending)."""
 

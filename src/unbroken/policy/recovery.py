@@ -111,7 +111,7 @@ class ReduceFailed:
 @dataclass(frozen=True)
 class Published:
     epoch: int
-    count: int  # members of the epoch that have published done, this one included
+    count: int  # publishes of done in the epoch, this one included: one per rank of each member group
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,7 @@ class StepState:
     weights: tuple[tuple[int, float], ...] = ()
     attempt: int = 0
     history: Chain = field(default=())  # every epoch this step went through after its plan
+    ranks: int = 1  # ranks per member (a replica group): each publishes done for its shard's reduction
 
     @property
     def owed(self) -> frozenset[int]:
@@ -148,11 +149,14 @@ class StepState:
 
 
 def start(step: int, me: int, epoch: int, members: Sequence[int], num_microbatches: int,
-          weights: Mapping[int, float] | None = None) -> tuple[StepState, tuple[Action, ...]]:
-    """Begin step `step` from its plan (base epoch, members, quota weights). Call once per step."""
+          weights: Mapping[int, float] | None = None, ranks: int = 1) -> tuple[StepState, tuple[Action, ...]]:
+    """Begin step `step` from its plan (base epoch, members, quota weights). Call once per step, on each
+    of a member's `ranks` ranks: they run the same machine on the same events, since a member's ranks
+    compute the same microbatches (each its share of the sequences) and each reduces its own shard, so
+    a commit needs every rank of every member to have published (a shard reduced everywhere)."""
     w = tuple(sorted((weights or {}).items()))
     owners = workload.assign(num_microbatches, members, dict(w))
-    state = StepState(step, me, epoch, tuple(sorted(members)), owners, frozenset(), Phase.COMPUTE, w)
+    state = StepState(step, me, epoch, tuple(sorted(members)), owners, frozenset(), Phase.COMPUTE, w, ranks=ranks)
     if me not in state.members:
         return replace(state, phase=Phase.FENCED), (Fence(step, f"replica {me} is not in epoch {epoch}"),)
     return _work(state)
@@ -187,7 +191,7 @@ def on_event(state: StepState, event: Event) -> tuple[StepState, tuple[Action, .
         case ReduceFailed(e) if e == state.epoch:
             return state, (AwaitEpoch(state.step, e),)
         case Published(e, count) if e == state.epoch:
-            if count >= len(state.members):
+            if count >= len(state.members) * state.ranks:
                 return state, (Propose(state.step, e, "commit"),)
             return state, (AwaitDecision(state.step, e),)
         case EpochChanged(chain):

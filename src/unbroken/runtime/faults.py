@@ -26,11 +26,14 @@ class Injector:
     """`store` (unprefixed: it outlives restarts) records which faults fired, so a trainer restarted
     into a step it already ran does not fire the same fault again."""
 
-    def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog, store: Store | None = None):
+    def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog, store: Store | None = None,
+                 rank: int = 0):
         self.me, self.log, self.store = me, log, store
         self.index = {id(f): n for n, f in enumerate(faults)}
-        self.pending = [f for f in faults if f.replica == me and f.kind in ("kill", "hang", "tear")]
-        self.slow = [f for f in faults if f.replica == me and f.kind == "slow"]
+        ours = [f for f in faults if f.replica == me and f.rank == rank]  # this process: (group, rank)
+        self.tag = {"rank": rank} if rank else {}
+        self.pending = [f for f in ours if f.kind in ("kill", "hang", "tear")]
+        self.slow = [f for f in ours if f.kind == "slow"]
 
     def at(self, step: int, phase: str) -> None:
         """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
@@ -39,7 +42,7 @@ class Injector:
             if self.store is not None and self.store.add(keys.fired(self.index[id(f)]), 1) != 1:
                 continue  # fired in an earlier generation of this run
             self.log.emit("fault", kind=f.kind, replica=self.me, step=step, phase=phase,
-                          seconds=f.seconds or None, pid=os.getpid())
+                          seconds=f.seconds or None, pid=os.getpid(), **self.tag)
             if f.kind in ("kill", "tear"):  # tear: while the snapshot copy thread is writing
                 os.kill(os.getpid(), signal.SIGKILL)
             else:

@@ -14,6 +14,12 @@ import torch.nn as nn
 import xxhash
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or gradient: the local shard of a DTensor (FSDP2 inside a replica
+    group), else `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters in `named_parameters` order, tied weights once: the fixed order of every flat view."""
     return [p for _, p in model.named_parameters() if p.requires_grad]
@@ -28,12 +34,14 @@ class Accumulator:
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype):
         self.params = params
-        self.sizes = [p.numel() for p in params]
+        self.sizes = [local(p).numel() for p in params]  # this rank's shard of each (all of it in DP)
         self.buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype)
         # When the buffer has the parameters' dtype (float32 mode), each `.grad` *is* a view of it, as
         # DDP's gradient_as_bucket_view: backward accumulates in place (AccumulateGrad adds into a
         # defined grad: 0 + g1 + g2 ..., the same float32 sums as copying), so nothing is copied.
-        self.views = all(p.dtype == dtype for p in params)
+        # Sharded parameters (DTensors) get a DTensor `.grad`, built from the local slice in `load_grads`.
+        self.sharded = any(local(p) is not p for p in params)
+        self.views = all(p.dtype == dtype for p in params) and not self.sharded
         # Views are made once and kept: slicing and reshaping 28 parameters' views cost ~60 us a step
         # (at every zero() and every load_grads), setting `.grad` to a kept view ~4 us for all 28.
         self._own = self._split(self.buffer) if self.views else []
@@ -44,7 +52,7 @@ class Accumulator:
         """Each parameter's slice of a flat (numel + 1,) buffer, shaped like the parameter."""
         views, offset = [], 0
         for p, n in zip(self.params, self.sizes):
-            views.append(flat[offset:offset + n].view_as(p))
+            views.append(flat[offset:offset + n].view_as(local(p)))
             offset += n
         return views
 
@@ -67,7 +75,7 @@ class Accumulator:
             for p, n in zip(self.params, self.sizes):
                 if p.grad is not None:
                     # float32 grad added into a float64 slice is exact: every float32 is a float64
-                    self.buffer[offset:offset + n].add_(p.grad.reshape(-1))
+                    self.buffer[offset:offset + n].add_(local(p.grad).reshape(-1))
                     p.grad = None
                 offset += n
         # add_ computes in the buffer's dtype: a float32 loss is widened exactly, as `.to(float64)` did
@@ -83,8 +91,19 @@ class Accumulator:
                 p.grad = view
         else:
             for p, view in zip(self.params, self._split(reduced)):
-                p.grad = view.to(p.dtype)
+                p.grad = self._as_grad(p, view.to(p.dtype))
         return float(reduced[-1])
+
+    @staticmethod
+    def _as_grad(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """`shard` (this rank's slice, shaped like its local parameter) as `p`'s gradient: a DTensor of
+        p's mesh, placements and global shape when p is one (shards may be uneven: torch.chunk sizes)."""
+        if local(p) is p:
+            return shard
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
 
 
 def _chunks(params: list[nn.Parameter]):
@@ -92,7 +111,7 @@ def _chunks(params: list[nn.Parameter]):
     (A float32 contiguous parameter is hashed as it is: the `.to().contiguous()` no-ops and the cast
     cost ~3 us of dispatch each, ~0.1 ms a digest for 28 parameters, more than xxh3 takes to hash them.)"""
     for p in params:
-        t = p.detach()
+        t = local(p.detach())
         if t.dtype != torch.float32 or not t.is_contiguous():
             t = t.to(torch.float32).contiguous()
         yield t.numpy()  # C-contiguous: the hashes read its buffer as bytes

@@ -36,11 +36,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from unbroken.config import Config
 from unbroken.events import EventLog
-from unbroken.model.data import mix, seed_microbatch
+from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
@@ -62,6 +63,7 @@ class Parts:
     model: nn.Module
     data: object
     optimizer: torch.optim.Optimizer
+    group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
 
 
 class Trainer:
@@ -71,7 +73,11 @@ class Trainer:
                  heartbeat: Heartbeat, injector: Injector, sidecar: Coordination, persist=None):
         self.cfg, self.who, self.me, self.coord, self.log = cfg, who, who.group, coord, log
         self.hb, self.faults, self.persist = heartbeat, injector, persist
-        self.model, self.data, self.optimizer = parts.model, parts.data, parts.optimizer
+        self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
+        # A replica group of G ranks (FSDP2 inside): its ranks run this same loop on the same events,
+        # each computing its share of the group's microbatches and reducing its own shard across groups.
+        self.ranks = who.group_size
+        self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
         self.params = unique_parameters(self.model)
         self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
         dtype = torch.float64 if cfg.run.exact else torch.float32
@@ -81,11 +87,12 @@ class Trainer:
         self.scratch: torch.Tensor | None = None  # reused as the all-reduce's copy until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
-        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params))
+        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params), self.ranks, self.wait_s)
         # Snapshots and checkpoints of a step start once it is known committed; pipelined, that comes
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
         # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).
-        mode = "off" if self.persist and cfg.run.step_ahead == "auto" else cfg.run.step_ahead
+        # A group's ranks do not step ahead: a rollback of sharded state is not built.
+        mode = "off" if (self.persist and cfg.run.step_ahead == "auto") or self.ranks > 1 else cfg.run.step_ahead
         self.pipeline = Pipeline(Rollback(self.params, self.optimizer, limit(mode, self.params[0].device)),
                                  log, self.me)
         self.carried: dict[int, Future] = {}  # step -> its plan, once the step before commits
@@ -111,6 +118,8 @@ class Trainer:
         plan = self.coord.proposal(self.sidecar.weights)
         agreed = self.carried.pop(step, None) or self.sidecar.plan(step, plan)
         self.carried[step + 1] = work.next_plan
+        if self.ranks > 1:  # a group's ranks must compute the same microbatches: the agreed plan's
+            plan = agreed.result()
         while True:
             state = self.run_plan(work, plan, agreed)
             if isinstance(state, rec.StepState):
@@ -118,7 +127,8 @@ class Trainer:
             proposed = plan.epoch
             # retried before its commit: the previous step's commit, and with it our plan, is still to come
             plan = agreed.result() if agreed.done() else self.coord.proposal(self.sidecar.weights)
-            self.log.emit("replan", step=step, replica=self.me, proposed=proposed, agreed=plan.epoch, why=state)
+            self.log.emit("replan", step=step, replica=self.me, proposed=proposed, agreed=plan.epoch, why=state,
+                          **self.tag)
 
     def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | str:
         """Run the step's state machine from `plan`; or why the step must start over (another plan won,
@@ -126,7 +136,7 @@ class Trainer:
         work.acc.zero()
         work.timings = {}
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
-                                   plan.weights)
+                                   plan.weights, self.ranks)
 
         why = ""
 
@@ -163,7 +173,7 @@ class Trainer:
             state, more = rec.on_event(state, event)
             if state.epoch != before.epoch and not state.phase.terminal:
                 self.log.emit("recovery", step=work.step, replica=self.me, from_epoch=before.epoch,
-                              to_epoch=state.epoch, redo=sorted(state.owed))
+                              to_epoch=state.epoch, redo=sorted(state.owed), **self.tag)
                 self.sidecar.recover(work.step - 1, self.coord.members(state.epoch))
             queue.extend(more)
         return state
@@ -176,7 +186,8 @@ class Trainer:
         self.before_publish(action.step, action.epoch)
         held = action.held
         published = self.sidecar.publish(action.step, action.epoch, held, work.timings_of(held),
-                                         self.coord.staged(action.step, action.epoch, held), len(state.members),
+                                         self.coord.staged(action.step, action.epoch, held),
+                                         len(state.members) * self.ranks,
                                          self.coord.proposal(self.sidecar.weights), self.coord.watch_decision)
         self.pipeline.step_ahead(work, state, action, published, lambda: self.step_optimizer(work))
 
@@ -208,10 +219,22 @@ class Trainer:
 
     def decided(self, work: StepWork, step: int, epoch: int, won: Decision) -> rec.Decided:
         """The event for a decision of `work`'s step, kept for its Apply; the proposer logs it."""
-        if won.proposer == self.me:
+        if won.proposer == self.me and self.who.rank == 0:
             self.log.emit("decision", step=step, epoch=epoch, outcome=won.outcome, replica=self.me)
         work.decision = won
-        return rec.Decided(epoch, won.outcome, self.coord.chain_after(epoch) if won.outcome == "retry" else ())
+        return rec.Decided(epoch, won.outcome, self.chain_after(epoch) if won.outcome == "retry" else ())
+
+    def chain_after(self, epoch: int):
+        """The epochs after `epoch` up to the latest, as the retry of `epoch` replays them. A group's ranks
+        read the store at different times and could see different latest epochs, then redo different
+        microbatches (and FSDP's collectives would pair mismatched work): they agree on the newest any
+        of them saw (a max over the group; every rank of the group reaches each retry once, in order)."""
+        chain = self.coord.chain_after(epoch)
+        if self.group is None:
+            return chain
+        latest = torch.tensor([chain[-1][0] if chain else epoch], dtype=torch.int64)
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple((e, self.coord.members(e)) for e in range(epoch + 1, int(latest) + 1))
 
     def await_outcome(self, work: StepWork, step: int, epoch: int, decision: bool) -> rec.Decided | rec.EpochChanged:
         t = time.perf_counter()
@@ -238,7 +261,7 @@ class Trainer:
         """Forward/backward each microbatch into the accumulator. Randomness is a function of (seed, step, i)."""
         for n, i in enumerate(microbatches):
             self.hb.at(step, "compute", i)
-            mb = self.data.microbatch(step, i)
+            mb = part(self.data.microbatch(step, i), self.who.rank, self.ranks)  # this rank's sequences
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
             loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, work.tokens)
@@ -248,7 +271,7 @@ class Trainer:
             seconds, wall = span.stop()
             work.timings[i] = (mb.tokens, mb.sumsq, seconds)
             self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
-                          wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq)
+                          wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
         return rec.Computed(microbatches)
@@ -280,15 +303,20 @@ class Trainer:
             return rec.EpochChanged(self.coord.chain_after(epoch))
         except CollectiveError as e:
             self.scratch = None
-            self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e))
+            self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e), **self.tag)
             return rec.ReduceFailed(epoch, str(e))
         self.reduced = result.tensor
-        self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True, seconds=round(result.seconds, 6))
+        self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True, seconds=round(result.seconds, 6),
+                      **self.tag)
         return rec.Reduced(epoch)
 
     def step_optimizer(self, work: StepWork) -> float:
         """Reduced gradient into .grad, optimizer step; returns the step's loss."""
         loss = work.acc.load_grads(self.reduced)
+        if self.group is not None:  # each rank's loss is its shard's share: the step's is the group's sum
+            total = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(total, group=self.group)
+            loss = float(total)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         self.sidecar.wait_records()  # the last step record's hash must have read the parameters first
@@ -311,7 +339,7 @@ class Trainer:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
-                      state_digest=quick_param_digest(self.params), waited=round(work.waited, 6))
+                      state_digest=quick_param_digest(self.params), waited=round(work.waited, 6), **self.tag)
         if self.persist:
             self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
         # The commit's proposer writes the step record (sha256 included) beside the next step's
@@ -322,5 +350,5 @@ class Trainer:
             step_time=round(work.stepped - work.started, 6)))
 
     def fence(self, step: int, reason: str) -> None:
-        self.log.emit("fenced", replica=self.me, step=step, reason=reason)
+        self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)
         os._exit(3)

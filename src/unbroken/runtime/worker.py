@@ -44,7 +44,7 @@ from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
-from unbroken.runtime.parallel.parallelize import parallelize
+from unbroken.runtime.parallel.parallelize import intra_group, parallelize
 from unbroken.runtime.trainer import Parts, Trainer
 from unbroken.topology import Identity, TopologyError
 
@@ -132,15 +132,17 @@ def default_factories() -> Factories:
 
 
 def build(cfg: Config, factories: Factories, who: Identity) -> Parts:
-    """The model (as this rank holds it), data and optimizer. The thread count is the same on every
-    replica, so kernels sum in the same order; the seed makes the initial parameters identical."""
+    """The model (as this rank holds it), data and optimizer, and the replica group's own process group
+    (groups of several ranks). The thread count is the same on every replica, so kernels sum in the same
+    order; the seed makes the initial parameters identical."""
     import torch
 
     torch.set_num_threads(cfg.run.threads)
+    group = intra_group(who.group_size, cfg.coord.collective_timeout)
     torch.manual_seed(cfg.run.seed)
-    model = parallelize(factories.model(cfg), cfg.topology())
+    model = parallelize(factories.model(cfg), cfg.topology(), group, cfg.run.exact)
     data = factories.data(cfg)
-    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg))
+    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group)
 
 
 def run(factories: Factories) -> int:
@@ -169,18 +171,20 @@ def run(factories: Factories) -> int:
 
     watch = EpochWatch(client(), reconnect=client)
     coord = Coordination(PrefixStore(keys.generation_prefix(generation), raw), me, watch, reconnect=client,
-                         decisions=DecisionWatch(client(), watch.cond, reconnect=client))
+                         decisions=DecisionWatch(client(), watch.cond, reconnect=client), rank=who.rank)
+    tag = {"rank": who.rank} if who.group_size > 1 else {}
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
-                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why), prefix=keys.generation_prefix(generation))
+                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
+                          prefix=keys.generation_prefix(generation), rank=who.rank)
     heartbeat.start()
-    faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
-    injector = Injector(faults, me, log, raw)
+    faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
+    injector = Injector(faults, me, log, raw, rank=who.rank)
     try:
         parts = build(cfg, factories, who)
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
             persist = Persistence(cfg, me, raw, run_id, run_dir, parts.model, parts.optimizer, log)
-        sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client))
+        sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client), rank=who.rank)
         trainer = Trainer(cfg, who, parts, coord, log, heartbeat, injector, sidecar, persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
         trainer.fit(first)
@@ -189,10 +193,10 @@ def run(factories: Factories) -> int:
         coord.finish()
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
-        log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300])
+        log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
         return 1
     heartbeat.stop()
-    log.emit("worker_done", replica=me)
+    log.emit("worker_done", replica=me, **tag)
     return 0
 
 

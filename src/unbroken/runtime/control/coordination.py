@@ -8,6 +8,7 @@ Key names and the layout: keys.py.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from collections.abc import Callable
@@ -70,8 +71,9 @@ class Coordination:
 
     def __init__(self, store: Store, me: int, watch: EpochWatch | None = None,
                  reconnect: Callable[[], Store] | None = None, weights: CounterWatch | None = None,
-                 decisions: DecisionWatch | None = None):
+                 decisions: DecisionWatch | None = None, rank: int = 0):
         self.store, self.me, self.watch, self._weights_watch = store, me, watch, weights
+        self.rank = rank  # rank in the member's replica group: rank 0 writes the group's done record
         self._decisions = decisions
         self._reconnect = reconnect
         self._members: dict[int, tuple[int, ...]] = {}
@@ -133,13 +135,15 @@ class Coordination:
         """Write this member's done record of (step, epoch) ahead of `publish`: call while the all-reduce
         is in flight, so the write overlaps it instead of following it. Harmless if the reduce then
         fails: done records are read only for an epoch whose decision is commit, which needs every
-        member's `publish`."""
-        self.store.set(keys.done(step, epoch, self.me), json.dumps({"held": list(held), "timings": timings}))
+        member's `publish`. The group's other ranks computed the same microbatches: rank 0 writes it."""
+        if self.rank == 0:
+            self.store.set(keys.done(step, epoch, self.me), json.dumps({"held": list(held), "timings": timings}))
         self._staged = (step, epoch, tuple(held))
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]],
                 staged: bool | None = None) -> int:
-        """Say the all-reduce of (step, epoch) succeeded here; returns how many members have said so.
+        """Say the all-reduce of (step, epoch) succeeded here (for this rank's shard); returns how many
+        publishes the epoch has had: one per rank of each member group.
         The done record is written first unless `stage` already wrote this very one (`staged`; None:
         as this view knows, while another view, e.g. the sidecar's, is told by its caller)."""
         if not (self.staged(step, epoch, held) if staged is None else staged):
@@ -213,6 +217,17 @@ class Coordination:
         timed out on a live straggler breaks the group without a death, so no epoch would follow by
         itself. Idempotent; a request for an epoch already past is ignored."""
         self.store.set(keys.reform(epoch), json.dumps({"replica": self.me, "reason": reason}))
+
+    def post_shard(self, step: int, digest: str) -> None:
+        """Rank j > 0 of a group: the sha256 of its shard of the parameters after `step`, for the record."""
+        self.store.set(keys.shard_digest(step, self.me, self.rank), digest)
+
+    def shards(self, step: int, group_size: int, timeout_s: float) -> list[str]:
+        """Rank 0 of a group: the shard digests its ranks 1..G-1 posted after `step`, in rank order.
+        Raises on a timeout (a rank that died first: its group is then declared dead anyway)."""
+        names = [keys.shard_digest(step, self.me, j) for j in range(1, group_size)]
+        self.store.wait(names, datetime.timedelta(seconds=timeout_s))
+        return [v.decode() for v in self.store.multi_get(names)]
 
     def reclaim_record(self, step: int) -> bool:
         """For a survivor that found `step`'s writer (its commit's proposer) dead with the record

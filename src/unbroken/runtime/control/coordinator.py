@@ -37,13 +37,14 @@ FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
                  progress_timeout: float, startup_timeout: float, follow_speed: bool = True,
-                 beat_every: float = 0.1):
+                 beat_every: float = 0.1, group_size: int = 1):
         self.store, self.log = store, log
+        self.ranks = range(group_size)  # every rank of a member group beats; one silent rank kills the group
         self.slowness = SlownessMonitor(store, log, follow_speed)
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
-        self.beats: dict[int, Beat] = {}
+        self.beats: dict[tuple[int, int], Beat] = {}  # (member, rank) -> its last beat
         self.exits_seen = 0
         self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
         # (nfinished, members that applied their last step): no longer judged
@@ -70,9 +71,11 @@ class Coordinator:
         if not members:
             return True  # every remaining member finished its last step
         if beats:
-            self._read_beats(members, now)
-            verdicts = stale(self.beats, members, now, self.hb_timeout, self.progress_timeout,
-                             self.startup_timeout)
+            ranks = [(m, j) for m in members for j in self.ranks]
+            self._read_beats(ranks, now)
+            for (m, j), why in stale(self.beats, ranks, now, self.hb_timeout, self.progress_timeout,
+                                     self.startup_timeout).items():
+                verdicts.setdefault(m, why if len(self.ranks) == 1 else f"rank {j}: {why}")
         nexits = self.store.add(keys.exits(), 0) if exits or beats else self.exits_seen
         if nexits != self.exits_seen:
             self.exits_seen = nexits
@@ -87,11 +90,11 @@ class Coordinator:
             self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
 
-    def _read_beats(self, members: tuple[int, ...], now: float) -> None:
-        # Members that beat before: one multi_get; the rest (start-up) one check each.
-        known = [m for m in members if m in self.beats]
-        fresh = [m for m in members if m not in self.beats and self.store.check([keys.heartbeat(m)])]
-        values = self.store.multi_get([keys.heartbeat(m) for m in known + fresh]) if known or fresh else []
+    def _read_beats(self, ranks: list[tuple[int, int]], now: float) -> None:
+        # (member, rank)s that beat before: one multi_get; the rest (start-up) one check each.
+        known = [m for m in ranks if m in self.beats]
+        fresh = [m for m in ranks if m not in self.beats and self.store.check([keys.heartbeat(*m)])]
+        values = self.store.multi_get([keys.heartbeat(*m) for m in known + fresh]) if known or fresh else []
         for m, value in zip(known + fresh, values):
             hb = json.loads(value)
             old = self.beats.get(m)
@@ -107,7 +110,8 @@ class Coordinator:
         self.store.set(keys.members(new.epoch), json.dumps(list(new.members)))
         for m, reason in sorted(verdicts.items()):
             self.store.set(keys.dead(m), json.dumps({"epoch": new.epoch, "reason": reason}))
-            self.store.set(keys.heartbeat(m), FENCED)  # its next beat's compare-and-set fails: it leaves
+            for j in self.ranks:  # each rank's next beat's compare-and-set fails: they leave
+                self.store.set(keys.heartbeat(m, j), FENCED)
             self.log.emit("member_dead", replica=m, epoch=new.epoch, reason=reason)
             self.slowness.forget(m)
         self._begin(new)
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     """The coordinator under the local launcher (launch.py starts it with these flags)."""
     ap = argparse.ArgumentParser(prog="unbroken-coordinator")
     ap.add_argument("--replicas", type=int, required=True)
+    ap.add_argument("--group-size", type=int, default=1, help="ranks per replica group")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
     return serve(store, f"{a.host}:{store.port}", a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
-                                       a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll),
+                                       a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll,
+                                       group_size=a.group_size),
                  a.poll, exporter=exporter)
 
 

@@ -24,8 +24,9 @@ from unbroken.runtime.control.store import connect
 
 class Heartbeat:
     def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
-                 prefix: str = ""):
+                 prefix: str = "", rank: int = 0):
         self.me, self.interval = me, interval_s
+        self.key = keys.heartbeat(me, rank)  # every rank of a group beats: any one silent kills the group
         self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
         self._store = PrefixStore(prefix, connect(address)) if prefix else connect(address)
         self._on_fenced = on_fenced
@@ -60,7 +61,7 @@ class Heartbeat:
         """Write the next beat; False if the coordinator's fence mark stands where our last beat was."""
         self._seq += 1
         value = json.dumps({"seq": self._seq, **self.where})
-        if self._store.compare_set(keys.heartbeat(self.me), self._last, value) != value.encode():
+        if self._store.compare_set(self.key, self._last, value) != value.encode():
             return False
         self._last = value
         return True

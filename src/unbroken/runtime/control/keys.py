@@ -12,7 +12,9 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   epochs/{e}            "1" once epoch e began (wakes watches)    coordinator, after `epoch`
   dead/{g}              JSON {"epoch", "reason"}                  coordinator (fences zombies)
   reform/{e}            JSON {"replica", "reason"}: epoch e's collective group broke, nobody died
-  hb/{g}                JSON {"seq","step","phase","mb","epoch"}; "fenced" once g was declared dead
+  hb/{g}, hb/{g}.{j}    JSON {"seq","step","phase","mb","epoch"} of rank 0 / rank j > 0 of group g;
+                        "fenced" once g was declared dead
+  shard/{s}/{g}/{j}     sha256 of rank j's shard after step s     rank j > 0 (the record's digest)
   exit/{g}, nexits      exit code; count of exits                 launcher (it sees processes end)
   weights               JSON {group: speed}, {} = equal           coordinator (detector's speeds)
   nweights, weights/{n} how many times the weights changed        coordinator
@@ -35,6 +37,8 @@ Unprefixed (they outlive generations):
   wakes, wake/{n}       the coordinator's wake-ups                launcher
   fired/{i}             fault i of the fault spec fired once      the replica that fired it
   unbroken/snap/{run}/...   the snapshot agents' control plane (`SnapshotKeys`)
+In torchrun's own agent store (one per replica group), not the coordinator's:
+  unbroken/attempt{n}/...   the group's process group rendezvous of restart attempt n
 """
 from __future__ import annotations
 
@@ -65,8 +69,18 @@ def reform(epoch: int) -> str:
     return f"reform/{epoch}"
 
 
-def heartbeat(group: int) -> str:
-    return f"hb/{group}"
+def heartbeat(group: int, rank: int = 0) -> str:
+    return f"hb/{group}" if rank == 0 else f"hb/{group}.{rank}"
+
+
+def attempt_prefix(restart: int) -> str:
+    """The prefix of a replica group's own rendezvous in torchrun's agent store (not the coordinator's),
+    per restart attempt: a restarted group must not meet the keys of the attempt before."""
+    return f"unbroken/attempt{restart}"
+
+
+def shard_digest(step: int, group: int, rank: int) -> str:
+    return f"shard/{step}/{group}/{rank}"
 
 
 def exited(group: int) -> str:

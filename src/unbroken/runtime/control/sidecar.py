@@ -26,6 +26,7 @@ sha256 (holding every peer at the next all-reduce) were ~5% of a small model's s
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -42,8 +43,13 @@ class Sidecar:
     thread. `digest()` runs on that thread (or in `digest_now`) and may only read the parameters.
     """
 
-    def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str]):
-        self.coord, self.log, self.digest = coord, log, digest
+    def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str], group_size: int = 1,
+                 wait_s: float = 60.0):
+        self.coord, self.log, self.own_digest = coord, log, digest
+        # A group of G ranks: each holds a shard, so the record's digest (written by rank 0 of the
+        # writer's group) is the sha256 of its ranks' shard digests in rank order, which ranks 1..G-1
+        # post after every step (`coord.post_shard`); identical in every group (they hold the same state).
+        self.group_size, self.wait_s = group_size, wait_s
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
@@ -82,9 +88,9 @@ class Sidecar:
         self.wait_records()
         record = {**record, "t": time.time()}  # the commit's time, not the hash's
         self._last = (step, epoch, members, writer, record)
-        write = writer == self.coord.me
-        self._digest = _Once(self.digest) if write else None
-        if write or self.coord.weights_moved(self._weights):
+        write = writer == self.coord.me and self.coord.rank == 0
+        self._digest = _Once(lambda: self.digest(step)) if write or self.coord.rank else None
+        if write or self.coord.rank or self.coord.weights_moved(self._weights):
             self._records = self._pool.submit(self._record, self._digest, *self._last)
 
     def digest_now(self) -> None:
@@ -100,7 +106,7 @@ class Sidecar:
         waits for this job): if `step`'s record is unwritten and its writer is not among the new
         epoch's members, `survivors`, one survivor writes it. A no-op unless we applied `step` last."""
         self.wait_records()
-        if self._last is not None and self._last[0] == step and self._last[3] not in survivors:
+        if self.coord.rank == 0 and self._last is not None and self._last[0] == step and self._last[3] not in survivors:
             self._records = self._pool.submit(self._rewrite, *self._last)
 
     def wait_records(self) -> None:
@@ -115,7 +121,7 @@ class Sidecar:
         Gives up after `timeout_s` of a live writer not writing it; the launcher then reports
         the step as not committed."""
         self.wait_records()
-        if self._last is None or self._last[0] != step or self._last[3] == self.coord.me:
+        if self._last is None or self._last[0] != step or self._last[3] == self.coord.me or self.coord.rank:
             return
         deadline = time.monotonic() + timeout_s
         while not self.coord.recorded(step) and time.monotonic() < deadline:
@@ -124,15 +130,28 @@ class Sidecar:
                 return
             time.sleep(0.05)
 
+    def digest(self, step: int) -> str:
+        """The step record's parameter digest after `step` (rank 0), or this shard's, posted (rank j > 0)."""
+        own = self.own_digest()
+        if self.coord.rank:
+            self.coord.post_shard(step, own)
+            return own
+        if self.group_size == 1:
+            return own
+        parts = [own, *self.coord.shards(step, self.group_size, self.wait_s)]
+        return hashlib.sha256("".join(parts).encode()).hexdigest()
+
     def _record(self, digest: _Once | None, step: int, epoch: int, members: tuple[int, ...], writer: int,
                 record: dict) -> None:
-        if digest is not None:
+        if digest is not None and self.coord.rank:
+            digest.get()  # posted for the group's rank 0
+        elif digest is not None:
             self._write(step, epoch, members, record, digest.get())
         self._weights = self.coord.weights(self._weights)
 
     def _rewrite(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
         if not self.coord.recorded(step) and self.coord.reclaim_record(step):
-            self._write(step, epoch, members, record, self.digest())
+            self._write(step, epoch, members, record, self.digest(step))
 
     def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict, digest: str) -> None:
         owners = self.coord.held(step, epoch, members)

@@ -71,7 +71,8 @@ def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
     t0 = time.time()
     r, c = cfg.run, cfg.coord
     log.emit("run_start", replicas=r.replicas, steps=r.steps, microbatches=r.microbatches, exact=r.exact,
-             seed=r.seed, faults=r.faults, recovery=r.recovery, run_id=run_id, coordinator=address)
+             seed=r.seed, faults=r.faults, recovery=r.recovery, run_id=run_id, coordinator=address,
+             group_size=cfg.parallel.group_size)
     say(f"unbroken coordinator: serving {address} ({r.replicas} replica groups, {r.steps} steps, run dir {out})")
     say("start one torchrun job per replica group (on its host):")
     for g in range(r.replicas):
@@ -79,7 +80,7 @@ def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
     code = serve(store, address, r.replicas, log,
                  lambda s: Coordinator(s, r.replicas, log, c.heartbeat_timeout, c.progress_timeout,
                                        c.startup_timeout, follow_speed=r.quotas == "speed",
-                                       beat_every=c.heartbeat_interval),
+                                       beat_every=c.heartbeat_interval, group_size=cfg.parallel.group_size),
                  c.heartbeat_interval, until_finished=True,
                  exporter=Exporter(out, store, m.port, m.host, m.tensorboard,
                                    str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else ""))

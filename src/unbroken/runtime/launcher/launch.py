@@ -71,7 +71,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     t0 = time.time()
     log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
              exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
-             run_id=run_id)
+             run_id=run_id, group_size=cfg.parallel.group_size)
     procs: list[subprocess.Popen] = []
     agents: AgentSet | None = None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
@@ -83,7 +83,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         raw = connect(address)
         if cfg.snapshot.enabled:
             agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
-        chaos = Chaos(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps), cfg, log, agents,
+        chaos = Chaos(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size), cfg, log, agents,
                       run_id)
         watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw), coordinator)
         generation, resume = 0, ""
@@ -169,6 +169,7 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "unbroken.runtime.control.coordinator", "--replicas", str(cfg.run.replicas),
+           "--group-size", str(cfg.parallel.group_size),
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
@@ -189,10 +190,11 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-    if cfg.run.launcher == "torchrun":  # the cluster's command: a torchrun job for the group (torchrun
-        # sets RANK, LOCAL_RANK and WORLD_SIZE itself); the worker's own module or script after it
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-               "--max-restarts=0", *cmd[1:]]
+    if cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1:  # the cluster's command: a torchrun
+        # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
+        # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cfg.parallel.group_size}", "--max-restarts=0", *cmd[1:]]
     out = open(run_dir / "logs" / f"replica{r}.log", "ab")
     p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9

@@ -1,28 +1,80 @@
 """The model as this rank holds it: the seam between building a model and training it.
 
-Owns: `parallelize(model, topology, groups)`, called once by the worker on the model it built, before the
-optimizer is made: the trainer, persistence and healing see only what it returns and never assume they
-hold the whole model. Does not own: building the model (the user's factory), the intra-group process
-group (`groups`, made by the worker from torchrun's environment) or the cross-group collectives
-(collectives.py).
+Owns: `parallelize(model, topology, group, exact)`, called once by the worker on the model it built,
+before the optimizer is made: the trainer, persistence and healing see only what it returns and never
+assume they hold the whole model. Does not own: building the model (the user's factory), the replica
+group's own process group (worker.py makes it from torchrun's environment: `intra_group`) or the
+cross-group collectives (collectives.py).
 
-Today every replica group is one rank, and the model is returned as it is. Sharding inside a group
-(FSDP2 `fully_shard` over the group's ranks, then TP and PP, applied in torchtitan's order: TP, then
-FSDP) plugs in here; until it does, a topology with more than one rank per group is refused.
+One-rank groups get the model as it is. A group of G ranks shards it with FSDP2 (`fully_shard` over a
+1-D mesh of the group's ranks: each block, then the root, which holds the embeddings and the tied
+head), the way torchtitan applies it. Gradients then leave a microbatch's backward as this rank's shard
+(dim 0, torch.chunk sizes) of the sum over the group's ranks: the reduce-scatter SUMs (gloo refuses
+the PREMUL_SUM that a divide factor would need unless the sum is forced: REFERENCE.md) and in exact
+mode runs in float64, so a microbatch's shard is the same bits whichever group computes it. The
+cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
 """
 from __future__ import annotations
 
-import torch.nn as nn
-from torch.distributed import ProcessGroup
+import datetime
+import os
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import PrefixStore, ProcessGroup, TCPStore
+
+from unbroken.runtime.control import keys
 from unbroken.topology import Topology, TopologyError
 
 
-def parallelize(model: nn.Module, topology: Topology, groups: ProcessGroup | None = None) -> nn.Module:
+def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = None) -> ProcessGroup | None:
+    """The replica group's own process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), or None for one-rank groups. Call once per process, before `parallelize`.
+
+    Each torchrun restart attempt rendezvouses under its own prefix (`attempt{TORCHELASTIC_RESTART_COUNT}`):
+    torchrun keeps its agent's store across restarts, and a restarted group that reused the keys of the
+    attempt before hung in init_process_group (5 of 6 tries, REFERENCE.md)."""
+    if group_size == 1:
+        return None
+    env = dict(os.environ if env is None else env)
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
+    if missing:
+        raise TopologyError(f"group_size={group_size} needs torchrun's environment ({', '.join(missing)} unset)")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = PrefixStore(keys.attempt_prefix(int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))), store)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                            timeout=timeout)
+    return dist.group.WORLD
+
+
+def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None,
+                exact: bool = False) -> nn.Module:
     """The module this rank trains. Call once, after the model's construction (seeded: identical on every
-    rank) and before building the optimizer over its parameters. `groups` is the replica group's own
-    process group (None for one-rank groups). Raises TopologyError for a layout it cannot apply."""
+    rank) and before building the optimizer over its parameters. `group` is the replica group's own
+    process group (`intra_group`; None for one-rank groups). Raises TopologyError for a layout it
+    cannot apply."""
     if topology.group_size == 1:
         return model
-    raise TopologyError(f"group_size={topology.group_size}: sharding inside a replica group is not supported "
-                        f"yet; use one rank per replica group")
+    if group is None or group.size() != topology.group_size:
+        raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = DeviceMesh.from_group(group, device)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
+    for block in getattr(model, "blocks", ()):  # a user's model without `blocks` is sharded as one unit
+        _sum(fully_shard(block, mesh=mesh, mp_policy=policy))
+    return _sum(fully_shard(model, mesh=mesh, mp_policy=policy))
+
+
+def _sum(module: nn.Module) -> nn.Module:
+    """Reduce-scatter a SUM (the trainer weighs each microbatch's loss by its share of the step's
+    tokens: averaging over ranks would divide twice)."""
+    module.set_force_sum_reduction_for_comms(True)
+    module.set_gradient_divide_factor(1.0)
+    return module
+
