@@ -42,6 +42,8 @@ their fields:
   run_failed     reason, last_committed_step
   run_end        ok, steps_committed, seconds
   worker_error   replica, error                       (an exception in a trainer: the run fails)
+  group_broken   replica, rank, error                 (a rank's group process group failed under it: a
+                                                       peer rank died; the group leaves, the run goes on)
   woke           replica, step, phase                 (a stopped process continued; it will fence)
   verdict        step, replica, old, new, speed, score (fail-slow detector: healthy/suspect/slow)
   regime         step, device_class, factor, moved, replicas   (every cost moved: predictor rescaled)

@@ -44,7 +44,7 @@ from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
-from unbroken.runtime.parallel.parallelize import intra_group, parallelize
+from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
 from unbroken.runtime.trainer import Parts, Trainer
 from unbroken.topology import Identity, TopologyError
 
@@ -147,7 +147,8 @@ def build(cfg: Config, factories: Factories, who: Identity) -> Parts:
 
 def run(factories: Factories) -> int:
     """Run this process as replica UNBROKEN_REPLICA until the last step. Returns the exit code: 0 done,
-    1 failed, 2 bad input (one line on stderr), 3 fenced (declared dead)."""
+    1 failed, 2 bad input (one line on stderr), 3 fenced (declared dead), 4 its replica group's process
+    group broke under it (a peer rank died; the group leaves the run)."""
     try:
         where = placement()
         who = Identity.from_env(os.environ, where.cfg.topology())
@@ -193,6 +194,9 @@ def run(factories: Factories) -> int:
         coord.finish()
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
+        if who.group_size > 1 and peer_lost(e):  # a rank of our group died: the group is out, not the run
+            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
+            return 4
         log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
         return 1
     heartbeat.stop()

@@ -78,3 +78,14 @@ def _sum(module: nn.Module) -> nn.Module:
     module.set_gradient_divide_factor(1.0)
     return module
 
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error`, raised in a rank of a replica group of several ranks, is its group's process group
+    failing under it (a peer rank died: gloo says "Connection closed/reset by peer"; NCCL and torch raise
+    DistError), not a bug in this rank: the group is out of the run, but the run goes on without it."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "Connection closed", "Connection reset",
+                                                                       "NCCL", "Timed out"))

@@ -1,0 +1,180 @@
+"""Replica groups of two ranks (HSDP: FSDP2 inside each group), each group a real `torchrun` job of the
+local launcher, in `--exact`: a rank killed in each phase, two groups lost in one step, a hung rank, every
+group lost, an oracle outside unbroken, and bad input.
+
+Each fault run is held against the failure-free run of the same topology (3 groups x 2 ranks), step by
+step (the record's digest combines the two ranks' shard digests), and against what its events say: the
+fault fired on the named rank, the coordinator removed its whole group, the group's other rank wrote
+nothing into a later step, and survivors redid the group's microbatches.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import unbroken
+from unbroken.config import Config
+from unbroken.events import read_events, steps
+from unbroken.model.data import DataSource, mix
+from unbroken.model.gpt import GPT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+GROUPS = ["--replicas", "3", "--parallel.group_size=2", "--steps", "4", "--microbatches", "6", "--exact",
+          "--run.progress=false", "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1",
+          "--coord.run_timeout=200", "--model.dropout=0"]
+# dropout 0: the textbook loop of the oracle draws its dropout masks over whole microbatches, a group's
+# ranks over their shares (seeded per microbatch, the same on every group: still exact across groups)
+
+
+@pytest.fixture(scope="module")
+def groups_reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("groups-reference")
+    r = unbroken("train", *GROUPS, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def digests(run: Path) -> dict[int, str]:
+    return {s: r["param_digest"] for s, r in steps(read_events(run)).items()}
+
+
+def run_faults(tmp: Path, faults: str) -> tuple[Path, list[dict]]:
+    out = tmp / "run"
+    r = unbroken("train", *GROUPS, "--faults", faults, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    audit = unbroken("audit", str(out))
+    assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
+    return out, read_events(out)
+
+
+def assert_group_left(events: list[dict], group: int, rank: int, step: int, phase: str) -> None:
+    """The fault fired on (group, rank) at (step, phase); the coordinator removed the group; neither of its
+    ranks applied a step after the one it died in (fenced: nothing written into a later step)."""
+    fired = [e for e in events if e["event"] == "fault" and e["replica"] == group]
+    assert [(e["step"], e["phase"], e.get("rank", 0)) for e in fired] == [(step, phase, rank)]
+    assert group in [e["replica"] for e in events if e["event"] == "member_dead"]
+    late = [e for e in events if e["event"] == "applied" and e["replica"] == group and e["step"] > step]
+    assert not late, late
+
+
+def test_failure_free_groups_match_a_plain_loop_outside_unbroken(groups_reference):
+    """The oracle: one process, plain PyTorch, none of unbroken's runtime. Each microbatch is split by rows
+    into the two ranks' shares (the data API's `part`), each share's gradient computed on its own, the
+    shares summed in float64 and rounded to float32 once (FSDP2's float64 reduce-scatter), microbatches
+    summed in float64 and rounded once before AdamW. Its parameters after every step, cut into the two
+    ranks' shards (torch.chunk along dim 0, FSDP2's layout), hash to the run's digest bit for bit.
+
+    The textbook loop (whole microbatches, no split) computes each microbatch's gradient with other matmul
+    shapes, so its float32 sums differ in the last bits (4.5e-8 at most in step 0's gradient, measured);
+    AdamW magnifies such differences where gradients are near zero: 1.6e-6 in the parameters after 4 steps
+    (measured). Its per-step loss is within 1e-6 (relative) of the run's, its parameters within 1e-5."""
+    cfg = Config.from_json((groups_reference / "config.json").read_text())
+    G, seed = cfg.parallel.group_size, cfg.run.seed
+    assert G == 2
+    torch.set_num_threads(1)
+    data = DataSource(cfg.data, cfg.model.block_size, seed)
+
+    def loop(split: bool) -> tuple[list[str], list[torch.Tensor], list[float]]:
+        torch.manual_seed(seed)
+        model = GPT(cfg.model)
+        params = [p for _, p in model.named_parameters() if p.requires_grad]
+        o = cfg.optim
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        model.train()
+        out, losses = [], []
+        for step in range(cfg.run.steps):
+            loss = 0.0
+            total = data.step_tokens(step, cfg.run.microbatches)
+            acc = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+            for i in range(cfg.run.microbatches):
+                mb = data.microbatch(step, i)
+                rows = mb.x.shape[0] // G if split else mb.x.shape[0]
+                shares = []
+                for j in range(G if split else 1):
+                    x, y = mb.x[j * rows:(j + 1) * rows], mb.y[j * rows:(j + 1) * rows]
+                    torch.manual_seed(mix(seed, step, i))  # dropout: per microbatch (and share)
+                    weighted = model(x, y) * (int((y != -1).sum()) / total)
+                    weighted.backward()
+                    loss += float(weighted)
+                    shares.append([p.grad.double() for p in params])
+                    for p in params:
+                        p.grad = None
+                for a, *g in zip(acc, *shares):
+                    a += sum(g).float() if split else g[0]
+            for a, p in zip(acc, params):
+                p.grad = a.float()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            shards = [hashlib.sha256(b"".join(torch.chunk(p.detach(), G)[j].contiguous().numpy().tobytes()
+                                              for p in params)).hexdigest() for j in range(G)]
+            out.append(hashlib.sha256("".join(shards).encode()).hexdigest())
+            losses.append(loss)
+        return out, [p.detach().clone() for p in params], losses
+
+    want, split_params, _ = loop(split=True)
+    assert [digests(groups_reference)[s] for s in range(cfg.run.steps)] == want
+    _, textbook, losses = loop(split=False)
+    recorded = steps(read_events(groups_reference))
+    assert all(abs(recorded[s]["loss"] - v) <= 1e-6 * abs(v) for s, v in enumerate(losses)), losses
+    worst = max(float((a - b).abs().max()) for a, b in zip(split_params, textbook))
+    assert worst <= 1e-5, worst
+
+
+def test_two_groups_lost_in_one_step_a_rank_each_in_compute_and_allreduce(tmp_path, groups_reference):
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=1,phase=compute;"
+                                       "kill:replica=2,rank=0,step=1,phase=allreduce")
+    assert_group_left(events, 1, 1, 1, "compute")
+    assert_group_left(events, 2, 0, 1, "allreduce")
+    record = steps(events)[1]
+    assert (record["members"], record["ranks"]) == ([0], 2)  # group 0 alone, both its ranks
+    assert sorted(record["owners"]["0"]) == list(range(6))  # it redid the lost groups' microbatches
+    assert digests(out) == digests(groups_reference)
+
+
+def test_a_rank_killed_in_commit_and_another_in_optimizer(tmp_path, groups_reference):
+    out, events = run_faults(tmp_path, "kill:replica=0,rank=1,step=1,phase=commit;"
+                                       "kill:replica=2,rank=0,step=2,phase=optimizer")
+    assert_group_left(events, 0, 1, 1, "commit")
+    assert_group_left(events, 2, 0, 2, "optimizer")
+    # commit: the step could only be retried without group 0; optimizer: step 2 was committed with group 2
+    assert steps(events)[1]["members"] == [1, 2] and steps(events)[2]["members"] == [1, 2]
+    assert steps(events)[3]["members"] == [1]
+    assert digests(out) == digests(groups_reference)
+
+
+def test_a_hung_rank_takes_its_group_out_and_the_zombie_is_fenced(tmp_path, groups_reference):
+    out, events = run_faults(tmp_path, "hang:replica=1,rank=1,step=1,phase=compute,for=5")
+    assert_group_left(events, 1, 1, 1, "compute")
+    dead = next(e for e in events if e["event"] == "member_dead" and e["replica"] == 1)
+    assert dead["reason"].startswith("rank 1: no heartbeat"), dead  # the stopped rank, not its peer
+    assert any(e["event"] == "fenced" and e["replica"] == 1 for e in events)  # its peer (or itself) left
+    assert digests(out) == digests(groups_reference)
+
+
+def test_every_group_lost_names_the_last_committed_step(tmp_path):
+    out = tmp_path / "run"
+    r = unbroken("train", *GROUPS, "--faults", "kill:replica=0,rank=1,step=2;kill:replica=1,step=2;"
+                                               "kill:replica=2,rank=1,step=2", "--out", str(out))
+    assert r.returncode != 0
+    events = read_events(out)
+    assert len([e for e in events if e["event"] == "fault"]) == 3
+    failed = next(e for e in events if e["event"] == "run_failed")
+    assert failed["last_committed_step"] == 1 == max(steps(events))
+    assert "last committed step: 1" in r.stderr
+
+
+@pytest.mark.parametrize("args, token", [
+    (["--parallel.group_size=3"], "parallel.group_size=3"),  # does not divide data.batch_size=4
+    (["--parallel.group_size=2", "--faults", "kill:replica=0,rank=2,step=1"], "rank=2"),
+    (["--parallel.group_size=2", "--snapshot.enabled=true"], "parallel.group_size=2"),
+])
+def test_bad_group_input_is_one_line_and_exit_2(tmp_path, args, token):
+    out = tmp_path / "run"
+    r = unbroken("train", "--replicas", "2", "--steps", "2", *args, "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and token in r.stderr, r.stderr
+    assert not (out / "events.jsonl").exists()
