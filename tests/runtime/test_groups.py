@@ -99,7 +99,7 @@ def test_failure_free_groups_match_a_plain_loop_outside_unbroken(groups_referenc
                     torch.manual_seed(mix(seed, step, i))  # dropout: per microbatch (and share)
                     weighted = model(x, y) * (int((y != -1).sum()) / total)
                     weighted.backward()
-                    loss += float(weighted)
+                    loss += float(weighted.detach())
                     shares.append([p.grad.double() for p in params])
                     for p in params:
                         p.grad = None

@@ -259,7 +259,14 @@ class Trainer:
 
     def compute(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
         """Forward/backward each microbatch into the accumulator. Randomness is a function of (seed, step, i)."""
+        # A group's ranks outside --exact reduce-scatter once per batch (FSDP2 accumulates the unsharded
+        # gradients of the others), where a reduce-scatter per microbatch cost 12% of a 2 x 2 step
+        # (benchmarks/hsdp_overhead.py). --exact keeps one per microbatch: a float32 sum over a batch
+        # rounds differently when a failure regroups the microbatches.
+        batched = self.group is not None and not self.cfg.run.exact
         for n, i in enumerate(microbatches):
+            if batched:
+                self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
             self.hb.at(step, "compute", i)
             mb = part(self.data.microbatch(step, i), self.who.rank, self.ranks)  # this rank's sequences
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
@@ -312,11 +319,7 @@ class Trainer:
 
     def step_optimizer(self, work: StepWork) -> float:
         """Reduced gradient into .grad, optimizer step; returns the step's loss."""
-        loss = work.acc.load_grads(self.reduced)
-        if self.group is not None:  # each rank's loss is its shard's share: the step's is the group's sum
-            total = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(total, group=self.group)
-            loss = float(total)
+        loss = work.acc.load_grads(self.reduced)  # a group's rank: its share (the record sums the shares)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         self.sidecar.wait_records()  # the last step record's hash must have read the parameters first

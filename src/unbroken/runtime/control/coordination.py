@@ -218,16 +218,17 @@ class Coordination:
         itself. Idempotent; a request for an epoch already past is ignored."""
         self.store.set(keys.reform(epoch), json.dumps({"replica": self.me, "reason": reason}))
 
-    def post_shard(self, step: int, digest: str) -> None:
-        """Rank j > 0 of a group: the sha256 of its shard of the parameters after `step`, for the record."""
-        self.store.set(keys.shard_digest(step, self.me, self.rank), digest)
+    def post_shard(self, step: int, digest: str, loss: float) -> None:
+        """Rank j > 0 of a group: the sha256 of its shard of the parameters after `step` and its share of
+        the step's loss (its shard's loss slot, reduced across groups), for the group's record."""
+        self.store.set(keys.shard_digest(step, self.me, self.rank), json.dumps([digest, loss]))
 
-    def shards(self, step: int, group_size: int, timeout_s: float) -> list[str]:
-        """Rank 0 of a group: the shard digests its ranks 1..G-1 posted after `step`, in rank order.
-        Raises on a timeout (a rank that died first: its group is then declared dead anyway)."""
+    def shards(self, step: int, group_size: int, timeout_s: float) -> list[tuple[str, float]]:
+        """Rank 0 of a group: (shard digest, loss share) that its ranks 1..G-1 posted after `step`, in rank
+        order. Raises on a timeout (a rank that died first: its group is then declared dead anyway)."""
         names = [keys.shard_digest(step, self.me, j) for j in range(1, group_size)]
         self.store.wait(names, datetime.timedelta(seconds=timeout_s))
-        return [v.decode() for v in self.store.multi_get(names)]
+        return [tuple(json.loads(v)) for v in self.store.multi_get(names)]
 
     def reclaim_record(self, step: int) -> bool:
         """For a survivor that found `step`'s writer (its commit's proposer) dead with the record
