@@ -126,7 +126,7 @@ def test_reformed_epoch_keeps_the_work_and_reduces_again():
     assert actions == (rec.AwaitEpoch(3, 0),)
     state, actions = rec.on_event(state, rec.EpochChanged(((1, epoch.members),)))
     state, actions = rec.on_event(state, rec.Decided(0, "retry", ((1, epoch.members),)))
-    assert actions == (rec.Reduce(3, 1),) and state.held == frozenset({2, 3})
+    assert actions == (rec.Reduce(3, 1, (0, 1, 2)),) and state.held == frozenset({2, 3})
 
 
 def test_unexpected_event_is_rejected():

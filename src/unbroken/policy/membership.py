@@ -1,7 +1,8 @@
 """Membership epochs and liveness verdicts from heartbeats, as pure values.
 
-Owns: what a membership epoch is (number + sorted member ids), how an epoch follows from the dead set,
-and which members are stale given when each heartbeat was last seen to change.
+Owns: what a membership epoch is (number + sorted member ids), how an epoch follows from the dead set
+or from admitted joiners, which member heals a joiner, and which members are stale given when each
+heartbeat was last seen to change.
 Does not own: receiving heartbeats or storing epochs (the coordinator in `runtime/` does), or clocks:
 callers pass times in seconds from their own monotonic clock.
 """
@@ -27,10 +28,30 @@ class Membership:
             return self
         return Membership(self.epoch + 1, tuple(m for m in self.members if m not in gone))
 
+    def admit(self, joiners: Iterable[int]) -> "Membership":
+        """The next epoch with `joiners` added (replaced or restarted replica groups that asked to join);
+        the same membership if all already are members. A step in flight when it begins goes on without
+        them (policy.recovery counts only a step's own members); the first step planned in it or later
+        includes them, healed first from a donor (`donor`)."""
+        new = set(joiners) - set(self.members)
+        if not new:
+            return self
+        return Membership(self.epoch + 1, tuple(sorted(set(self.members) | new)))
+
     def reformed(self) -> "Membership":
         """The next epoch with the same members: a fresh collective group for an epoch whose group
         broke while nobody died (a collective timed out waiting for a straggler)."""
         return Membership(self.epoch + 1, self.members)
+
+
+def donor(members: Iterable[int], joiner: int) -> int:
+    """The member that heals `joiner` (sends it the state after the step before it joins): joiners
+    spread over the members by id, so several joining at once do not all load one donor. Every
+    member derives the same answer from the step's members. Raises ValueError without members."""
+    ordered = sorted(members)
+    if not ordered:
+        raise ValueError("no member left to heal from")
+    return ordered[joiner % len(ordered)]
 
 
 @dataclass(frozen=True)

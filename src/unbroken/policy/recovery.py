@@ -48,6 +48,7 @@ class Compute:
 class Reduce:
     step: int
     epoch: int  # all-reduce a copy of the accumulator in this epoch's group
+    members: tuple[int, ...] = ()  # ... of the step's members (a group admitted in the epoch joins later)
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,13 @@ def _work(state: StepState) -> tuple[StepState, tuple[Action, ...]]:
     owed = state.owed
     if owed:
         return replace(state, phase=Phase.COMPUTE), (Compute(state.step, tuple(sorted(owed))),)
-    return replace(state, phase=Phase.REDUCE), (Reduce(state.step, state.epoch),)
+    return replace(state, phase=Phase.REDUCE), (Reduce(state.step, state.epoch, state.members),)
 
 
 def _advance(state: StepState, chain: Chain) -> tuple[StepState, tuple[Action, ...]]:
+    # A group admitted in a later epoch (a rejoin, policy.membership) joins at the next step boundary,
+    # not this step: it holds none of this step's work. Each epoch counts only the step's own members.
+    chain = tuple((e, tuple(m for m in ms if m in state.members)) for e, ms in chain)
     epoch, members = chain[-1]
     if state.me not in members:
         return _fence(state, epoch)

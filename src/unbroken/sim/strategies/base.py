@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from unbroken.policy import workload
+from unbroken.policy.membership import Membership
 from unbroken.sim.beyond import beyond_runtime
 from unbroken.sim.cluster import Fault
 from unbroken.sim.engine import Engine
@@ -181,9 +182,10 @@ class Run(abc.ABC):
         members = self.available()
         if not members:
             return
-        if members != self.members:
-            self.epoch += 1
-            self.members = members
+        if members != self.members:  # the runtime's membership policy: removals, then rejoins admitted
+            gone = [r for r in self.members if r not in members]
+            new = Membership(self.epoch, self.members).without(gone).admit(members)
+            self.epoch, self.members = new.epoch, new.members
             self.log.emit("epoch", t, epoch=self.epoch, members=list(members))
         base, mbs = self.plan(members)
         causes = tuple(self.out[r][1] for r in sorted(self.out)) + \
