@@ -266,7 +266,7 @@ def key_families() -> tuple[str, ...]:
         fn = getattr(keys, name)
         if name.startswith("_") or not callable(fn) or isinstance(fn, type):
             continue
-        n = fn.__code__.co_argcount
+        n = fn.__code__.co_argcount - len(fn.__defaults__ or ())  # the required arguments
         text = fn(*([987654321] * n))
         head = text.split("987654321")[0]
         if "/" in head:

@@ -78,6 +78,9 @@ class RunConfig:
     # torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
     # torchrun's agent process per group (its start-up and one more process per group on the host)
     launcher: str = "direct"
+    # torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running job,
+    # healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun line)
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,9 @@ def validate(cfg: Config) -> None:
         (r.quotas in ("speed", "equal"), f"run.quotas={r.quotas!r}: expected 'speed' or 'equal'"),
         (r.step_ahead in ("auto", "on", "off"), f"run.step_ahead={r.step_ahead!r}: expected 'auto', 'on' or 'off'"),
         (r.launcher in ("direct", "torchrun"), f"run.launcher={r.launcher!r}: expected 'direct' or 'torchrun'"),
+        (r.restarts >= 0, f"run.restarts={r.restarts}: must be >= 0"),
+        (r.restarts == 0 or r.launcher == "torchrun" or cfg.parallel.group_size > 1,
+         f"run.restarts={r.restarts} needs --run.launcher=torchrun (torchrun restarts a group)"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),

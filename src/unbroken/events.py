@@ -31,8 +31,11 @@ their fields:
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
   member_dead    replica, epoch (the new epoch without it), reason
+  join           replica, epoch (the new epoch with it), restart   (a restarted or new group admitted)
+  heal           replica (the joiner), donor, step (the state after it), bytes, seconds, side ("donor" |
+                 "joiner"), rank   (one per rank and side; the joiner's says its digest matched)
   epoch          epoch, members, reform (only when the same members re-form a group that broke with
-                 nobody dead: the reason a member gave)
+                 nobody dead: the reason a member gave), admitted (groups that joined in it)
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)
   replan         step, replica, proposed, agreed, why (the step's work was dropped and redone: "another
                  plan won" over our own, or "previous step retried" after we had stepped ahead of it)

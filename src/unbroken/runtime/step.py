@@ -27,6 +27,7 @@ class StepWork:
     stepped: float = 0.0  # time.time() after its optimizer step
     decision: Decision | None = None  # the last decision read of this step
     next_plan: Future = field(default_factory=Future)  # the next step's plan: its commit carries it
+    members: tuple[int, ...] = ()  # the step's own members as its state machine last said
 
     def held(self) -> tuple[int, ...]:
         """The microbatches this member computed in the step (the policy's `held`), in order."""

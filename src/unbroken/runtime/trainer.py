@@ -45,10 +45,13 @@ from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
+from unbroken.policy.membership import donor
+from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordination import Coordination, Decision, Plan
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
+from unbroken.runtime.persist.healing import donate
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
 from unbroken.runtime.speculation import Pipeline, Rollback, limit
@@ -82,7 +85,7 @@ class Trainer:
         self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
         dtype = torch.float64 if cfg.run.exact else torch.float32
         self.accs = (Accumulator(self.params, dtype), Accumulator(self.params, dtype))  # steps alternate
-        self.groups: dict[int, EpochGroup] = {}
+        self.groups: dict[tuple[int, tuple[int, ...]], EpochGroup] = {}  # (epoch, members) -> its group
         self.reduced: torch.Tensor | None = None  # the last all-reduce's result (`scratch`)
         self.scratch: torch.Tensor | None = None  # reused as the all-reduce's copy until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
@@ -97,8 +100,12 @@ class Trainer:
                                  log, self.me)
         self.carried: dict[int, Future] = {}  # step -> its plan, once the step before commits
 
-    def fit(self, first_step: int = 0) -> None:
-        """Train steps first_step .. run.steps-1. Returns when done; a fenced replica exits the process."""
+    def fit(self, first_step: int = 0, plan: Plan | None = None) -> None:
+        """Train steps first_step .. run.steps-1 (a joiner: from the step after the one it healed to, under
+        that step's `plan`). Returns when done; a fenced replica exits the process."""
+        if plan is not None:
+            self.carried[first_step] = Future()
+            self.carried[first_step].set_result(plan)
         self.model.train()
         for step in range(first_step, self.cfg.run.steps):
             self.train_step(step)
@@ -166,6 +173,7 @@ class Trainer:
             if self.pipeline.can_step_ahead(action):
                 self.step_ahead(work, state, action)
                 return state
+            work.members = state.members
             event = self.execute(work, action)
             if event is None:
                 continue
@@ -174,7 +182,7 @@ class Trainer:
             if state.epoch != before.epoch and not state.phase.terminal:
                 self.log.emit("recovery", step=work.step, replica=self.me, from_epoch=before.epoch,
                               to_epoch=state.epoch, redo=sorted(state.owed), **self.tag)
-                self.sidecar.recover(work.step - 1, self.coord.members(state.epoch))
+                self.sidecar.recover(work.step - 1, state.members)
             queue.extend(more)
         return state
 
@@ -195,8 +203,8 @@ class Trainer:
         match action:
             case rec.Compute(step, mbs):
                 return self.compute(work, step, mbs)
-            case rec.Reduce(step, epoch):
-                return self.reduce(work, step, epoch)
+            case rec.Reduce(step, epoch, members):
+                return self.reduce(work, step, epoch, members)
             case rec.Publish(step, epoch, held):
                 self.before_publish(step, epoch)
                 self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
@@ -283,14 +291,15 @@ class Trainer:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
         return rec.Computed(microbatches)
 
-    def reduce(self, work: StepWork, step: int, epoch: int) -> rec.Event:
-        """All-reduce a copy of the accumulator in the epoch's group; the accumulator stays intact."""
+    def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:
+        """All-reduce a copy of the accumulator in the group of the step's `members` in `epoch` (a group
+        admitted in the epoch joins at the next step); the accumulator stays intact."""
         self.hb.at(step, "allreduce", epoch=epoch)
         if self.coord.epoch() > epoch:
             return rec.EpochChanged(self.coord.chain_after(epoch))
-        if epoch not in self.groups:
-            self.groups[epoch] = EpochGroup(self.coord.group_store(), epoch, self.coord.members(epoch), self.me,
-                                            self.cfg.coord.collective_timeout, shard=self.who.rank)
+        if (epoch, members) not in self.groups:
+            self.groups[epoch, members] = EpochGroup(self.coord.group_store(), epoch, members, self.me,
+                                                     self.cfg.coord.collective_timeout, shard=self.who.rank)
         held = work.held()
 
         def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
@@ -303,7 +312,7 @@ class Trainer:
         if self.scratch is None or self.scratch.dtype != buffer.dtype:
             self.scratch = torch.empty_like(buffer)
         try:
-            result = self.groups[epoch].allreduce(buffer, lambda: self.coord.epoch() > epoch, on_issued=issued,
+            result = self.groups[epoch, members].allreduce(buffer, lambda: self.coord.epoch() > epoch, on_issued=issued,
                                                   into=self.scratch)
         except EpochMoved:
             self.scratch = None  # the abandoned collective may still write it
@@ -343,14 +352,35 @@ class Trainer:
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
         self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
                       state_digest=quick_param_digest(self.params), waited=round(work.waited, 6), **self.tag)
+        members = work.members
         if self.persist:
-            self.persist.after_commit(step, self.coord.members(epoch), lambda: self.faults.at(step, "snapshot"))
+            self.persist.after_commit(step, members, lambda: self.faults.at(step, "snapshot"))
+        self.heal_joiners(step, members, commit.plan)
         # The commit's proposer writes the step record (sha256 included) beside the next step's
         # compute (sidecar.py), off the path every peer waits on.
-        self.sidecar.record(step, epoch, self.coord.members(epoch), commit.proposer, dict(
+        self.sidecar.record(step, epoch, members, commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
-            ranks=len(self.coord.members(epoch)) * self.who.group_size,  # groups took part: `replicas`
+            ranks=len(members) * self.who.group_size,  # groups took part: `replicas`
             step_time=round(work.stepped - work.started, 6)))
+
+    def heal_joiners(self, step: int, members: tuple[int, ...], plan: Plan) -> None:
+        """Groups the next step's plan admits (not members of this one) get this step's state from their
+        donor (policy.membership.donor): if that is us, each of our ranks sends its shard to the joiner's
+        rank of the same index, holding our next step up by that transfer. A joiner that never comes or
+        dies mid-transfer costs us the timeout, then its group is declared dead and the step goes on."""
+        for g in (g for g in plan.members if g not in members and donor(members, g) == self.me):
+            admitted = self.coord.admission(g)
+            t = time.perf_counter()
+            if self.who.rank == 0:
+                self.coord.offer_heal(g, admitted, step, plan)
+            try:
+                sent, seconds = donate(self.coord.group_store(), keys.heal_prefix(g, admitted, self.who.rank),
+                                       self.model, self.optimizer, self.cfg.coord.collective_timeout)
+            except RuntimeError as e:
+                self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **self.tag)
+                continue
+            self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
+                          side="donor", held=round(time.perf_counter() - t, 6), **self.tag)
 
     def fence(self, step: int, reason: str) -> None:
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)

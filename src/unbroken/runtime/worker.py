@@ -22,6 +22,7 @@ Run with the default GPT and corpus as `python -m unbroken.runtime.worker`; a us
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sys
@@ -42,6 +43,7 @@ from unbroken.runtime.control.store import connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
+from unbroken.runtime.persist.healing import receive
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
@@ -177,21 +179,35 @@ def run(factories: Factories) -> int:
     heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
                           on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
                           prefix=keys.generation_prefix(generation), rank=who.rank)
-    heartbeat.start()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    joining = restart > 0 or coord.is_dead()  # restarted by torchrun, or a new process for a lost group
+    if not joining:
+        heartbeat.start()
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     injector = Injector(faults, me, log, raw, rank=who.rank)
     try:
         parts = build(cfg, factories, who)
+        mine = signature(cfg, parts)
+        if who.rank == 0 and coord.claim_signature(mine) != mine:
+            raise ConfigError(f"replica group {me}'s config or model differs from the run's (signature "
+                              f"{mine[:12]}...): refused, nothing loaded")
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
             persist = Persistence(cfg, me, raw, run_id, run_dir, parts.model, parts.optimizer, log)
         sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client), rank=who.rank)
         trainer = Trainer(cfg, who, parts, coord, log, heartbeat, injector, sidecar, persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
-        trainer.fit(first)
+        plan = None
+        if joining:
+            first, plan = join(cfg, who, coord, heartbeat, parts, log, restart)
+        trainer.fit(first, plan)
         if trainer.persist:
             trainer.persist.close()
         coord.finish()
+    except ConfigError as e:
+        print(f"unbroken: error: {e}", file=sys.stderr)
+        log.emit("worker_error", replica=me, error=str(e)[:300], **tag)
+        return 2
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
         if who.group_size > 1 and peer_lost(e):  # a rank of our group died: the group is out, not the run
@@ -202,6 +218,36 @@ def run(factories: Factories) -> int:
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0
+
+
+def signature(cfg: Config, parts: Parts) -> str:
+    """sha256 of the run's config and the model's parameter names, global shapes and dtypes: what every
+    group must share (a joiner built from other code or another config is refused before loading)."""
+    h = hashlib.sha256(cfg.to_json().encode())
+    for name, p in parts.model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()
+
+
+def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat, parts: Parts, log: EventLog,
+         restart: int) -> tuple[int, object]:
+    """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
+    step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1).
+    Call once, after `build`, before training. The admission waits for the old incarnation to be declared
+    dead (a heartbeat timeout) and for a step boundary: up to the start-up timeout."""
+    nonce = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'direct')}-{restart}-{who.group}"
+    if who.rank == 0:
+        coord.ask_to_join(nonce, restart)
+    wait = cfg.coord.startup_timeout
+    admitted = coord.admitted(nonce, wait)
+    heartbeat.start()
+    step, donor, plan = coord.heal_offer(admitted, wait)
+    heartbeat.at(step, "heal")
+    got, seconds = receive(coord.group_store(), keys.heal_prefix(who.group, admitted, who.rank), parts.model,
+                           parts.optimizer, cfg.coord.collective_timeout)
+    log.emit("heal", replica=who.group, donor=donor, step=step, bytes=got, seconds=round(seconds, 6), side="joiner",
+             **({"rank": who.rank} if who.group_size > 1 else {}))
+    return step + 1, plan
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -230,6 +230,36 @@ class Coordination:
         self.store.wait(names, datetime.timedelta(seconds=timeout_s))
         return [tuple(json.loads(v)) for v in self.store.multi_get(names)]
 
+    # joining ----------------------------------------------------------------------------------------
+    def ask_to_join(self, nonce: str, restart: int) -> None:
+        """A restarted or new group's rank 0: ask the coordinator for admission (`admitted` says when)."""
+        self.store.set(keys.join(self.me), json.dumps({"nonce": nonce, "restart": restart}))
+
+    def admitted(self, nonce: str, timeout_s: float) -> int:
+        """Wait until the request `nonce` of this group is admitted; returns the epoch that admitted it.
+        Raises on a timeout (torch's store error)."""
+        self.store.wait([keys.admitted(self.me, nonce)], datetime.timedelta(seconds=timeout_s))
+        return int(self.store.get(keys.admitted(self.me, nonce)))
+
+    def admission(self, group: int) -> int:
+        """The epoch that admitted `group` last (a donor keys the heal by it)."""
+        return int(self.store.get(keys.joined(group)))
+
+    def offer_heal(self, group: int, admitted: int, step: int, plan: Plan) -> None:
+        """The donor's rank 0: `group` (admitted in `admitted`) gets the state after `step`, then trains
+        from step + 1 under `plan`."""
+        self.store.set(keys.heal(group, admitted), json.dumps({"step": step, "donor": self.me, "plan": plan.dumps()}))
+
+    def heal_offer(self, admitted: int, timeout_s: float) -> tuple[int, int, Plan]:
+        """The joiner: wait for its donor's offer; returns (step healed to, donor, the next step's plan)."""
+        self.store.wait([keys.heal(self.me, admitted)], datetime.timedelta(seconds=timeout_s))
+        offer = json.loads(self.store.get(keys.heal(self.me, admitted)))
+        return offer["step"], offer["donor"], Plan.loads(offer["plan"])
+
+    def claim_signature(self, signature: str) -> str:
+        """Compare-and-set the run's config-and-model signature; returns the one that stands."""
+        return self.store.compare_set(keys.signature(), "", signature).decode()
+
     def reclaim_record(self, step: int) -> bool:
         """For a survivor that found `step`'s writer (its commit's proposer) dead with the record
         unwritten: True for the one survivor that writes it instead."""

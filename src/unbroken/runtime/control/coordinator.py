@@ -44,6 +44,7 @@ class Coordinator:
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
+        self.replicas = replicas
         self.beats: dict[tuple[int, int], Beat] = {}  # (member, rank) -> its last beat
         self.exits_seen = 0
         self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
@@ -86,6 +87,7 @@ class Coordinator:
             self._remove(verdicts)
         elif beats:
             self._reform()
+            self._admit()
         if beats:  # the detector needs committed steps' timings, not within 20 ms of the commit
             self.slowness.poll(self.membership.epoch)
         return bool(self.membership.members)
@@ -116,6 +118,29 @@ class Coordinator:
             self.slowness.forget(m)
         self._begin(new)
 
+    def _admit(self) -> None:
+        """Groups that asked to join (`join/{g}`: restarted by torchrun, or new on a spare host) and are
+        not members: a new epoch with them (policy.membership.admit). Their old incarnation's marks go
+        (dead, exit, heartbeats), so they beat afresh; they train from the first step planned in the
+        new epoch, healed by a donor (trainer.py). One check per non-member a beat round."""
+        requests = {}
+        for g in range(self.replicas):
+            if g not in self.membership.members and self.store.check([keys.join(g)]):
+                requests[g] = json.loads(self.store.get(keys.join(g)))
+        if not requests:
+            return
+        new = self.membership.admit(requests)
+        self.store.set(keys.members(new.epoch), json.dumps(list(new.members)))
+        for g, request in sorted(requests.items()):
+            for key in (keys.dead(g), keys.exited(g), keys.join(g), *(keys.heartbeat(g, j) for j in self.ranks)):
+                self.store.delete_key(key)
+            for j in self.ranks:
+                self.beats.pop((g, j), None)
+            self.store.set(keys.joined(g), str(new.epoch))
+            self.store.set(keys.admitted(g, request["nonce"]), str(new.epoch))
+            self.log.emit("join", replica=g, epoch=new.epoch, restart=request.get("restart", 0))
+        self._begin(new, admitted=sorted(requests))
+
     def _reform(self) -> None:
         """A member whose epoch's group broke while nobody died asked for a fresh one (`reform/{e}`,
         coordination.request_reform): the same members in a new epoch."""
@@ -125,7 +150,7 @@ class Coordinator:
             self.store.set(keys.members(new.epoch), json.dumps(list(new.members)))
             self._begin(new, reform=json.loads(self.store.get(key))["reason"])
 
-    def _begin(self, new: Membership, **why: str) -> None:
+    def _begin(self, new: Membership, **why) -> None:
         """Publish epoch `new` (its member list already written) and wake the members."""
         self.store.set(keys.epoch(), str(new.epoch))
         self.store.set(keys.epoch_begun(new.epoch), "1")  # wakes the members' epoch watches

@@ -27,7 +27,16 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   reclaim/{s}           a survivor that writes it instead         CAS (the proposer died first)
   finished/{g}, nfinished   a member applied the last step; their count       member
   failed                JSON {"reason","last_committed_step"}     coordinator: every group lost
-  pg/{shard}/{e}/...    gloo's rendezvous of epoch e's group for shard index `shard`
+  pg/{shard}/{e}/{m}/... gloo's rendezvous of epoch e's group of members m (dot-joined) for shard index
+                        `shard`
+  join/{g}              JSON {"nonce", "restart"}: a restarted or new group g asks to join   its rank 0
+  admitted/{g}/{nonce}  the epoch that admitted that request        coordinator
+  joined/{g}            the epoch that admitted g last              coordinator
+  heal/{g}/{E}          JSON {"step", "donor", "plan"}: the donor of g (admitted in E) sends the state
+                        after `step`; g trains from step + 1 under `plan`   the donor's rank 0
+  heal/{g}/{E}/pg/{j}/  gloo's rendezvous of the donor's and g's rank j
+  signature             sha256 of the config and the model's parameter names, shapes and dtypes: the
+                        first group's; another is refused          every group's rank 0 (CAS)
   restore/...           gloo's rendezvous of a restore from snapshots
 Unprefixed (they outlive generations):
   config, run_dir, run_id   the run's config (JSON), directory and id   a standalone coordinator, for
@@ -147,9 +156,35 @@ def finished_count() -> str:
     return "nfinished"
 
 
-def collective_prefix(shard: int, epoch: int) -> str:
-    """Where epoch `epoch`'s cross-group collective for shard index `shard` rendezvous."""
-    return f"pg/{shard}/{epoch}/"
+def collective_prefix(shard: int, epoch: int, members: tuple[int, ...] = ()) -> str:
+    """Where epoch `epoch`'s cross-group collective of `members` for shard index `shard` rendezvous (a
+    step in flight when a group is admitted reduces in the new epoch without it, the next step with it)."""
+    return f"pg/{shard}/{epoch}/{'.'.join(map(str, members))}/"
+
+
+def join(group: int) -> str:
+    return f"join/{group}"
+
+
+def admitted(group: int, nonce: str) -> str:
+    return f"admitted/{group}/{nonce}"
+
+
+def joined(group: int) -> str:
+    return f"joined/{group}"
+
+
+def heal(group: int, epoch: int) -> str:
+    return f"heal/{group}/{epoch}"
+
+
+def heal_prefix(group: int, epoch: int, shard: int) -> str:
+    """Where the donor's rank `shard` and the joiner's rank `shard` form their two-rank group."""
+    return f"heal/{group}/{epoch}/pg/{shard}/"
+
+
+def signature() -> str:
+    return "signature"
 
 
 def restore_prefix(generation: int) -> str:

@@ -194,7 +194,7 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
         # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
         # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={cfg.parallel.group_size}", "--max-restarts=0", *cmd[1:]]
+               f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
     out = open(run_dir / "logs" / f"replica{r}.log", "ab")
     p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9

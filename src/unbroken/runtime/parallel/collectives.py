@@ -52,7 +52,7 @@ class EpochGroup:
         self.rank = members.index(me)
         self._pg: dist.ProcessGroup | None = None
         self._error: BaseException | None = None
-        prefix = PrefixStore(keys.collective_prefix(shard, epoch), store)
+        prefix = PrefixStore(keys.collective_prefix(shard, epoch, tuple(members)), store)
         timeout = datetime.timedelta(seconds=timeout_s)
 
         def form() -> None:
