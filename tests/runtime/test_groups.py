@@ -61,67 +61,98 @@ def assert_group_left(events: list[dict], group: int, rank: int, step: int, phas
     assert not late, late
 
 
+def plain_loop(cfg: Config, split: bool, steps: int | None = None) -> tuple[list[str], list[torch.Tensor], list[float]]:
+    """The oracle: one process, plain PyTorch, none of unbroken's runtime. With `split`, each microbatch is
+    split by rows into the G ranks' shares (the data API's `part`), each share's gradient computed on its
+    own, the shares summed in float64 and rounded to float32 once (FSDP2's float64 reduce-scatter);
+    microbatches summed in float64 and rounded once before AdamW. Returns, after each step, the digest of
+    the parameters cut into the ranks' shards (torch.chunk along dim 0, FSDP2's layout) as the step
+    record's; the final parameters; each step's loss."""
+    G, seed = cfg.parallel.group_size, cfg.run.seed
+    torch.set_num_threads(1)
+    data = DataSource(cfg.data, cfg.model.block_size, seed)
+    torch.manual_seed(seed)
+    model = GPT(cfg.model)
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    o = cfg.optim
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    model.train()
+    out, losses = [], []
+    for step in range(cfg.run.steps if steps is None else steps):
+        loss = 0.0
+        total = data.step_tokens(step, cfg.run.microbatches)
+        acc = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+        for i in range(cfg.run.microbatches):
+            mb = data.microbatch(step, i)
+            rows = mb.x.shape[0] // G if split else mb.x.shape[0]
+            shares = []
+            for j in range(G if split else 1):
+                x, y = mb.x[j * rows:(j + 1) * rows], mb.y[j * rows:(j + 1) * rows]
+                torch.manual_seed(mix(seed, step, i))  # dropout: per microbatch (and share)
+                weighted = model(x, y) * (int((y != -1).sum()) / total)
+                weighted.backward()
+                loss += float(weighted.detach())
+                shares.append([p.grad.double() for p in params])
+                for p in params:
+                    p.grad = None
+            for a, *g in zip(acc, *shares):
+                a += sum(g).float() if split else g[0]
+        for a, p in zip(acc, params):
+            p.grad = a.float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        shards = [hashlib.sha256(b"".join(torch.chunk(p.detach(), G)[j].contiguous().numpy().tobytes()
+                                          for p in params)).hexdigest() for j in range(G)]
+        out.append(hashlib.sha256("".join(shards).encode()).hexdigest())
+        losses.append(loss)
+    return out, [p.detach().clone() for p in params], losses
+
+
 def test_failure_free_groups_match_a_plain_loop_outside_unbroken(groups_reference):
-    """The oracle: one process, plain PyTorch, none of unbroken's runtime. Each microbatch is split by rows
-    into the two ranks' shares (the data API's `part`), each share's gradient computed on its own, the
-    shares summed in float64 and rounded to float32 once (FSDP2's float64 reduce-scatter), microbatches
-    summed in float64 and rounded once before AdamW. Its parameters after every step, cut into the two
-    ranks' shards (torch.chunk along dim 0, FSDP2's layout), hash to the run's digest bit for bit.
+    """The run's digest after every step equals the split oracle's (`plain_loop`) bit for bit.
 
     The textbook loop (whole microbatches, no split) computes each microbatch's gradient with other matmul
     shapes, so its float32 sums differ in the last bits (4.5e-8 at most in step 0's gradient, measured);
     AdamW magnifies such differences where gradients are near zero: 1.6e-6 in the parameters after 4 steps
     (measured). Its per-step loss is within 1e-6 (relative) of the run's, its parameters within 1e-5."""
     cfg = Config.from_json((groups_reference / "config.json").read_text())
-    G, seed = cfg.parallel.group_size, cfg.run.seed
-    assert G == 2
-    torch.set_num_threads(1)
-    data = DataSource(cfg.data, cfg.model.block_size, seed)
-
-    def loop(split: bool) -> tuple[list[str], list[torch.Tensor], list[float]]:
-        torch.manual_seed(seed)
-        model = GPT(cfg.model)
-        params = [p for _, p in model.named_parameters() if p.requires_grad]
-        o = cfg.optim
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        model.train()
-        out, losses = [], []
-        for step in range(cfg.run.steps):
-            loss = 0.0
-            total = data.step_tokens(step, cfg.run.microbatches)
-            acc = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
-            for i in range(cfg.run.microbatches):
-                mb = data.microbatch(step, i)
-                rows = mb.x.shape[0] // G if split else mb.x.shape[0]
-                shares = []
-                for j in range(G if split else 1):
-                    x, y = mb.x[j * rows:(j + 1) * rows], mb.y[j * rows:(j + 1) * rows]
-                    torch.manual_seed(mix(seed, step, i))  # dropout: per microbatch (and share)
-                    weighted = model(x, y) * (int((y != -1).sum()) / total)
-                    weighted.backward()
-                    loss += float(weighted.detach())
-                    shares.append([p.grad.double() for p in params])
-                    for p in params:
-                        p.grad = None
-                for a, *g in zip(acc, *shares):
-                    a += sum(g).float() if split else g[0]
-            for a, p in zip(acc, params):
-                p.grad = a.float()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            shards = [hashlib.sha256(b"".join(torch.chunk(p.detach(), G)[j].contiguous().numpy().tobytes()
-                                              for p in params)).hexdigest() for j in range(G)]
-            out.append(hashlib.sha256("".join(shards).encode()).hexdigest())
-            losses.append(loss)
-        return out, [p.detach().clone() for p in params], losses
-
-    want, split_params, _ = loop(split=True)
+    assert cfg.parallel.group_size == 2
+    want, split_params, _ = plain_loop(cfg, split=True)
     assert [digests(groups_reference)[s] for s in range(cfg.run.steps)] == want
-    _, textbook, losses = loop(split=False)
+    _, textbook, losses = plain_loop(cfg, split=False)
     recorded = steps(read_events(groups_reference))
     assert all(abs(recorded[s]["loss"] - v) <= 1e-6 * abs(v) for s, v in enumerate(losses)), losses
     worst = max(float((a - b).abs().max()) for a, b in zip(split_params, textbook))
     assert worst <= 1e-5, worst
+
+
+def test_a_group_restarted_by_torchrun_rejoins_healed_from_a_live_peer(tmp_path):
+    """run.restarts=1: torchrun restarts group 1 after its rank 1 is killed; it asks to join, is admitted
+    at a step boundary, each of its ranks takes the state of the donor's rank of the same index (checked
+    against the donor's digest), and the run ends with 3 groups, every step bitwise the oracle's."""
+    out = tmp_path / "run"
+    at = GROUPS.index("--steps") + 1
+    args = [*GROUPS[:at], "60", *GROUPS[at + 1:]]  # 60 steps: time for the restart to come back
+    r = unbroken("train", *args, "--run.restarts=1", "--faults", "kill:replica=1,rank=1,step=2,phase=compute",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    audit = unbroken("audit", str(out))
+    assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
+    events = read_events(out)
+    assert [(e["replica"], e.get("rank")) for e in events if e["event"] == "fault"] == [(1, 1)]
+    assert 1 in [e["replica"] for e in events if e["event"] == "member_dead"]
+    join = next(e for e in events if e["event"] == "join")
+    assert (join["replica"], join["restart"]) == (1, 1)
+    heals = [e for e in events if e["event"] == "heal"]
+    assert sorted((e["side"], e["rank"]) for e in heals) == [("donor", 0), ("donor", 1), ("joiner", 0), ("joiner", 1)]
+    healed = heals[0]["step"]
+    record = steps(events)
+    assert record[healed + 1]["members"] == [0, 1, 2] and record[59]["members"] == [0, 1, 2]
+    assert sorted(record[healed + 1]["owners"]["1"]) == [2, 3]  # its quota back
+    assert record[2]["members"] == [0, 2]
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=True)
+    assert [digests(out)[s] for s in range(cfg.run.steps)] == want
 
 
 def test_two_groups_lost_in_one_step_a_rank_each_in_compute_and_allreduce(tmp_path, groups_reference):
