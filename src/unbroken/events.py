@@ -32,6 +32,8 @@ their fields:
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
   member_dead    replica, epoch (the new epoch without it), reason
   join           replica, epoch (the new epoch with it), restart   (a restarted or new group admitted)
+  join_refused   replica, error                       (a restarted or new group whose config or model
+                                                       differs from the run's: nothing loaded, it exits 2)
   heal           replica (the joiner), donor, step (the state after it), bytes, seconds, side ("donor" |
                  "joiner"), rank   (one per rank and side; the joiner's says its digest matched)
   epoch          epoch, members, reform (only when the same members re-form a group that broke with

@@ -10,6 +10,9 @@ nothing into a later step, and survivors redid the group's microbatches.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +212,44 @@ def test_bad_group_input_is_one_line_and_exit_2(tmp_path, args, token):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and token in r.stderr, r.stderr
     assert not (out / "events.jsonl").exists()
+
+
+JOINER_SCRIPT = '''
+"""A user's script whose restarted process builds another model (as new code deployed mid-run would)."""
+import os, sys
+import torch
+import unbroken
+from unbroken.config import ModelConfig
+from unbroken.model.data import DataSource
+from unbroken.model.gpt import GPT
+from dataclasses import replace
+
+def model(cfg):
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return GPT(replace(cfg.model, n_embd=32) if restarted else cfg.model)
+
+if __name__ == "__main__":
+    r = unbroken.train(model=model, data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed),
+                       optimizer=lambda ps, cfg: torch.optim.AdamW(ps, lr=1e-3), replicas=2, steps=40,
+                       microbatches=4, exact=True, progress=False, out=sys.argv[1], run__launcher="torchrun",
+                       run__restarts=1, faults="kill:replica=1,step=2,phase=compute",
+                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+    print("ok" if r.ok else "failed")
+'''
+
+
+def test_a_joiner_with_another_model_is_refused_with_one_line_and_loads_nothing(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(JOINER_SCRIPT)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
+    events = read_events(out)
+    assert [e["replica"] for e in events if e["event"] == "fault"] == [1]
+    refused = [e for e in events if e["event"] == "join_refused" and e["replica"] == 1]
+    assert len(refused) == 1 and "config or model differs from the run's" in refused[0]["error"], refused
+    assert not [e for e in events if e["event"] in ("join", "heal")]  # nothing admitted, nothing loaded
+    lines = [line for line in (out / "logs" / "replica1.log").read_text().splitlines() if "unbroken: error" in line]
+    assert len(lines) == 1 and "replica group 1's config or model differs" in lines[0], lines
+    assert steps(events)[39]["members"] == [0]

@@ -204,9 +204,9 @@ def run(factories: Factories) -> int:
         if trainer.persist:
             trainer.persist.close()
         coord.finish()
-    except ConfigError as e:
+    except ConfigError as e:  # a joiner refused leaves the run as it was; at the start it is bad input
         print(f"unbroken: error: {e}", file=sys.stderr)
-        log.emit("worker_error", replica=me, error=str(e)[:300], **tag)
+        log.emit("join_refused" if joining else "worker_error", replica=me, error=str(e)[:300], **tag)
         return 2
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
