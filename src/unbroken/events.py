@@ -34,8 +34,11 @@ their fields:
   join           replica, epoch (the new epoch with it), restart   (a restarted or new group admitted)
   join_refused   replica, error                       (a restarted or new group whose config or model
                                                        differs from the run's: nothing loaded, it exits 2)
-  heal           replica (the joiner), donor, step (the state after it), bytes, seconds, side ("donor" |
-                 "joiner"), rank   (one per rank and side; the joiner's says its digest matched)
+  heal           replica (the joiner), donor, step (the state after it), bytes, seconds (all, the
+                 two-rank group's rendezvous included), transfer (s of the broadcasts alone), side ("donor"
+                 | "joiner"), held (donor: s its step was held up), rank   (one per rank and side; the
+                 joiner's says its digest matched)
+  heal_failed    replica, donor, step, error          (the joiner never came or died mid-transfer)
   epoch          epoch, members, reform (only when the same members re-form a group that broke with
                  nobody dead: the reason a member gave), admitted (groups that joined in it)
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)

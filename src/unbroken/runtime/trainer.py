@@ -374,13 +374,14 @@ class Trainer:
             if self.who.rank == 0:
                 self.coord.offer_heal(g, admitted, step, plan)
             try:
-                sent, seconds = donate(self.coord.group_store(), keys.heal_prefix(g, admitted, self.who.rank),
+                sent, seconds, transfer = donate(self.coord.group_store(), keys.heal_prefix(g, admitted, self.who.rank),
                                        self.model, self.optimizer, self.cfg.coord.collective_timeout)
             except RuntimeError as e:
                 self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **self.tag)
                 continue
             self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
-                          side="donor", held=round(time.perf_counter() - t, 6), **self.tag)
+                          transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),
+                          **self.tag)
 
     def fence(self, step: int, reason: str) -> None:
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)

@@ -243,9 +243,10 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat, 
     heartbeat.start()
     step, donor, plan = coord.heal_offer(admitted, wait)
     heartbeat.at(step, "heal")
-    got, seconds = receive(coord.group_store(), keys.heal_prefix(who.group, admitted, who.rank), parts.model,
+    got, seconds, transfer = receive(coord.group_store(), keys.heal_prefix(who.group, admitted, who.rank), parts.model,
                            parts.optimizer, cfg.coord.collective_timeout)
-    log.emit("heal", replica=who.group, donor=donor, step=step, bytes=got, seconds=round(seconds, 6), side="joiner",
+    log.emit("heal", replica=who.group, donor=donor, step=step, bytes=got, seconds=round(seconds, 6),
+             transfer=round(transfer, 6), side="joiner",
              **({"rank": who.rank} if who.group_size > 1 else {}))
     return step + 1, plan
 

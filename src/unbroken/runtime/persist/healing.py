@@ -40,18 +40,22 @@ def _group(store: Store, prefix: str, rank: int, timeout_s: float) -> dist.Proce
 
 
 def donate(store: Store, prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-           timeout_s: float) -> tuple[int, float]:
-    """Send this rank's state to the joiner's rank on `prefix`; returns (bytes, seconds). Call right
+           timeout_s: float) -> tuple[int, float, float]:
+    """Send this rank's state to the joiner's rank on `prefix`; returns (bytes, seconds in all, seconds of
+    the transfer alone: the group's rendezvous excluded). Call right
     after the optimizer step of the step before the joiner's first. Raises on a joiner that never
     comes (timeout) or dies mid-transfer: the caller goes on, and the joiner is declared dead."""
     t0 = time.perf_counter()
     pg = _group(store, prefix, 0, timeout_s)
     tensors = _tensors(model, optimizer)
     flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-    pg.broadcast(flat, 0).wait()
     digest = torch.tensor(list(bytes.fromhex(quick_param_digest(unique_parameters(model)))), dtype=torch.uint8)
+    pg.barrier().wait()  # the group formed on both sides: what follows is the transfer
+    t1 = time.perf_counter()
+    pg.broadcast(flat, 0).wait()
     pg.broadcast(digest, 0).wait()
-    return flat.numel() * flat.element_size(), time.perf_counter() - t0
+    t2 = time.perf_counter()
+    return flat.numel() * flat.element_size(), t2 - t0, t2 - t1
 
 
 class HealMismatch(RuntimeError):
@@ -59,8 +63,9 @@ class HealMismatch(RuntimeError):
 
 
 def receive(store: Store, prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-            timeout_s: float) -> tuple[int, float]:
-    """Load this rank's state from the donor's rank on `prefix`; returns (bytes, seconds). Call once,
+            timeout_s: float) -> tuple[int, float, float]:
+    """Load this rank's state from the donor's rank on `prefix`; returns (bytes, seconds in all, seconds
+    of the transfer alone). Call once,
     before the first step. Raises HealMismatch when the loaded parameters do not hash to the donor's
     digest, and gloo's error when the donor dies mid-transfer."""
     t0 = time.perf_counter()
@@ -68,9 +73,12 @@ def receive(store: Store, prefix: str, model: nn.Module, optimizer: torch.optim.
     pg = _group(store, prefix, 1, timeout_s)
     tensors = _tensors(model, optimizer)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
-    pg.broadcast(flat, 0).wait()
     digest = torch.empty(16, dtype=torch.uint8)
+    pg.barrier().wait()
+    t1 = time.perf_counter()
+    pg.broadcast(flat, 0).wait()
     pg.broadcast(digest, 0).wait()
+    t2 = time.perf_counter()
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -79,4 +87,4 @@ def receive(store: Store, prefix: str, model: nn.Module, optimizer: torch.optim.
     want, got = bytes(digest.tolist()).hex(), quick_param_digest(unique_parameters(model))
     if got != want:
         raise HealMismatch(f"healed parameters hash to {got}, the donor's to {want}")
-    return flat.numel() * flat.element_size(), time.perf_counter() - t0
+    return flat.numel() * flat.element_size(), time.perf_counter() - t0, t2 - t1

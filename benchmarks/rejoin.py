@@ -1,0 +1,108 @@
+"""Rejoin: a replica group SIGKILLed, restarted by torchrun, admitted and healed from a live peer.
+
+One real run through unbroken's launcher: R groups of G ranks, each group a torchrun job with
+`--max-restarts=1` (`--run.restarts=1`); `kill:replica=1,rank=G-1,step=S` SIGKILLs one rank of group 1.
+torchrun tears the group down and restarts it; the coordinator declares the old group dead (heartbeat
+timeout: torchrun's agent does not exit, so no launcher report), the survivors redo its microbatches and
+go on; the restarted group asks to join, is admitted in a new epoch at a step boundary, each of its
+ranks takes the state of the donor's rank of the same index, and it takes quotas again.
+
+From the run's events:
+  back      seconds from the `fault` record to the first committed step whose members include group 1;
+  longest   the survivors' longest step interval (between consecutive `step` records) after the
+            old group's `member_dead` until the group is back: what the admission (one re-reduce of the
+            step in flight) and the heal (the donor holds its next step up by the transfer) cost them,
+            in failure-free step times (median interval before the fault, first --warmup dropped).
+            Target <= 2. The step the fault hit is shown apart: it lasts the heartbeat timeout.
+  heal      bytes a joiner rank received over its transfer seconds (the `heal` records), against a
+            memcpy of the same bytes on this machine (median of 20 torch copies); the transfer alone (the
+            `transfer` field: broadcasts after a barrier), the group's rendezvous shown apart.
+
+Last line: `ratio rejoin_longest_step VALUE`. What it leaves out: the restarted processes' start-up
+(imports, torchrun's agent: in `back`, not in `longest`), and a cluster's network: here the transfer
+is over loopback between processes that share 2 cores.
+Usage: python benchmarks/rejoin.py [--replicas 3] [--group-size 2] [--steps 120] [--fault-step 10]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from unbroken.api import make_config
+from unbroken.events import read_events
+from unbroken.runtime.launcher.launch import launch
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 20) -> float:
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)  # fault the pages in once
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--microbatches", type=int, default=6)
+    ap.add_argument("--fault-step", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    console = Console(width=120)
+    out = Path(tempfile.mkdtemp(prefix="rejoin-")) / "run"
+    G = args.group_size
+    cfg = make_config(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
+                      out=str(out), parallel__group_size=G, run__restarts=1, run__launcher="torchrun",
+                      faults=f"kill:replica=1,rank={G - 1},step={args.fault_step},phase=compute",
+                      coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+    with console.status(f"{args.replicas} groups x {G} ranks, {args.steps} steps, a rank of group 1 killed"):
+        result = launch(cfg)
+    if not result.ok:
+        raise SystemExit(f"the run failed: {result.error} (run dir {out})")
+    events = read_events(out)
+    fault = next(e for e in events if e["event"] == "fault")
+    dead = next(e for e in events if e["event"] == "member_dead" and e["replica"] == 1)
+    records = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["t"])
+    back = next(e for e in records if e["t"] > fault["t"] and 1 in e["members"])
+    before = [b["t"] - a["t"] for a, b in zip(records, records[1:]) if b["step"] <= args.fault_step][args.warmup:]
+    step_s = statistics.median(before)
+    # interval ending at each record; the first record after member_dead is the step the fault hit
+    gaps = [(b["t"] - a["t"], b) for a, b in zip(records, records[1:])]
+    after = [(g, r) for g, r in gaps if r["t"] > dead["t"] and r["t"] <= back["t"]]
+    hit = after[0][0]
+    during = [g for g, _ in after[1:]]
+    longest = max(during, default=0.0)
+    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner"]
+    nbytes = heals[0]["bytes"]
+    heal_bw = statistics.median(e["bytes"] / e["transfer"] for e in heals)
+    formation = statistics.median(e["seconds"] - e["transfer"] for e in heals)
+    copy_bw = nbytes / memcpy_seconds(nbytes)
+    console.print(f"configuration: {args.replicas} groups x {G} ranks (FSDP2 inside), GPT default, "
+                  f"{args.microbatches} microbatches/step, torchrun --max-restarts=1, heartbeat timeout 2 s")
+    console.print(f"failure-free step {1e3 * step_s:.1f} ms (median of {len(before)} intervals before the fault)")
+    console.print(f"kill -> member_dead {dead['t'] - fault['t']:.2f} s; kill -> group back in a committed step "
+                  f"{back['t'] - fault['t']:.2f} s (step {back['step']}; restart, imports, admission, heal)")
+    console.print(f"the step the fault hit: {hit:.2f} s ({hit / step_s:.1f} failure-free steps: the heartbeat timeout)")
+    console.print(f"survivors' longest step after member_dead until the group is back: {1e3 * longest:.1f} ms "
+                  f"= {longest / step_s:.2f} failure-free steps ({len(during)} steps)")
+    console.print(f"heal: the two-rank group's rendezvous {1e3 * formation:.1f} ms, then "
+                  f"{nbytes / 1e6:.2f} MB a rank at {heal_bw / 1e9:.3f} GB/s against memcpy "
+                  f"{copy_bw / 1e9:.2f} GB/s: {heal_bw / copy_bw:.3f} of memcpy")
+    print(f"ratio rejoin_back_seconds {back['t'] - fault['t']:.2f}")
+    print(f"ratio heal_over_memcpy {heal_bw / copy_bw:.4f}")
+    print(f"ratio rejoin_longest_step {longest / step_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
