@@ -145,6 +145,7 @@ class Side:
         return out
 
     def stop(self) -> None:
+        tree = self.pids()  # now: a torchrun worker whose agent dies first is re-parented, out of reach
         self.signal(signal.SIGCONT)
         for p in self.procs:
             if p.poll() is None:
@@ -156,6 +157,11 @@ class Side:
             except subprocess.TimeoutExpired:
                 pass
         self.signal(signal.SIGKILL)
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) -> Side:

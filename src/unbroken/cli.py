@@ -7,6 +7,7 @@ each register theirs), training, simulating or reporting logic.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from unbroken.config import ConfigError
@@ -23,6 +24,10 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the chosen subcommand. Each subcommand is a parser and a run, registered by the
     module that owns it (`add_parser` / `add_parsers`, which set the parser's `run(args, rest)`)."""
+    # torch's C++ layer prints a store client's lost connection as a warning with a stack trace (a lost
+    # coordinator, a run's end); the command reports what happened in one line of its own instead.
+    # Before torch is imported: c10 reads it once.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from unbroken import commands
     from unbroken.eval import real_runs
     from unbroken.sim import cli as sim_cli

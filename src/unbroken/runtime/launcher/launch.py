@@ -120,10 +120,34 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         if agents is not None:
             agents.close()  # before the coordinator: agents talk to its store until they die
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            _kill_tree(p)
     return _finish(cfg, run_dir, log, t0, error)
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
+    sessions of their own: killing the agent alone would leave them running, re-parented to init."""
+    if p.poll() is not None:
+        return
+    parents: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            parents.setdefault(ppid, []).append(int(d))
+    tree, todo = [], [p.pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += parents.get(pid, [])
+    for pid in reversed(tree):  # children first: the agent must not restart what we kill
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
 
 
 def _sigterm_interrupts() -> Callable[[], None]:
@@ -145,9 +169,7 @@ def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, l
              log: EventLog, reason: str | None) -> str:
     """Stop every trainer of the generation, mend what a lost node took, and choose the restore source."""
     for p in workers.values():
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+        _kill_tree(p)
     chaos.before_restart(last_step)
     memory_ok = agents is not None
     if agents is not None:
