@@ -1,13 +1,16 @@
 """Goodput under successive failures: live recovery against whole-job restarts from memory and from disk.
 
 What it measures: tokens committed per wall-clock second (run start to run end, start-up included) for
-one schedule of successive replica kills, run under the three recovery modes of `--run.recovery`:
+one schedule of successive replica kills, run under the recovery modes of `--run.recovery`:
   live            survivors finish the failed step and go on without the lost replicas (ReCoVer);
+  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--run.launcher=torchrun
+                  --run.restarts=N`): it rejoins at a step boundary, healed from a live peer, so live
+                  gets its capacity back as the restart modes do (no snapshots: it needs none);
   restart-memory  any failure restarts every trainer, which reload the agents' in-memory snapshot
                   (snapshot every step);
   restart-disk    any failure restarts every trainer from the latest DCP checkpoint, losing the steps since
                   (checkpoint-and-restart, the baseline of ReCoVer's 2.23x).
-Each mode runs --rounds times (order live, memory, disk, then reversed, ...) because the shared machine's
+Each mode runs --rounds times (order live, live-rejoin, memory, disk, then reversed, ...) because the shared machine's
 load drifts by 2x within minutes; the ratios use the pooled goodput (tokens / mean wall time of the mode).
 Each step's tokens count once: a step redone after a restart is not new work. The committed-token curve
 is the tokens of every step up to the highest step committed so far, so redone work shows as a plateau.
@@ -33,10 +36,10 @@ of cores, one torch thread each (on 2 cores: 2 replicas, 1 failure). With more p
 better than it is: the script warns.
 A 4-process CPU run is not ReCoVer's 512-GPU run: the figure is this machine's, printed beside theirs.
 
-Writes runs/goodput/{live,restart-memory,restart-disk}/ and runs/goodput/goodput.png (`unbroken report`'s
+Writes runs/goodput/{live,live-rejoin,restart-memory,restart-disk}/ and runs/goodput/goodput.png (`unbroken report`'s
 picture of the live run, the restart runs' loss and committed tokens beside it). Last lines:
-`ratio goodput_per_replica_s_live_over_restart_memory VALUE`, then
-`ratio goodput_per_replica_s_live_over_restart_disk VALUE`.
+`ratio goodput_per_replica_s_live_over_restart_memory VALUE`, the live-rejoin ratios over restart-memory
+and restart-disk, then `ratio goodput_per_replica_s_live_over_restart_disk VALUE`.
 Usage: python benchmarks/goodput.py [--quick] [--rounds 2] [--steps 32] [--failures 3] [--out runs/goodput]
 """
 from __future__ import annotations
@@ -65,7 +68,7 @@ from unbroken.runtime.worker import default_factories
 from unbroken.runplot import write_png
 from unbroken.runreport import timeline
 
-MODES = ("live", "restart-memory", "restart-disk")
+MODES = ("live", "live-rejoin", "restart-memory", "restart-disk")
 PHASES = ("compute", "allreduce", "optimizer")  # where the kills land, in turn
 RECOVER_PAPER = 2.23  # ReCoVer: effective throughput vs checkpoint-and-restart, 512 GPUs (their figure)
 
@@ -135,6 +138,9 @@ def replica_seconds(records: list[dict], start: float, end: float) -> float:
     replicas = next(r["replicas"] for r in records if r["event"] == "run_start")
     last_restart = max((r["t"] for r in records if r["event"] == "restart"), default=start)
     gone = {r["replica"]: r["t"] for r in records if r["event"] == "member_dead" and r["t"] >= last_restart}
+    for r in records:  # a group that rejoined (live-rejoin) holds its slot again from its restart on
+        if r["event"] == "join" and r["replica"] in gone:
+            del gone[r["replica"]]
     return sum((gone.get(k, end) - start) for k in range(replicas))
 
 
@@ -204,7 +210,9 @@ def main() -> None:
     step_s = 0.0  # set by the first live run, which always precedes restart-disk in round 0
     for mode, rnd in order:  # live, memory, disk, disk, memory, live, ...: load drift hits all modes alike
         extra: dict = dict(snap)
-        if mode == "restart-disk" and every is not None:
+        if mode == "live-rejoin":  # each killed group restarted by its torchrun job, healed from a peer
+            extra = dict(run__launcher="torchrun", run__restarts=args.failures)
+        elif mode == "restart-disk" and every is not None:
             extra = dict(checkpoint__every=every)
         elif mode == "restart-disk":
             # Young/Daly from measured figures only: C above, MTBF from the live run's failure-free steps
@@ -221,7 +229,8 @@ def main() -> None:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # never resume an earlier run's files
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with console.status(f"{mode}: {steps} steps, {args.failures} failures"):
-            result = launch(make_config(**base, **extra, recovery=mode, out=str(run_dir)), title=mode)
+            recovery = "live" if mode == "live-rejoin" else mode
+        result = launch(make_config(**base, **extra, recovery=recovery, out=str(run_dir)), title=mode)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, reaped by now
         cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if not result.ok:
@@ -277,11 +286,15 @@ def main() -> None:
                   "machine actually gave it): " + ", ".join(
                       f"{m} {statistics.fmean(cpu[m]):.0f} s = {results[m]['tokens'] / statistics.fmean(cpu[m]):.0f} "
                       f"tokens/CPU-s" for m in MODES))
-    console.print("The ratios below leave out: a spare's cost (restart modes get one at once, for free) and "
-                  "the capacity live could regain by replacing replicas (it cannot yet).")
+    console.print("The ratios below leave out a spare's cost (restart modes and live-rejoin get one at once, "
+                  "for free: the killed process's torchrun restarts it on the same host). live-rejoin gets its "
+                  "capacity back as the restart modes do; plain live never does.")
     print(f"ratio goodput_per_replica_s_live_over_restart_memory {gc['live'] / gc['restart-memory']:.3f}")
     print(f"(beside the next figure: ReCoVer reports {RECOVER_PAPER}x at 512 GPUs; "
           f"a {args.replicas}-process CPU run is not that)")
+    print(f"ratio goodput_per_replica_s_live_rejoin_over_restart_memory "
+          f"{gc['live-rejoin'] / gc['restart-memory']:.3f}")
+    print(f"ratio goodput_per_replica_s_live_rejoin_over_restart_disk {gc['live-rejoin'] / gc['restart-disk']:.3f}")
     print(f"ratio goodput_per_replica_s_live_over_restart_disk {gc['live'] / gc['restart-disk']:.3f}")
 
 

@@ -60,6 +60,10 @@ class SlownessMonitor:
                 if e not in self.members:  # members/{e} never changes once written
                     self.members[e] = json.loads(self.store.get(keys.members(e)))
                 members = self.members[e]
+                if not self.store.check([keys.done(step, e, m) for m in members]):
+                    # a group admitted in epoch e joins at the next step: it has no done record of
+                    # this one (multi_get would wait for it until the store's timeout)
+                    members = [m for m in members if self.store.check([keys.done(step, e, m)])]
                 done = self.store.multi_get([keys.done(step, e, m) for m in members])
                 return {m: [MicrobatchTiming(*t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
         return {}
