@@ -36,7 +36,9 @@ def train(args: argparse.Namespace, rest: list[str]) -> int:
     result = launch(cfg)
     s = result.summary
     console.print(f"run dir: {result.run_dir}  steps committed: {s['steps_committed']}/{cfg.run.steps}  "
-                  f"final loss: {s['final_loss']}  replicas lost: {s['members_lost']}  seconds: {s['seconds']}")
+                  f"final loss: {s['final_loss']}  replicas lost: {s['members_lost']}"
+                  + (f" (rejoined: {s['members_rejoined']})" if s.get("members_rejoined") else "")
+                  + f"  seconds: {s['seconds']}")
     if not result.ok:
         print(f"unbroken: error: {result.error}", file=sys.stderr)
         return 1

@@ -55,6 +55,7 @@ def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
         "final_param_digest": committed[last]["param_digest"] if committed else None,
         "faults": kinds.count("fault"),
         "members_lost": kinds.count("member_dead"),
+        "members_rejoined": kinds.count("join"),
         "recoveries": kinds.count("recovery"),
         "fenced": kinds.count("fenced"),
         "final_epoch": max((r["epoch"] for r in records if r["event"] == "epoch"), default=0),
