@@ -236,7 +236,7 @@ def validate(cfg: Config) -> None:
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
         (cfg.parallel.group_size == 1 or not s.enabled,
          f"parallel.group_size={cfg.parallel.group_size} with snapshot.enabled=true: in-memory snapshots of "
-         f"sharded groups are not built yet (use one rank per group)"),
+         f"sharded groups are not built yet (DCP checkpoints are: --checkpoint.every)"),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
     for ok, message in checks:

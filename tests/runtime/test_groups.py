@@ -45,9 +45,9 @@ def digests(run: Path) -> dict[int, str]:
     return {s: r["param_digest"] for s, r in steps(read_events(run)).items()}
 
 
-def run_faults(tmp: Path, faults: str) -> tuple[Path, list[dict]]:
+def run_faults(tmp: Path, faults: str, *extra: str) -> tuple[Path, list[dict]]:
     out = tmp / "run"
-    r = unbroken("train", *GROUPS, "--faults", faults, "--out", str(out))
+    r = unbroken("train", *GROUPS, *extra, "--faults", faults, "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     audit = unbroken("audit", str(out))
     assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
@@ -187,6 +187,22 @@ def test_a_hung_rank_takes_its_group_out_and_the_zombie_is_fenced(tmp_path, grou
     assert dead["reason"].startswith("rank 1: no heartbeat"), dead  # the stopped rank, not its peer
     assert any(e["event"] == "fenced" and e["replica"] == 1 for e in events)  # its peer (or itself) left
     assert digests(out) == digests(groups_reference)
+
+
+def test_restart_disk_with_groups_resumes_from_the_dcp_checkpoint_of_the_fsdp2_shards(tmp_path, groups_reference):
+    """Checkpoints of the sharded state (DCP, each rank writing its shards, the lowest group saving) and
+    a whole-job restart from them: every rank loads its shards and the run ends on the reference."""
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=2,phase=compute", "--checkpoint.every=1",
+                             "--run.recovery=restart-disk")
+    assert digests(out) == digests(groups_reference)
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["source"] == "disk"
+    restored = [e for e in events if e["event"] == "restored"]
+    assert sorted((e["replica"], e["rank"]) for e in restored) == [(g, j) for g in range(3) for j in range(2)]
+    (step,) = {e["step"] for e in restored}  # the newest complete checkpoint (step 1's may be mid-save)
+    assert step in (0, 1) and (out / "checkpoints" / f"step_{step:08d}" / "unbroken.json").is_file()
+    by_rank = {j: {e["param_digest"] for e in restored if e["rank"] == j} for j in range(2)}
+    assert all(len(d) == 1 for d in by_rank.values()), by_rank  # every group loaded the same shards
 
 
 def test_every_group_lost_names_the_last_committed_step(tmp_path):

@@ -193,7 +193,7 @@ def run(factories: Factories) -> int:
                               f"{mine[:12]}...): refused, nothing loaded")
         persist = None
         if cfg.snapshot.enabled or cfg.checkpoint.every:
-            persist = Persistence(cfg, me, raw, run_id, run_dir, parts.model, parts.optimizer, log)
+            persist = Persistence(cfg, me, raw, run_id, run_dir, parts.model, parts.optimizer, log, who.rank)
         sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client), rank=who.rank)
         trainer = Trainer(cfg, who, parts, coord, log, heartbeat, injector, sidecar, persist)
         first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0

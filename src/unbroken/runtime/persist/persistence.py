@@ -32,14 +32,20 @@ from unbroken.runtime.persist.state import load_rng, materialize, training_state
 
 class Persistence:
     def __init__(self, cfg: Config, me: int, store: Store, run_id: str, run_dir: Path,
-                 model: nn.Module, optimizer: torch.optim.Optimizer, log: EventLog):
+                 model: nn.Module, optimizer: torch.optim.Optimizer, log: EventLog, rank: int = 0):
         self.cfg, self.me, self.store, self.run_id, self.log = cfg, me, store, run_id, log
+        self.tag = {"rank": rank} if cfg.parallel.group_size > 1 else {}  # a group's rank: its shard's digest
         self.model, self.optimizer = model, optimizer
         self.world = cfg.run.replicas
         self.clients: dict[int, SnapshotClient] = {}
         self.ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-        self.ckpt = (Checkpointer(self.ckpt_dir, run_id=run_id, world=1, every=cfg.checkpoint.every)
-                     if cfg.checkpoint.every else None)
+        # A replica group of G ranks saves its FSDP2 shards together (DCP over the group's ranks) on a
+        # process group of its own: DCP's async save runs collectives on its thread, which must not
+        # interleave with FSDP's on the main thread's group. One-rank groups save single-process.
+        G = cfg.parallel.group_size
+        pg = dist.new_group(backend="gloo") if cfg.checkpoint.every and G > 1 else None
+        self.ckpt = (Checkpointer(self.ckpt_dir, run_id=run_id, world=G, every=cfg.checkpoint.every,
+                                  process_group=pg) if cfg.checkpoint.every else None)
 
     def _client(self, share: int) -> SnapshotClient:
         if share not in self.clients:
@@ -98,7 +104,7 @@ class Persistence:
         if step is None:
             # from step 0 exactly as a fresh run: materialize() gave the optimizer a step of state
             self.optimizer.state.clear()
-            self.log.emit("restored", replica=self.me, source="scratch", step=-1, seconds=0.0)
+            self.log.emit("restored", replica=self.me, source="scratch", step=-1, seconds=0.0, **self.tag)
             return 0
         self.ckpt.load(tensors, step=step)
         load_rng(tensors)
@@ -143,7 +149,7 @@ class Persistence:
         # the digest of what was loaded: equal to the failure-free run's step record of `step`
         self.log.emit("restored", replica=self.me, source=source, step=step,
                       seconds=round(time.perf_counter() - t0, 4),
-                      param_digest=param_digest(unique_parameters(self.model)))
+                      param_digest=param_digest(unique_parameters(self.model)), **self.tag)
         return step + 1
 
     def close(self) -> None:
