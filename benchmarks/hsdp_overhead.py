@@ -31,7 +31,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead.py and the baseline, from anywhere
 import _hsdp_baseline  # noqa: E402
-from overhead import LONG, Side, bootstrap_ci, start_unbroken  # noqa: E402
+from overhead import LONG, Side, bootstrap_ci, start_baseline, start_unbroken  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
 
@@ -51,17 +50,7 @@ from unbroken.api import make_config  # noqa: E402
 def start_hsdp(tmp: Path, args: argparse.Namespace) -> Side:
     cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
                       model__n_layer=args.n_layer, model__n_embd=args.n_embd, parallel__group_size=args.group_size)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    path = tmp / "hsdp-times.txt"
-
-    def times() -> list[float]:
-        if not path.exists():
-            return []
-        text = path.read_text()
-        return [float(x) for x in text[:text.rfind("\n") + 1].split()]
-    return Side("fsdp2 hsdp", _hsdp_baseline.start(cfg, port, path), times)
+    return start_baseline("fsdp2 hsdp", _hsdp_baseline.start, cfg, tmp / "hsdp-times.txt")
 
 
 def main() -> None:

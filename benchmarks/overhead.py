@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _ddp_baseline wh
 import _ddp_baseline  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
+from unbroken.runtime.launcher.launch import process_tree  # noqa: E402
 from unbroken.events import read_events  # noqa: E402
 
 LONG = 10 ** 6  # steps of each run: it is stopped when the rounds are done
@@ -91,20 +92,7 @@ class Side:
 
     def pids(self) -> list[int]:
         """Every live process of the run: the started ones and their descendants."""
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(d))
-        out, todo = [], [p.pid for p in self.procs]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo += children.get(pid, [])
-        return out
+        return [pid for p in self.procs for pid in process_tree(p.pid)]
 
     def signal(self, sig: int) -> None:
         for pid in self.pids():
@@ -180,20 +168,25 @@ def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) 
     return Side(name, [proc], times)
 
 
-def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
-    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
-                      model__n_layer=args.n_layer, model__n_embd=args.n_embd)
+def start_baseline(name: str, start, cfg, path: Path) -> Side:
+    """A plain-torch baseline side: `start(cfg, port, path)` launches its ranks, rank 0 appending its
+    wall clock after each step to `path` (whole lines only are read: the last may be mid-write)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    path = tmp / "ddp-times.txt"
 
     def times() -> list[float]:
         if not path.exists():
             return []
         text = path.read_text()
         return [float(x) for x in text[:text.rfind("\n") + 1].split()]
-    return Side("ddp", _ddp_baseline.start(cfg, port, path), times)
+    return Side(name, start(cfg, port, path), times)
+
+
+def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
+    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
+                      model__n_layer=args.n_layer, model__n_embd=args.n_embd)
+    return start_baseline("ddp", _ddp_baseline.start, cfg, tmp / "ddp-times.txt")
 
 
 def parts(out: Path, settle: int) -> dict[str, float]:

@@ -124,11 +124,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     return _finish(cfg, run_dir, log, t0, error)
 
 
-def _kill_tree(p: subprocess.Popen) -> None:
-    """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
-    sessions of their own: killing the agent alone would leave them running, re-parented to init."""
-    if p.poll() is not None:
-        return
+def process_tree(root: int) -> list[int]:
+    """`root` and every live process under it (Linux /proc), parents before their children."""
     parents: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -137,12 +134,20 @@ def _kill_tree(p: subprocess.Popen) -> None:
             except (OSError, IndexError, ValueError):
                 continue  # ended meanwhile
             parents.setdefault(ppid, []).append(int(d))
-    tree, todo = [], [p.pid]
+    tree, todo = [], [root]
     while todo:
         pid = todo.pop()
         tree.append(pid)
         todo += parents.get(pid, [])
-    for pid in reversed(tree):  # children first: the agent must not restart what we kill
+    return tree
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
+    sessions of their own: killing the agent alone would leave them running, re-parented to init."""
+    if p.poll() is not None:
+        return
+    for pid in reversed(process_tree(p.pid)):  # children first: the agent must not restart what we kill
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
