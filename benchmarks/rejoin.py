@@ -9,11 +9,14 @@ ranks takes the state of the donor's rank of the same index, and it takes quotas
 
 From the run's events:
   back      seconds from the `fault` record to the first committed step whose members include group 1;
-  longest   the survivors' longest step interval (between consecutive `step` records) after the
-            old group's `member_dead` until the group is back: what the admission (one re-reduce of the
-            step in flight) and the heal (the donor holds its next step up by the transfer) cost them,
-            in failure-free step times (median interval before the fault, first --warmup dropped).
-            Target <= 2. The step the fault hit is shown apart: it lasts the heartbeat timeout.
+  longest   the survivors' longest step interval (between consecutive `step` records) from the group's
+            admission (`join`) until it is back: what the admission (one re-reduce of the step in flight)
+            and the heal (the donor holds its next step up by the transfer) cost them, in failure-free
+            step times (median interval before the fault, first --warmup dropped). Target <= 2. Beside
+            it, over the survivors' own steps before the admission (they carry the lost group's quota).
+            Shown apart: the step the fault hit (it lasts the heartbeat timeout) and the longest step of
+            the whole outage, which on this machine includes the restarted processes importing torch on
+            the survivors' 2 cores (on a cluster the replacement starts on a host of its own).
   heal      bytes a joiner rank received over its transfer seconds (the `heal` records), against a
             memcpy of the same bytes on this machine (median of 20 torch copies); the transfer alone (the
             `transfer` field: broadcasts after a barrier), the group's rendezvous shown apart.
@@ -77,12 +80,15 @@ def main() -> None:
     back = next(e for e in records if e["t"] > fault["t"] and 1 in e["members"])
     before = [b["t"] - a["t"] for a, b in zip(records, records[1:]) if b["step"] <= args.fault_step][args.warmup:]
     step_s = statistics.median(before)
+    join = next(e for e in events if e["event"] == "join" and e["replica"] == 1)
     # interval ending at each record; the first record after member_dead is the step the fault hit
     gaps = [(b["t"] - a["t"], b) for a, b in zip(records, records[1:])]
-    after = [(g, r) for g, r in gaps if r["t"] > dead["t"] and r["t"] <= back["t"]]
+    after = [(g, r) for g, r in gaps if dead["t"] < r["t"] <= back["t"]]
     hit = after[0][0]
-    during = [g for g, _ in after[1:]]
-    longest = max(during, default=0.0)
+    outage = max((g for g, _ in after[1:]), default=0.0)
+    alone = [g for g, r in after[3:] if r["t"] < join["t"]]  # survivors' steps, settled, before the admission
+    around = [g for g, r in after if r["t"] > join["t"]]
+    longest = max(around, default=0.0)
     heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner"]
     nbytes = heals[0]["bytes"]
     heal_bw = statistics.median(e["bytes"] / e["transfer"] for e in heals)
@@ -94,8 +100,12 @@ def main() -> None:
     console.print(f"kill -> member_dead {dead['t'] - fault['t']:.2f} s; kill -> group back in a committed step "
                   f"{back['t'] - fault['t']:.2f} s (step {back['step']}; restart, imports, admission, heal)")
     console.print(f"the step the fault hit: {hit:.2f} s ({hit / step_s:.1f} failure-free steps: the heartbeat timeout)")
-    console.print(f"survivors' longest step after member_dead until the group is back: {1e3 * longest:.1f} ms "
-                  f"= {longest / step_s:.2f} failure-free steps ({len(during)} steps)")
+    console.print(f"survivors' longest step from the admission until the group is back: {1e3 * longest:.1f} ms = "
+                  f"{longest / step_s:.2f} failure-free steps ({len(around)} steps); over the survivors' own "
+                  f"steps before it ({1e3 * statistics.median(alone):.1f} ms): "
+                  f"{longest / statistics.median(alone):.2f}" if alone else "")
+    console.print(f"longest step of the whole outage (after the step the fault hit): {outage / step_s:.2f} "
+                  f"failure-free steps (the restarted processes start up on the same 2 cores here)")
     console.print(f"heal: the two-rank group's rendezvous {1e3 * formation:.1f} ms, then "
                   f"{nbytes / 1e6:.2f} MB a rank at {heal_bw / 1e9:.3f} GB/s against memcpy "
                   f"{copy_bw / 1e9:.2f} GB/s: {heal_bw / copy_bw:.3f} of memcpy")

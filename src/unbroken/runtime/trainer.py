@@ -51,7 +51,7 @@ from unbroken.runtime.control.coordination import Coordination, Decision, Plan
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
-from unbroken.runtime.persist.healing import donate
+from unbroken.runtime.persist.healing import Forming, donate
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
 from unbroken.runtime.speculation import Pipeline, Rollback, limit
@@ -355,13 +355,13 @@ class Trainer:
         members = work.members
         if self.persist:
             self.persist.after_commit(step, members, lambda: self.faults.at(step, "snapshot"))
-        self.heal_joiners(step, members, commit.plan)
         # The commit's proposer writes the step record (sha256 included) beside the next step's
-        # compute (sidecar.py), off the path every peer waits on.
+        # compute (sidecar.py), off the path every peer waits on; a heal too.
         self.sidecar.record(step, epoch, members, commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
             ranks=len(members) * self.who.group_size,  # groups took part: `replicas`
             step_time=round(work.stepped - work.started, 6)))
+        self.heal_joiners(step, members, commit.plan)
 
     def heal_joiners(self, step: int, members: tuple[int, ...], plan: Plan) -> None:
         """Groups the next step's plan admits (not members of this one) get this step's state from their
@@ -374,8 +374,9 @@ class Trainer:
             if self.who.rank == 0:
                 self.coord.offer_heal(g, admitted, step, plan)
             try:
-                sent, seconds, transfer = donate(self.coord.group_store(), keys.heal_prefix(g, admitted, self.who.rank),
-                                       self.model, self.optimizer, self.cfg.coord.collective_timeout)
+                forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, self.who.rank),
+                                  0, self.cfg.coord.collective_timeout)
+                sent, seconds, transfer = donate(forming, self.model, self.optimizer)
             except RuntimeError as e:
                 self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **self.tag)
                 continue

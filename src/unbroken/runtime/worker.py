@@ -43,7 +43,9 @@ from unbroken.runtime.control.store import connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
-from unbroken.runtime.persist.healing import receive
+from unbroken.policy.membership import donor
+from unbroken.runtime.persist.healing import Forming, receive
+from unbroken.runtime.persist.state import materialize
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
@@ -238,14 +240,21 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat, 
     nonce = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'direct')}-{restart}-{who.group}"
     if who.rank == 0:
         coord.ask_to_join(nonce, restart)
-    wait = cfg.coord.startup_timeout
+    wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
+    materialize(parts.model, parts.optimizer)  # the optimizer's state tensors to load into, off the donor's path
     admitted = coord.admitted(nonce, wait)
     heartbeat.start()
-    step, donor, plan = coord.heal_offer(admitted, wait)
+
+    def forming(d: int) -> Forming:
+        return Forming(coord.group_store(), keys.heal_prefix(who.group, admitted, d, who.rank), 1, timeout)
+
+    # the donor of the step boundary ahead, as the members will pick it if nobody dies meanwhile
+    likely = donor([m for m in coord.members(admitted) if m != who.group], who.group)
+    early = forming(likely)
+    step, chosen, plan = coord.heal_offer(admitted, wait)
     heartbeat.at(step, "heal")
-    got, seconds, transfer = receive(coord.group_store(), keys.heal_prefix(who.group, admitted, who.rank), parts.model,
-                           parts.optimizer, cfg.coord.collective_timeout)
-    log.emit("heal", replica=who.group, donor=donor, step=step, bytes=got, seconds=round(seconds, 6),
+    got, seconds, transfer = receive(early if chosen == likely else forming(chosen), parts.model, parts.optimizer)
+    log.emit("heal", replica=who.group, donor=chosen, step=step, bytes=got, seconds=round(seconds, 6),
              transfer=round(transfer, 6), side="joiner",
              **({"rank": who.rank} if who.group_size > 1 else {}))
     return step + 1, plan

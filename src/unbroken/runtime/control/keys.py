@@ -34,7 +34,7 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   joined/{g}            the epoch that admitted g last              coordinator
   heal/{g}/{E}          JSON {"step", "donor", "plan"}: the donor of g (admitted in E) sends the state
                         after `step`; g trains from step + 1 under `plan`   the donor's rank 0
-  heal/{g}/{E}/pg/{j}/  gloo's rendezvous of the donor's and g's rank j
+  heal/{g}/{E}/pg/{d}/{j}/  gloo's rendezvous of donor d's and g's rank j
   signature             sha256 of the config and the model's parameter names, shapes and dtypes: the
                         first group's; another is refused          every group's rank 0 (CAS)
   restore/...           gloo's rendezvous of a restore from snapshots
@@ -178,9 +178,9 @@ def heal(group: int, epoch: int) -> str:
     return f"heal/{group}/{epoch}"
 
 
-def heal_prefix(group: int, epoch: int, shard: int) -> str:
-    """Where the donor's rank `shard` and the joiner's rank `shard` form their two-rank group."""
-    return f"heal/{group}/{epoch}/pg/{shard}/"
+def heal_prefix(group: int, epoch: int, donor: int, shard: int) -> str:
+    """Where donor `donor`'s rank `shard` and the joiner's rank `shard` form their two-rank group."""
+    return f"heal/{group}/{epoch}/pg/{donor}/{shard}/"
 
 
 def signature() -> str:

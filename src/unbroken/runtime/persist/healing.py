@@ -13,6 +13,7 @@ gloo round trip each; one flat float32 buffer is one (REFERENCE.md measured 7-15
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import torch
@@ -35,18 +36,41 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.T
     return out
 
 
-def _group(store: Store, prefix: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
-    return dist.ProcessGroupGloo(PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=timeout_s))
+class Forming:
+    """The two-rank heal group (donor rank 0, joiner rank 1) on `prefix`, formed on a thread of its own:
+    the joiner starts forming it as soon as it is admitted, with the donor the policy will most likely
+    pick, so that the donor, arriving at the step boundary, finds it waiting (the joiner's wake-up and
+    connection were 0.36 s of the donor's held step, measured under load). `get` waits for it and raises
+    what forming raised (a timeout when the other side never comes)."""
+
+    def __init__(self, store: Store, prefix: str, rank: int, timeout_s: float):
+        self._pg: dist.ProcessGroup | None = None
+        self._error: BaseException | None = None
+
+        def form() -> None:
+            try:
+                self._pg = dist.ProcessGroupGloo(PrefixStore(prefix, store), rank, 2,
+                                                 datetime.timedelta(seconds=timeout_s))
+            except BaseException as e:  # noqa: BLE001 - raised by get()
+                self._error = e
+
+        self._thread = threading.Thread(target=form, name="heal-group", daemon=True)
+        self._thread.start()
+
+    def get(self) -> dist.ProcessGroup:
+        self._thread.join()
+        if self._pg is None:
+            raise RuntimeError(f"the heal group did not form: {self._error}")
+        return self._pg
 
 
-def donate(store: Store, prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-           timeout_s: float) -> tuple[int, float, float]:
-    """Send this rank's state to the joiner's rank on `prefix`; returns (bytes, seconds in all, seconds of
-    the transfer alone: the group's rendezvous excluded). Call right
+def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float, float]:
+    """Send this rank's state to the joiner's rank over the heal group; returns (bytes, seconds in all,
+    seconds of the transfer alone: the group's rendezvous excluded). Call right
     after the optimizer step of the step before the joiner's first. Raises on a joiner that never
     comes (timeout) or dies mid-transfer: the caller goes on, and the joiner is declared dead."""
     t0 = time.perf_counter()
-    pg = _group(store, prefix, 0, timeout_s)
+    pg = forming.get()
     tensors = _tensors(model, optimizer)
     flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
     digest = torch.tensor(list(bytes.fromhex(quick_param_digest(unique_parameters(model)))), dtype=torch.uint8)
@@ -62,15 +86,15 @@ class HealMismatch(RuntimeError):
     """What the joiner loaded does not hash to the donor's digest."""
 
 
-def receive(store: Store, prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-            timeout_s: float) -> tuple[int, float, float]:
-    """Load this rank's state from the donor's rank on `prefix`; returns (bytes, seconds in all, seconds
-    of the transfer alone). Call once,
-    before the first step. Raises HealMismatch when the loaded parameters do not hash to the donor's
+def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float, float]:
+    """Load this rank's state from the donor's rank over the heal group; returns (bytes, seconds in all,
+    seconds of the transfer alone). Call once, before the first step (after `materialize`, which a fresh
+    optimizer needs to have state tensors to load into: done before waiting, off the donor's path).
+    Raises HealMismatch when the loaded parameters do not hash to the donor's
     digest, and gloo's error when the donor dies mid-transfer."""
     t0 = time.perf_counter()
-    materialize(model, optimizer)  # a fresh optimizer has no state tensors to load into
-    pg = _group(store, prefix, 1, timeout_s)
+    materialize(model, optimizer)  # a no-op when done already
+    pg = forming.get()
     tensors = _tensors(model, optimizer)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
     digest = torch.empty(16, dtype=torch.uint8)
