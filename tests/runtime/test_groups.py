@@ -67,8 +67,8 @@ def assert_group_left(events: list[dict], group: int, rank: int, step: int, phas
 def plain_loop(cfg: Config, split: bool, steps: int | None = None) -> tuple[list[str], list[torch.Tensor], list[float]]:
     """The oracle: one process, plain PyTorch, none of unbroken's runtime. With `split`, each microbatch is
     split by rows into the G ranks' shares (the data API's `part`), each share's gradient computed on its
-    own, the shares summed in float64 and rounded to float32 once (FSDP2's float64 reduce-scatter);
-    microbatches summed in float64 and rounded once before AdamW. Returns, after each step, the digest of
+    own; every share of every microbatch summed in float64 and rounded to float32 once before AdamW (the
+    textbook float64 accumulation, over shares). Returns, after each step, the digest of
     the parameters cut into the ranks' shards (torch.chunk along dim 0, FSDP2's layout) as the step
     record's; the final parameters; each step's loss."""
     G, seed = cfg.parallel.group_size, cfg.run.seed
@@ -99,7 +99,8 @@ def plain_loop(cfg: Config, split: bool, steps: int | None = None) -> tuple[list
                 for p in params:
                     p.grad = None
             for a, *g in zip(acc, *shares):
-                a += sum(g).float() if split else g[0]
+                for x in g:
+                    a += x
         for a, p in zip(acc, params):
             p.grad = a.float()
         opt.step()

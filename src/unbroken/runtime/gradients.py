@@ -32,9 +32,14 @@ class Accumulator:
     whole partial sum, so a retry only adds the microbatches it newly owns. Shape: (numel + 1,).
     """
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype):
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, hooked: bool = False):
         self.params = params
+        # hooked: a sharded group's reduce-scatter output reaches `add_shard` (parallelize.reduced_shards)
+        # in the reduce dtype, and `.grad` (FSDP2's float32 copy of it) is dropped in `add`
+        self.hooked = hooked
+        self._slot = {id(p): i for i, p in enumerate(params)}
         self.sizes = [local(p).numel() for p in params]  # this rank's shard of each (all of it in DP)
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]  # each one's start in `buffer`
         self.buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype)
         # When the buffer has the parameters' dtype (float32 mode), each `.grad` *is* a view of it, as
         # DDP's gradient_as_bucket_view: backward accumulates in place (AccumulateGrad adds into a
@@ -72,7 +77,10 @@ class Accumulator:
     def add(self, weighted_loss: torch.Tensor) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
         into the buffer's views) and its weighted loss."""
-        if not self.views:
+        if self.hooked:
+            for p in self.params:
+                p.grad = None
+        elif not self.views:
             offset = 0
             for p, n in zip(self.params, self.sizes):
                 if p.grad is not None:
@@ -82,6 +90,11 @@ class Accumulator:
                 offset += n
         # add_ computes in the buffer's dtype: a float32 loss is widened exactly, as `.to(float64)` did
         self._loss.add_(weighted_loss.detach())
+
+    def add_shard(self, param: torch.Tensor, shard: torch.Tensor) -> None:
+        """Add `param`'s shard of a group's reduce-scatter output (float64 in exact mode) into its slice."""
+        i = self._slot[id(param)]
+        self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]].add_(shard.reshape(-1))
 
     def load_grads(self, reduced: torch.Tensor) -> float:
         """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced

@@ -51,6 +51,7 @@ from unbroken.runtime.control.coordination import Coordination, Decision, Plan
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
+from unbroken.runtime.parallel.parallelize import reduced_shards
 from unbroken.runtime.persist.healing import Forming, donate
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
@@ -84,7 +85,13 @@ class Trainer:
         self.params = unique_parameters(self.model)
         self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
         dtype = torch.float64 if cfg.run.exact else torch.float32
-        self.accs = (Accumulator(self.params, dtype), Accumulator(self.params, dtype))  # steps alternate
+        # A group's ranks under --exact take the float64 reduce-scatter output itself (FSDP2 would round
+        # it to float32 in .grad): summed over a step's batches, rounded once, as one-rank groups do.
+        hooked = self.group is not None and cfg.run.exact
+        self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
+        self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
+        if hooked:
+            reduced_shards(self.model, lambda p, shard: self.acc.add_shard(p, shard))
         self.groups: dict[tuple[int, tuple[int, ...]], EpochGroup] = {}  # (epoch, members) -> its group
         self.reduced: torch.Tensor | None = None  # the last all-reduce's result (`scratch`)
         self.scratch: torch.Tensor | None = None  # reused as the all-reduce's copy until one is abandoned
@@ -267,13 +274,12 @@ class Trainer:
 
     def compute(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
         """Forward/backward each microbatch into the accumulator. Randomness is a function of (seed, step, i)."""
-        # A group's ranks outside --exact reduce-scatter once per batch (FSDP2 accumulates the unsharded
-        # gradients of the others), where a reduce-scatter per microbatch cost 12% of a 2 x 2 step
-        # (benchmarks/hsdp_overhead.py). --exact keeps one per microbatch: a float32 sum over a batch
-        # rounds differently when a failure regroups the microbatches.
-        batched = self.group is not None and not self.cfg.run.exact
+        # A group's ranks reduce-scatter once per batch (FSDP2 accumulates the unsharded gradients of the
+        # others, in float64 under --exact), where a reduce-scatter per microbatch cost 12% of a 2 x 2
+        # step (benchmarks/hsdp_overhead.py). Outside --exact the batch's float32 sum rounds as it falls.
+        self.acc = work.acc
         for n, i in enumerate(microbatches):
-            if batched:
+            if self.group is not None:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
             self.hb.at(step, "compute", i)
             mb = part(self.data.microbatch(step, i), self.who.rank, self.ranks)  # this rank's sequences

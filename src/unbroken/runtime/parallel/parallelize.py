@@ -89,3 +89,33 @@ def peer_lost(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "Connection closed", "Connection reset",
                                                                        "NCCL", "Timed out"))
+
+
+def reduced_shards(model: nn.Module, sink) -> None:
+    """Have `sink(param, shard)` called with each parameter's shard of the group's reduce-scatter output,
+    in the reduce dtype (float64 under `--exact`), before FSDP2 casts it to float32 into `.grad`.
+
+    Call once, after `parallelize`, for a model of several ranks. Why: the float64 sum of a batch of
+    microbatches over the group's ranks is exact, and FSDP2 rounds it to float32 when it writes `.grad`:
+    taken here, the trainer sums batches in float64 and rounds once per step, whatever batches a failure
+    regroups the microbatches into (REFERENCE.md: bit-equal to the float64 sum of every rank's gradient).
+    Reads FSDP2's parameter group (torch 2.13): the flat output holds each parameter's shard at offsets
+    of its padded shard size, in the group's parameter order; a layout that does not add up raises."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+
+        def hook(output: torch.Tensor, group=group) -> None:
+            offset = output.storage_offset()
+            for fp in group.fsdp_params:  # every parameter has a gradient here (trainable, all used)
+                sink(fp.sharded_param, torch.as_strided(output, size=fp.sharded_size,
+                                                        stride=fp.contiguous_sharded_stride, storage_offset=offset))
+                offset += fp.padded_sharded_param_size.numel()
+            if offset - output.storage_offset() != output.numel():
+                raise RuntimeError(f"FSDP2's reduce-scatter output holds {output.numel()} elements, its "
+                                   f"parameters' padded shards {offset - output.storage_offset()}")
+
+        unit.set_all_reduce_hook(hook)
