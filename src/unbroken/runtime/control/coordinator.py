@@ -24,7 +24,7 @@ from collections.abc import Callable
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.events import EventLog
-from unbroken.policy.membership import Beat, Membership, stale
+from unbroken.policy.membership import Beat, Membership, excuse, stale
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import WakeWatch
 from unbroken.runtime.control.metrics import Exporter
@@ -62,6 +62,8 @@ class Coordinator:
         a verdict, a kill costs no heartbeat timeout). A beat round (heartbeats, exits, finished members,
         re-form requests, the detector's new steps) is about five store round trips."""
         verdicts: dict[int, str] = {}
+        if self.next_beats and now - self.next_beats > self.hb_timeout / 2:  # we could not look: nobody's fault
+            self.beats = excuse(self.beats, now - self.next_beats)
         beats = now >= self.next_beats
         if beats:
             self.next_beats = now + self.beat_every
@@ -206,14 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--tensorboard", default="", help="write TensorBoard event files to this directory")
     ap.add_argument("--checkpoint-dir", default="", help="where to look for the newest complete checkpoint")
+    ap.add_argument("--store", default="", help="etcd://...: the run's state lives there (else: serve a TCPStore)")
     a = ap.parse_args(argv)
-    store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60), use_libuv=True)
-    print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
+    if a.store:
+        store, address = connect(a.store), a.store
+    else:
+        store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60), use_libuv=True)
+        address = f"{a.host}:{store.port}"
+    print(f"UNBROKEN_STORE={address}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
     # what the run is doing, for operators: /metrics, TensorBoard, the store's status snapshot
     exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
-    return serve(store, f"{a.host}:{store.port}", a.replicas, log,
+    return serve(store, address, a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
                                        a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll),
                  a.poll, exporter=exporter)

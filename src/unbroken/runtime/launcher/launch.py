@@ -37,6 +37,7 @@ from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
+from unbroken.runtime.control.store import preflight as store_preflight
 from unbroken.runtime.control.epochwatch import wake
 from unbroken.runtime.control.metrics import preflight
 
@@ -64,6 +65,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     and logs/ are kept and appended to, and the trainers restore from the agents' memory or a checkpoint."""
     m = cfg.metrics
     preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
+    store_preflight(cfg.coord.store, resume.run_id if resume else None)  # etcd: answers, holds no other run
     run_dir = Path(cfg.run.out)
     if resume is None:
         shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
@@ -90,6 +92,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         coordinator, address = _start_coordinator(cfg, run_dir)
         procs.append(coordinator)
         raw = connect(address)
+        raw.set(keys.run_id(), run_id)  # whose keys these are (an etcd namespace outlives the run)
         if cfg.snapshot.enabled:
             agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
         faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps)
@@ -197,11 +200,13 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
            "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
            "--tensorboard", cfg.metrics.tensorboard,
-           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else ""]
-    (run_dir / "coordinator.addr").write_text(f"127.0.0.1:{port}\n")  # for `unbroken status RUN_DIR`
+           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else "",
+           "--store", cfg.coord.store]  # etcd: the coordinator binds nothing, the state lives there
+    address = cfg.coord.store or f"127.0.0.1:{port}"
+    (run_dir / "coordinator.addr").write_text(f"{address}\n")  # for `unbroken status RUN_DIR`
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "ab"))
     (run_dir / "logs" / "coordinator.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
-    return p, f"127.0.0.1:{port}"
+    return p, address
 
 
 def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
