@@ -58,6 +58,8 @@ class CoordConfig:
     # where coordination state lives: "" the coordinator's own TCPStore (one host); or an etcd cluster,
     # etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; README: Coordination in etcd)
     store: str = ""
+    standbys: int = 1  # with an etcd store: coordinators beside the leader, each ready to take over
+    lease_ttl: int = 5  # s (whole): with etcd, a leader silent this long is replaced by a standby
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,8 @@ def validate(cfg: Config) -> None:
           for t in ("startup_timeout", "progress_timeout", "collective_timeout", "run_timeout")),
         (cfg.coord.heartbeat_timeout > 2 * cfg.coord.heartbeat_interval,
          "coord.heartbeat_timeout must exceed two heartbeat intervals"),
+        (cfg.coord.standbys >= 0, f"coord.standbys={cfg.coord.standbys}: must be >= 0"),
+        (cfg.coord.lease_ttl >= 1, f"coord.lease_ttl={cfg.coord.lease_ttl}: must be >= 1 (whole seconds)"),
         (_store_url_problem(cfg.coord.store) is None, f"coord.store={cfg.coord.store!r}: "
                                                        f"{_store_url_problem(cfg.coord.store)}"),
     ]

@@ -91,6 +91,10 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     try:
         coordinator, address = _start_coordinator(cfg, run_dir)
         procs.append(coordinator)
+        if cfg.coord.store:  # etcd: standbys beside it; the run has lost its coordinator once all are gone
+            coordinator = _Coordinators([coordinator] + [_start_coordinator(cfg, run_dir, n)[0]
+                                                         for n in range(1, 1 + cfg.coord.standbys)])
+            procs.extend(coordinator.procs[1:])
         raw = connect(address)
         raw.set(keys.run_id(), run_id)  # whose keys these are (an etcd namespace outlives the run)
         if cfg.snapshot.enabled:
@@ -187,7 +191,7 @@ def _finish(cfg: Config, run_dir: Path, log: EventLog, t0: float, error: str | N
     return RunResult(ok, run_dir, summary["steps_committed"], summary["last_committed_step"], error, summary)
 
 
-def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
+def _start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subprocess.Popen, str]:
     """Start the coordinator on a port chosen here, so workers start (and import torch) meanwhile;
     their store clients retry until the server is up."""
     with socket.socket() as s:
@@ -201,11 +205,13 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
            "--tensorboard", cfg.metrics.tensorboard,
            "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else "",
-           "--store", cfg.coord.store]  # etcd: the coordinator binds nothing, the state lives there
+           "--store", cfg.coord.store,  # etcd: the coordinator binds nothing, the state lives there
+           "--lease-ttl", str(cfg.coord.lease_ttl)]
     address = cfg.coord.store or f"127.0.0.1:{port}"
     (run_dir / "coordinator.addr").write_text(f"{address}\n")  # for `unbroken status RUN_DIR`
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "ab"))
-    (run_dir / "logs" / "coordinator.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
+    name = f"coordinator{n}" if n else "coordinator"  # n > 0: a standby (etcd)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / f"{name}.log", "ab"))
+    (run_dir / "logs" / f"{name}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p, address
 
 
@@ -232,6 +238,26 @@ def _cut_torn_line(events: Path) -> None:
     if data and not data.endswith(b"\n"):
         with open(events, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
+
+
+class _Coordinators:
+    """A leader and its standbys (etcd) seen as one coordinator by the watch: ended once all ended."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    def poll(self) -> int | None:
+        codes = [p.poll() for p in self.procs]
+        return None if None in codes else codes[0]
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait until one ends (the leader, at the end of the run) or `timeout` s pass."""
+        deadline = time.monotonic() + timeout
+        while all(p.poll() is None for p in self.procs):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("coordinators", timeout)
+            time.sleep(0.05)
+        return self.poll()
 
 
 class _CoordinatorLost(Exception):
