@@ -110,3 +110,30 @@ def test_bad_store_input_is_one_line_and_writes_nothing(etcd, tmp_path):
     r = unbroken("coordinator", "--out", str(out), f"--coord.store={etcd}/standalone")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "serves its own TCPStore" in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.timeout(150)
+def test_the_whole_etcd_cluster_lost_ends_the_run_with_one_line_and_a_summary(tmp_path):
+    from tests.etcd_cluster import etcd_binary, start
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary on PATH (apt-get install etcd-server; .ci/run installs it)")
+    cluster = start(tmp_path / "etcd", 3)
+    out = tmp_path / "run"
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "train", *SMALL[:3], "400", *SMALL[4:],
+                              f"--coord.store={cluster.url}/all-lost", "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        events = out / "events.jsonl"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (events.exists() and events.read_text().count('"event":"step"') >= 3):
+            time.sleep(0.05)
+        for m in range(3):
+            cluster.kill(m)
+        _, err = p.communicate(timeout=120)
+    finally:
+        cluster.stop()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("unbroken: error: the store was lost (no etcd member answers); last committed step: ")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False and 2 <= summary["last_committed_step"] < 399

@@ -104,3 +104,23 @@ def test_urls_are_parsed_or_refused_naming_the_bad_part():
     for bad, part in (("etcd://h1:x", "'h1:x'"), ("http://h1", "etcd://"), ("etcd://h1/a b", "'a b'")):
         with pytest.raises(ValueError, match=part):
             parse_url(bad)
+
+
+def test_one_leader_at_a_time_and_a_leader_that_lost_its_lease_ends(etcd):
+    from unbroken.runtime.control.election import Leadership
+    url = fresh(etcd).address.url
+    lost = threading.Event()
+    first = Leadership(EtcdStore(url), "first", ttl_s=2, on_lost=lost.set)
+    assert first.acquire() < 1.0 and first.holder() == "first"
+    second = Leadership(EtcdStore(url), "second", ttl_s=2)
+    got = []
+    t = threading.Thread(target=lambda: got.append(second.acquire()), daemon=True)
+    t.start()
+    time.sleep(1.5)
+    assert not got and second.holder() == "first"  # the first keeps its lease alive: the second waits
+    EtcdStore(url)._post("/kv/lease/revoke", {"ID": first.lease})  # as if its TTL had passed unrefreshed
+    t.join(timeout=5)
+    assert got and second.holder() == "second"  # the vacancy was taken ...
+    assert lost.wait(timeout=3)  # ... and the first found out at its next keep-alive (its process would end)
+    second.resign()
+    assert second.holder() is None

@@ -317,6 +317,8 @@ class _Watch:
         except DistError:
             if self.coordinator is not None and self._coordinator_gone(wait_s=2.0):
                 return "lost", self._lost()
+            if self.cfg.coord.store:  # etcd, a cluster of its own: none of its members answers
+                return "lost", self._lost("the store was lost (no etcd member answers)")
             raise
         finally:
             exits.close()
@@ -328,7 +330,7 @@ class _Watch:
             pass
         return self.coordinator.poll() is not None
 
-    def _lost(self) -> str:
+    def _lost(self, what: str = "the coordinator was lost") -> str:
         """The one line for a lost coordinator, with the last step whose record is in the log (read
         directly: firing launcher-side faults on the way, as `_tail` would, is no longer wanted)."""
         with open(self.events, "rb") as f:
@@ -340,7 +342,7 @@ class _Watch:
                     self.last_step = max(self.last_step, json.loads(line)["step"])
                 except (ValueError, KeyError):
                     pass  # a torn last line
-        return f"the coordinator was lost; last committed step: {self.last_step}"
+        return f"{what}; last committed step: {self.last_step}"
 
     def _loop(self, store, workers: dict[int, subprocess.Popen], exits: _ExitWait) -> tuple[str, str | None]:
         reported: set[int] = set()
