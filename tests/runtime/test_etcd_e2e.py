@@ -48,6 +48,8 @@ def test_a_run_on_etcd_follows_the_failure_free_trajectory(etcd, tcp_reference, 
     store = EtcdStore(url)
     assert read(store, keys.run_id()) == run_id.encode()
     assert (out / "coordinator.addr").read_text().strip() == url
+    st = unbroken("status", url)  # an operator's view, read from etcd
+    assert st.returncode == 0 and run_id in st.stdout and "step 10/10" in st.stdout, st.stdout + st.stderr
 
 
 def leader(cluster) -> int:
@@ -98,6 +100,8 @@ def test_bad_store_input_is_one_line_and_writes_nothing(etcd, tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "unbroken: error: coord.store='etcd://127.0.0.1:9/x': no etcd member answers"], r.stderr
     assert not out.exists()
+    st = unbroken("status", "etcd://127.0.0.1:9/x")
+    assert st.returncode == 2 and len(st.stderr.strip().splitlines()) == 1 and "no etcd member answers" in st.stderr
     url = f"{etcd}/other-{uuid.uuid4().hex[:8]}"
     EtcdStore(url).set(keys.run_id(), "run-someone")
     r = unbroken("train", *SMALL, f"--coord.store={url}", "--out", str(out))

@@ -70,10 +70,11 @@ def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple
     return n, frozenset(r for r in ids if store.check([keys.finished(r)]))
 
 
-def preflight(address: str, run_id: str | None = None) -> None:
+def preflight(address: str, run_id: str | None = None, exists: bool = False) -> None:
     """Check an etcd store before a run writes anything: a member answers, and its namespace holds no
-    other run's keys (`run_id`: the run that may find its own there, `unbroken resume` and a standby
-    coordinator). Raises ConfigError, one line. A TCPStore address needs no check (the run makes it)."""
+    other run's keys (`run_id`: the run that may find its own there, as `unbroken resume` does; `exists`:
+    only that a member answers, for readers such as `unbroken status`). Raises ConfigError, one line. A
+    TCPStore address needs no check (the run makes it)."""
     if not address.startswith("etcd://"):
         return
     from torch.distributed import DistNetworkError
@@ -90,7 +91,7 @@ def preflight(address: str, run_id: str | None = None) -> None:
         held = read(store, keys.run_id()) if n else None
     except DistNetworkError:
         raise ConfigError(f"coord.store={address!r}: no etcd member answers") from None
-    if n and (held is None or held.decode() != run_id):
+    if n and not exists and (held is None or held.decode() != run_id):
         owner = f"run {held.decode()!r}" if held is not None else "something else"
         root = f"/unbroken/{store.address.namespace}/"
         raise ConfigError(f"coord.store={address!r}: the namespace holds {n} keys of {owner}; use another "
