@@ -124,3 +124,26 @@ def test_one_leader_at_a_time_and_a_leader_that_lost_its_lease_ends(etcd):
     assert lost.wait(timeout=3)  # ... and the first found out at its next keep-alive (its process would end)
     second.resign()
     assert second.holder() is None
+
+
+def test_a_deposed_leader_cannot_write(etcd):
+    from unbroken.runtime.control import keys
+    from unbroken.runtime.control.election import Leadership
+    url = fresh(etcd).address.url
+    deposed = threading.Event()
+    first_store = EtcdStore(url)
+    first = Leadership(first_store, "first", ttl_s=2, on_lost=lambda: None)  # its keep-alive stays quiet
+    first.acquire()
+    first_store.fence(keys.leader(), "first", deposed.set)
+    first_store.set("epoch", "1")  # while it leads, writes land
+    assert first_store.compare_set("epoch", "1", "2") == b"2" and first_store.add("n", 1) == 1
+    EtcdStore(url)._post("/kv/lease/revoke", {"ID": first.lease})  # stalled past its TTL ...
+    Leadership(EtcdStore(url), "second", ttl_s=2).acquire()  # ... and a standby leads
+    for write in (lambda: first_store.set("epoch", "9"), lambda: first_store.compare_set("epoch", "2", "9"),
+                  lambda: first_store.add("n", 1), lambda: first_store.multi_set(["epoch"], ["9"])):
+        deposed.clear()
+        with pytest.raises(dist.DistStoreError, match="no longer leads"):
+            write()
+        assert deposed.is_set()
+    s = EtcdStore(url)
+    assert s.get("epoch") == b"2" and s.get("n") == b"1"  # none of the deposed leader's writes landed

@@ -8,9 +8,10 @@ without a keep-alive, so a SIGKILLed, hung or partitioned leader loses it after 
 
 What the TTL trades: a standby takes over within TTL + one poll (0.25 s) of the leader's death, and a
 leader that cannot reach etcd for a whole TTL (a long GC pause, a partition) is replaced. Fencing: the
-keep-alive thread ends the process (os._exit) when a refresh finds the lease gone, so a stalled leader that
-wakes up stops before its next round; a write it had in flight when it stalled can still land. That write
-is an epoch the members would follow; the new leader reads the store each round and continues from it.
+keep-alive thread ends the process (os._exit) when a refresh finds the lease gone, and every write of the
+leader's store client carries, in the same etcd transaction, the condition that the leader key still holds
+its identity (EtcdStore.fence): a leader that stalled past its TTL and wakes up cannot write an epoch, a
+verdict or anything else, whichever of its threads runs first; its first write ends it instead.
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -95,7 +96,30 @@ class EtcdStore(Store):
         self._timeouts = (exceptions.WatchTimedOut,)
         self._at = 0  # the member this client talks to; moves on when it stops answering
         self._timeout_s, self._failover_s = timeout_s, failover_s
+        self._fence: list[dict] = []  # compares every write of this client must pass (fence())
+        self._on_deposed: Callable[[], None] = lambda: None
         _LIVE.append(self)
+
+    def fence(self, key: str, value: str, on_deposed: Callable[[], None]) -> None:
+        """From now on every write of this client lands only while `key` holds `value` (the leader's key
+        and identity, election.py), in the same transaction: a deposed leader's write is refused by etcd
+        itself, whatever its threads were doing, and `on_deposed` runs (it must not return normally:
+        the coordinator ends its process)."""
+        self._fence = [{"key": _b64(self._key(key)), "target": "VALUE", "result": "EQUAL",
+                        "value": _b64(value.encode())}]
+        self._on_deposed = on_deposed
+
+    def _fenced(self, compare: list, success: list, failure: list) -> dict:
+        """A write transaction under the fence: when only the fence failed, `on_deposed`."""
+        if not self._fence:
+            return self._txn(compare, success, failure)
+        r = self._txn(self._fence + compare, success, failure + [{"request_range": {"key": self._fence[0]["key"]}}])
+        if not r.get("succeeded"):
+            held = (r["responses"][-1].get("response_range", {}).get("kvs") or [{}])[0].get("value")
+            if held != self._fence[0]["value"]:
+                self._on_deposed()
+                raise DistStoreError("etcd store: this coordinator no longer leads")  # if on_deposed returned
+        return r
 
     # -- one request, failing over between members --------------------------------------------------
     def _post(self, path: str, body: dict) -> dict:
@@ -127,11 +151,11 @@ class EtcdStore(Store):
 
     # -- the Store interface ------------------------------------------------------------------------
     def set(self, key, value) -> None:
-        self._post("/kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
+        self._fenced([], [{"request_put": {"key": _b64(self._key(key)), "value": _b64(_bytes(value))}}], [])
 
     def multi_set(self, keys, values) -> None:
-        self._txn([], [{"request_put": {"key": _b64(self._key(k)), "value": _b64(_bytes(v))}}
-                       for k, v in zip(keys, values)], [])
+        self._fenced([], [{"request_put": {"key": _b64(self._key(k)), "value": _b64(_bytes(v))}}
+                          for k, v in zip(keys, values)], [])
 
     def get(self, key) -> bytes:
         self.wait([key])
@@ -157,8 +181,8 @@ class EtcdStore(Store):
                      else {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
             if amount == 0:
                 return now
-            if self._txn([guard], [{"request_put": {"key": k, "value": _b64(str(now + amount).encode())}}],
-                         []).get("succeeded"):
+            if self._fenced([guard], [{"request_put": {"key": k, "value": _b64(str(now + amount).encode())}}],
+                            []).get("succeeded"):
                 return now + amount
 
     def compare_set(self, key, expected, desired) -> bytes:
@@ -167,8 +191,8 @@ class EtcdStore(Store):
         k, expected, desired = _b64(self._key(key)), _bytes(expected), _bytes(desired)
         guard = ({"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"} if not expected
                  else {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)})
-        r = self._txn([guard], [{"request_put": {"key": k, "value": _b64(desired)}}],
-                      [{"request_range": {"key": k}}])
+        r = self._fenced([guard], [{"request_put": {"key": k, "value": _b64(desired)}}],
+                         [{"request_range": {"key": k}}])
         if r.get("succeeded"):
             return desired
         kvs = r["responses"][0].get("response_range", {}).get("kvs") or []
@@ -196,7 +220,8 @@ class EtcdStore(Store):
                 self._at = (self._at + 1) % len(self._clients)
 
     def delete_key(self, key) -> bool:
-        return int(self._post("/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
+        r = self._fenced([], [{"request_delete_range": {"key": _b64(self._key(key))}}], [])
+        return int(r["responses"][0].get("response_delete_range", {}).get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         end = self._root[:-1] + bytes([self._root[-1] + 1])
