@@ -52,6 +52,7 @@ class Coordinator:
         if store.check([keys.epoch()]):  # a standby that took over (etcd): the membership is the store's;
             epoch = int(store.get(keys.epoch()))  # beats, exits and finished members are re-read each round
             self.membership = Membership(epoch, tuple(json.loads(store.get(keys.members(epoch)))))
+            self.slowness.catch_up()
             return
         store.set(keys.weights(), "{}")  # equal quotas until the detector says otherwise
         store.set(keys.members(0), json.dumps(list(self.membership.members)))
