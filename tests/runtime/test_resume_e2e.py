@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -25,12 +26,17 @@ SMALL = ["--replicas", "2", "--steps", "14", "--microbatches", "4", "--exact", "
 
 
 @pytest.mark.timeout(240)
-def test_resume_after_the_coordinator_was_killed_continues_from_memory_on_the_trajectory(tmp_path):
+@pytest.mark.parametrize("store", ["tcp", "etcd"])
+def test_resume_after_the_coordinator_was_killed_continues_from_memory_on_the_trajectory(tmp_path, store, request):
+    """tcp: the embedded store dies with its coordinator; etcd: the state outlives them, every coordinator
+    (leader and standby) is killed, and the resumed run is a new generation in the same namespace."""
     ref, out = tmp_path / "reference", tmp_path / "run"
     r = unbroken("train", *SMALL, "--out", str(ref))
     assert r.returncode == 0, r.stderr[-2000:]
+    extra = [] if store == "tcp" else [f"--coord.store={request.getfixturevalue('etcd')}/resume-{uuid.uuid4().hex[:8]}",
+                                       "--coord.standbys=1"]
 
-    p = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "train", *SMALL, "--out", str(out)],
+    p = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "train", *SMALL, *extra, "--out", str(out)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         events = out / "events.jsonl"
@@ -41,8 +47,8 @@ def test_resume_after_the_coordinator_was_killed_continues_from_memory_on_the_tr
             time.sleep(0.05)
         else:
             raise AssertionError("no steps committed")
-        coordinator = int((out / "logs" / "coordinator.pid").read_text())
-        os.kill(coordinator, signal.SIGKILL)
+        for pid in sorted((out / "logs").glob("coordinator*.pid")):  # etcd: the standby too
+            os.kill(int(pid.read_text()), signal.SIGKILL)
         _, stderr = p.communicate(timeout=60)
     finally:
         if p.poll() is None:

@@ -27,6 +27,7 @@ import xxhash
 
 from . import operations
 from .checksum import checksum, folded_digest
+from unbroken.runtime.control.etcdstore import EtcdStore
 from unbroken.runtime.control.store import connect, get_json
 
 from .control import Topology, post_command, snapshot_keys, topology_dict
@@ -34,6 +35,10 @@ from .shm import Kind, SlotFile, State, data_path, parity_path
 
 POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few ms of a copy
 POLL_STORE_S = 0.02  # store round trips: alloc requests and commands
+# ... when the store is etcd (--coord.store): each poll is two HTTP requests and a read on the Raft
+# leader; at 50 polls a second per agent, etcd's CPU took most of 2 cores and a 0.1 s step took ~1 s.
+# Requests (a slot's first allocation) and commands (parity, rebuild) wait up to this long instead.
+POLL_ETCD_S = 0.25
 SLOW_COMMAND_S = 2.0  # a command this long is logged (a stalled peer, a loaded host)
 
 
@@ -59,6 +64,7 @@ class SnapshotAgent:
         self._req_seen = -1
         self._cmd_seen = store.add(self.keys.cmd("n"), 0)  # commands before we came up are not ours
         self._stop = threading.Event()
+        self.poll_store_s = POLL_ETCD_S if isinstance(store, EtcdStore) else POLL_STORE_S
         self._scan()  # commit copies a previous agent left COPIED
         self._republish()
         self.publish()
@@ -114,7 +120,7 @@ class SnapshotAgent:
         last = 0.0
         while not self._stop.is_set():
             self._scan()
-            if time.monotonic() - last > POLL_STORE_S:
+            if time.monotonic() - last > self.poll_store_s:
                 self._requests()
                 self._commands()
                 last = time.monotonic()
