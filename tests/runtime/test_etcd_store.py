@@ -112,7 +112,7 @@ def test_one_leader_at_a_time_and_a_leader_that_lost_its_lease_ends(etcd):
     lost = threading.Event()
     first = Leadership(EtcdStore(url), "first", ttl_s=2, on_lost=lost.set)
     assert first.acquire() < 1.0 and first.holder() == "first"
-    second = Leadership(EtcdStore(url), "second", ttl_s=2)
+    second = Leadership(EtcdStore(url), "second", ttl_s=2, on_lost=lambda: None)  # (default: end the process)
     got = []
     t = threading.Thread(target=lambda: got.append(second.acquire()), daemon=True)
     t.start()
@@ -138,7 +138,8 @@ def test_a_deposed_leader_cannot_write(etcd):
     first_store.set("epoch", "1")  # while it leads, writes land
     assert first_store.compare_set("epoch", "1", "2") == b"2" and first_store.add("n", 1) == 1
     EtcdStore(url)._post("/kv/lease/revoke", {"ID": first.lease})  # stalled past its TTL ...
-    Leadership(EtcdStore(url), "second", ttl_s=2).acquire()  # ... and a standby leads
+    second = Leadership(EtcdStore(url), "second", ttl_s=2, on_lost=lambda: None)
+    second.acquire()  # ... and a standby leads
     for write in (lambda: first_store.set("epoch", "9"), lambda: first_store.compare_set("epoch", "2", "9"),
                   lambda: first_store.add("n", 1), lambda: first_store.multi_set(["epoch"], ["9"])):
         deposed.clear()
@@ -147,3 +148,4 @@ def test_a_deposed_leader_cannot_write(etcd):
         assert deposed.is_set()
     s = EtcdStore(url)
     assert s.get("epoch") == b"2" and s.get("n") == b"1"  # none of the deposed leader's writes landed
+    second.resign()

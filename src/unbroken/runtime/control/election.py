@@ -37,6 +37,7 @@ class Leadership:
         self.store, self.me, self.ttl_s = store, me, ttl_s
         self.on_lost = on_lost or (lambda: os._exit(3))
         self.lease: str | None = None
+        self._resigned = threading.Event()  # stops the keep-alive: a lapse after resign() is not a loss
         self._key = base64.b64encode(store._key(keys.leader())).decode()
 
     def holder(self) -> str | None:
@@ -65,8 +66,7 @@ class Leadership:
         # a client of its own: store clients are not shared between threads
         store = EtcdStore(self.store.address, failover_s=self.ttl_s)
         expires = time.monotonic() + self.ttl_s
-        while True:
-            time.sleep(self.ttl_s / 3)
+        while not self._resigned.wait(self.ttl_s / 3):
             try:
                 ttl = int(store._post("/lease/keepalive", {"ID": self.lease}).get("result", {}).get("TTL", -1))
             except Exception:  # noqa: BLE001 - no member answered: the lease may still be alive, try again
@@ -79,5 +79,6 @@ class Leadership:
 
     def resign(self) -> None:
         """Give the leadership up at once (a clean end): a standby need not wait for the TTL."""
+        self._resigned.set()
         if self.lease is not None:
             self.store._post("/kv/lease/revoke", {"ID": self.lease})
