@@ -27,3 +27,20 @@ def reference(tmp_path_factory) -> Path:
     r = unbroken("train", *BASE, "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """The URL of a 3-member etcd cluster on loopback: the one `.ci/run` started (UNBROKEN_TEST_ETCD), else
+    one started here for the session. Skips only when no `etcd` binary is installed (`.ci/run` installs it)."""
+    from tests.etcd_cluster import etcd_binary, start
+    if os.environ.get("UNBROKEN_TEST_ETCD"):
+        yield os.environ["UNBROKEN_TEST_ETCD"]
+        return
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary on PATH (apt-get install etcd-server; .ci/run installs it)")
+    cluster = start(tmp_path_factory.mktemp("etcd"), 3)
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()

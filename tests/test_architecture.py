@@ -209,7 +209,7 @@ LAYERS = {
     # runtime, by how much of a trainer a file needs: the store protocol and leaf helpers first
     "unbroken.audit": 1,
     "unbroken.runtime": 2, "unbroken.runtime.control": 2, "unbroken.runtime.gradients": 2,
-    "unbroken.runtime.devicetime": 2,
+    "unbroken.runtime.devicetime": 2, "unbroken.runtime.control.etcdstore": 2,
     "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3, "unbroken.runtime.faults": 3,
     "unbroken.runtime.step": 3,
     "unbroken.runtime.persist": 4, "unbroken.runtime.speculation": 4,
@@ -217,7 +217,7 @@ LAYERS = {
     "unbroken.runtime.control.metrics": 5, "unbroken.runtime.control.coordinator": 5,
     "unbroken.runtime.control.standalone": 5,
     "unbroken.runtime.trainer": 5,
-    "unbroken.runtime.worker": 6, "unbroken.runtime.launcher": 6,
+    "unbroken.runtime.worker": 6, "unbroken.runtime.launcher": 6, "unbroken.runtime.launcher.resume": 6,
     "unbroken.sim": 2,
     "unbroken.api": 7, "unbroken": 7,
     "unbroken.eval": 8, "unbroken.commands": 8, "unbroken.status": 8,

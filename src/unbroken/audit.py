@@ -55,7 +55,7 @@ def audit_run(path: str | Path, config: dict[str, Any] | None = None, microbatch
             if key in start and config.get(key) != start[key]:
                 problems.append(f"config.json is not this run's: run.{key} = {config.get(key)!r}, "
                                 f"the log's run_start says {start[key]!r}")
-    end = next((r for r in records if r["event"] == "run_end"), None)
+    end = next((r for r in reversed(records) if r["event"] == "run_end"), None)  # the last: after a resume
     if end is None:
         problems.append("the run did not finish: no run_end record")
     elif not end.get("ok"):

@@ -1,6 +1,6 @@
 """What each `unbroken` subcommand does, given parsed arguments. Terminal output goes through rich.
 
-Owns: train, demo, compare, audit, report, status, coordinator and worker as user-facing commands, each
+Owns: train, resume, demo, compare, audit, report, status, coordinator and worker as user-facing commands, each
 a parser and a run (`add_parsers`), with their exit codes (0 ok, 1 run failed or runs differ, 2 bad
 input). Does not own: the top-level parser (cli.py) or any training logic.
 """
@@ -34,6 +34,21 @@ def train(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = make_config(load(args.config, overrides))
     from unbroken.runtime.launcher.launch import launch
     result = launch(cfg)
+    return _ran(result, cfg)
+
+
+def resume(args: argparse.Namespace, rest: list[str]) -> int:
+    """`unbroken resume RUN_DIR`: continue a run that ended early (its coordinator lost, its launcher
+    killed) in its own directory, from the agents' memory or the latest checkpoint (launcher/resume.py)."""
+    from unbroken.runtime.launcher.launch import launch
+    from unbroken.runtime.launcher.resume import read_run
+    cfg, point = read_run(Path(args.run_dir), parse_overrides(rest))
+    console.print(f"resuming {args.run_dir}: {point.reason}; last step in the log: {point.last_step}")
+    result = launch(cfg, resume=point)
+    return _ran(result, cfg)
+
+
+def _ran(result, cfg) -> int:
     s = result.summary
     console.print(f"run dir: {result.run_dir}  steps committed: {s['steps_committed']}/{cfg.run.steps}  "
                   f"final loss: {s['final_loss']}  replicas lost: {s['members_lost']}"
@@ -175,6 +190,11 @@ def add_parsers(sub) -> None:
     t.add_argument("--data", help="text file or uint16 .bin token file (default: Python's stdlib source)")
     t.add_argument("--out", help="run directory (default runs/latest)")
     t.set_defaults(run=train, overrides=True)
+    rs = sub.add_parser("resume", help="continue a run that ended early, in its directory, from memory or disk",
+                        epilog="Only --coord.*, --metrics.*, --run.progress, --run.run_timeout and "
+                               "--run.threads may be overridden: the rest is the run's.")
+    rs.add_argument("run_dir", metavar="RUN_DIR")
+    rs.set_defaults(run=resume, overrides=True)
     c = sub.add_parser("compare", help="compare two runs step by step")
     c.add_argument("a")
     c.add_argument("b")

@@ -55,6 +55,11 @@ class CoordConfig:
     progress_timeout: float = 20.0  # s in one compute microbatch before a beating member is declared stuck
     collective_timeout: float = 30.0  # s before gloo gives up on a collective by itself
     run_timeout: float = 900.0  # s before the launcher gives up on the whole run
+    # where coordination state lives: "" the coordinator's own TCPStore (one host); or an etcd cluster,
+    # etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; README: Coordination in etcd)
+    store: str = ""
+    standbys: int = 1  # with an etcd store: coordinators beside the leader, each ready to take over
+    lease_ttl: int = 5  # s (whole): with etcd, a leader silent this long is replaced by a standby
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,10 @@ def validate(cfg: Config) -> None:
           for t in ("startup_timeout", "progress_timeout", "collective_timeout", "run_timeout")),
         (cfg.coord.heartbeat_timeout > 2 * cfg.coord.heartbeat_interval,
          "coord.heartbeat_timeout must exceed two heartbeat intervals"),
+        (cfg.coord.standbys >= 0, f"coord.standbys={cfg.coord.standbys}: must be >= 0"),
+        (cfg.coord.lease_ttl >= 1, f"coord.lease_ttl={cfg.coord.lease_ttl}: must be >= 1 (whole seconds)"),
+        (_store_url_problem(cfg.coord.store) is None, f"coord.store={cfg.coord.store!r}: "
+                                                       f"{_store_url_problem(cfg.coord.store)}"),
     ]
     s = cfg.snapshot
     group = s.k + s.m
@@ -245,6 +254,23 @@ def validate(cfg: Config) -> None:
     if cfg.data.path and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
     _check_seq_len(cfg.data.seq_len, m.block_size)
+
+
+def _store_url_problem(url: str) -> str | None:
+    """Why `url` is not a store address (None: fine). Syntax only: whether it answers is checked by
+    store.preflight when a run starts."""
+    if not url:
+        return None
+    if not url.startswith("etcd://"):
+        return "expected etcd://host:2379[,host:2379...][/namespace] (or empty: the coordinator's own store)"
+    hosts, _, namespace = url[len("etcd://"):].partition("/")
+    for part in hosts.split(","):
+        host, _, port = part.rpartition(":") if ":" in part else (part, "", "2379")
+        if not host or ":" in host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"bad member {part!r} (host:port)"
+    if not all(c.isalnum() or c in "-_." for c in namespace.strip("/")):
+        return f"namespace {namespace!r} may hold letters, digits, '-', '_' and '.' only"
+    return None
 
 
 def check_paths(cfg: Config) -> None:

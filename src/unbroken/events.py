@@ -56,6 +56,7 @@ their fields:
   verdict        step, replica, old, new, speed, score (fail-slow detector: healthy/suspect/slow)
   regime         step, device_class, factor, moved, replicas   (every cost moved: predictor rescaled)
   restart        generation, reason, source           (whole-job restart; source memory|disk|scratch)
+                 resumed (true: `unbroken resume` continued the run after its launcher ended)
   restored       replica, source, step, seconds, param_digest  (digest of the state just loaded)
   restore_failed replica, source, step, error         (that source was refused; the next is tried)
   rebuilt        nodes, step, parity                  (a lost node's shards rebuilt from parity)

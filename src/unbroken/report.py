@@ -40,7 +40,7 @@ def summarize(path: str | Path, cfg: Any = None) -> dict[str, Any]:
     records = log.records
     committed = steps(records)
     start = next((r["t"] for r in records if r["event"] == "run_start"), None)
-    end = next((r for r in records if r["event"] == "run_end"), None)
+    end = next((r for r in reversed(records) if r["event"] == "run_end"), None)  # the last: after a resume
     last = max(committed) if committed else -1
     kinds = [r["event"] for r in records]
     seconds = (end["t"] if end else max((r["t"] for r in records), default=0)) - (start or 0)
@@ -109,7 +109,7 @@ def _completeness(records: list[dict[str, Any]], torn: str | None) -> list[str]:
     start = next((r for r in records if r["event"] == "run_start"), None)
     if start is None:
         return problems + ["no run_start record (empty or truncated log)"]
-    end = next((r for r in records if r["event"] == "run_end"), None)
+    end = next((r for r in reversed(records) if r["event"] == "run_end"), None)  # the last: after a resume
     if end is None or not end.get("ok"):
         problems.append("the run did not finish" + (f": {end.get('error')}" if end else " (no run_end)"))
     bad = sorted({r.get("step") for r in records if r["event"] == "step"

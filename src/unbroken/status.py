@@ -22,10 +22,13 @@ from unbroken.runview import RunView
 
 
 def load(target: str) -> dict[str, Any]:
-    """The status dict of RUN_DIR (any run, live or finished) or of the coordinator at HOST:PORT."""
+    """The status dict of RUN_DIR (any run, live or finished), of the coordinator at HOST:PORT, or of the
+    run whose state lives at etcd://...[/namespace]."""
     path = Path(target)
     if path.is_dir() or path.exists():
         return _from_dir(path)
+    if target.startswith("etcd://"):  # a run whose state lives in etcd (--coord.store)
+        return _from_store(target)
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"{target!r} is neither a run directory nor HOST:PORT of a coordinator")
@@ -52,7 +55,11 @@ def _from_store(address: str) -> dict[str, Any]:
     from unbroken.runtime.control.store import connect
     host, _, port = address.rpartition(":")
     try:  # a plain probe first: TCPStore's client would retry, and print C++ stack traces, for seconds
-        socket.create_connection((host, int(port)), timeout=3.0).close()
+        if address.startswith("etcd://"):  # the run's state in etcd: its client fails over by itself
+            from unbroken.runtime.control.store import preflight
+            preflight(address, run_id=None, exists=True)
+        else:
+            socket.create_connection((host, int(port)), timeout=3.0).close()
         store = connect(address, timeout_s=5.0)
     except (RuntimeError, OSError, OverflowError, ValueError) as e:
         raise ConfigError(f"cannot reach a coordinator at {address!r} ({e.strerror or e if isinstance(e, OSError) else e})"

@@ -9,6 +9,7 @@ callers pass times in seconds from their own monotonic clock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -63,6 +64,14 @@ class Beat:
     microbatch: int
     seen_at: float  # coordinator's monotonic clock, s, when `seq` last changed
     progress_at: float  # ... when (step, phase, microbatch) last changed
+
+
+def excuse(beats: Mapping[int, Beat], gap: float) -> dict[int, Beat]:
+    """The beats as if the last `gap` seconds had not passed: for a coordinator that could not look
+    (its store was unavailable, as while an etcd cluster elects a new leader, or it was descheduled),
+    so no member is declared dead for silence nobody could have heard."""
+    return {m: dataclasses.replace(b, seen_at=b.seen_at + gap, progress_at=b.progress_at + gap)
+            for m, b in beats.items()}
 
 
 def stale(beats: Mapping[int, Beat], members: Iterable[int], now: float, heartbeat_timeout: float,

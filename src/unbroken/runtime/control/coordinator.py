@@ -24,11 +24,11 @@ from collections.abc import Callable
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.events import EventLog
-from unbroken.policy.membership import Beat, Membership, stale
+from unbroken.policy.membership import Beat, Membership, excuse, stale
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import WakeWatch
 from unbroken.runtime.control.metrics import Exporter
-from unbroken.runtime.control.store import connect, finished_among, last_committed
+from unbroken.runtime.control.store import connect, finished_among, last_committed, read
 from unbroken.runtime.control.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
@@ -51,6 +51,11 @@ class Coordinator:
         # (nfinished, members that applied their last step): no longer judged
         self.finished: tuple[int, frozenset[int]] = (0, frozenset())
         self.beat_every = beat_every
+        if store.check([keys.epoch()]):  # a standby that took over (etcd): the membership is the store's;
+            epoch = int(store.get(keys.epoch()))  # beats, exits and finished members are re-read each round
+            self.membership = Membership(epoch, tuple(json.loads(store.get(keys.members(epoch)))))
+            self.slowness.catch_up()
+            return
         store.set(keys.weights(), "{}")  # equal quotas until the detector says otherwise
         store.set(keys.members(0), json.dumps(list(self.membership.members)))
         store.set(keys.epoch(), "0")
@@ -64,6 +69,8 @@ class Coordinator:
         a verdict, a kill costs no heartbeat timeout). A beat round (heartbeats, exits, finished members,
         re-form requests, the detector's new steps) is about five store round trips."""
         verdicts: dict[int, str] = {}
+        if self.next_beats and now - self.next_beats > self.hb_timeout / 2:  # we could not look: nobody's fault
+            self.beats = excuse(self.beats, now - self.next_beats)
         beats = now >= self.next_beats
         if beats:
             self.next_beats = now + self.beat_every
@@ -197,7 +204,8 @@ def _loop(store: TCPStore, address: str, make: Callable[[Store], Coordinator], p
     # The launcher wakes this loop after it reports an exit, starts a generation or ends the run
     # (epochwatch.wake); otherwise it runs a liveness round every `poll_s`.
     wakes = WakeWatch(client(), reconnect=client)
-    generation, coord, alive, rounds, seen = 0, fresh(0), True, 0, wakes.current
+    generation = int(read(store, keys.generation()) or 0)  # not 0 for a standby taking over after a restart
+    coord, alive, rounds, seen = fresh(generation), True, 0, wakes.current
     while True:
         rounds += 1
         woken, seen = wakes.current != seen, wakes.current
@@ -236,14 +244,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--tensorboard", default="", help="write TensorBoard event files to this directory")
     ap.add_argument("--checkpoint-dir", default="", help="where to look for the newest complete checkpoint")
+    ap.add_argument("--store", default="", help="etcd://...: the run's state lives there (else: serve a TCPStore)")
+    ap.add_argument("--lease-ttl", type=int, default=5, help="s: with etcd, a standby leads this long after a death")
     a = ap.parse_args(argv)
-    store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60), use_libuv=True)
-    print(f"UNBROKEN_STORE={a.host}:{store.port}", flush=True)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
+    if a.store:  # several coordinators may serve the run: the one holding the lease leads, the rest wait
+        store, address = connect(a.store), a.store
+        from unbroken.runtime.control.election import Leadership
+        lead = Leadership(store, f"pid {os.getpid()}", a.lease_ttl)
+        waited = lead.acquire()
+
+        def deposed() -> None:  # a write found another coordinator leading: stop before doing anything else
+            log.emit("coordinator_deposed", pid=os.getpid())
+            os._exit(3)
+        store.fence(keys.leader(), lead.me, deposed)  # every write of this client: only while it leads
+        current = PrefixStore(keys.generation_prefix(int(read(store, keys.generation()) or 0)), store)
+        log.emit("coordinator_leads", pid=os.getpid(), waited=round(waited, 3),
+                 takeover=current.check([keys.epoch()]))  # True: a standby took over a running membership
+    else:
+        store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60), use_libuv=True)
+        address = f"{a.host}:{store.port}"
+    print(f"UNBROKEN_STORE={address}", flush=True)
     # what the run is doing, for operators: /metrics, TensorBoard, the store's status snapshot
     exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
-    return serve(store, f"{a.host}:{store.port}", a.replicas, log,
+    return serve(store, address, a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
                                        a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll,
                                        group_size=a.group_size),

@@ -219,6 +219,11 @@ def shutdown() -> str:
     return "shutdown"
 
 
+def leader() -> str:
+    """The leading coordinator's identity, attached to its etcd lease (election.py): gone when it lapses."""
+    return "coordinator/leader"
+
+
 def wakes() -> str:
     return "wakes"
 

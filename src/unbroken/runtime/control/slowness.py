@@ -21,6 +21,11 @@ from unbroken.runtime.control.epochwatch import publish_weights
 from unbroken.runtime.control.store import read
 
 
+# steps a taking-over coordinator replays into its detector: the predictor's window (256 microbatch
+# timings) and the speed window (8 steps) fill from them; older CUSUM evidence is forgotten
+REPLAY_STEPS = 64
+
+
 class SlownessMonitor:
     """Call `poll(epoch)` every beat round of the coordinator (a round trip, plus two for each step
     committed since); `forget(r)` when a member is declared dead."""
@@ -31,12 +36,24 @@ class SlownessMonitor:
         self.next_step = 0
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
+        self.replayed = -1  # steps up to here are replayed (catch_up): their events were logged before
+
+    def catch_up(self) -> None:
+        """For a coordinator taking over (etcd standby): rebuild the detector from the last REPLAY_STEPS
+        committed steps' timings in the store, not from step 0 (a month of steps would be millions of
+        reads), logging nothing and publishing no weights for them (the leader before did)."""
+        last = int(read(self.store, keys.last_commit()) or -1)
+        self.next_step, self.replayed = max(0, last - REPLAY_STEPS + 1), last
+        self.published = {int(k): v for k, v in json.loads(read(self.store, keys.weights()) or b"{}").items()}
 
     def poll(self, epoch: int) -> None:
         last = int(read(self.store, keys.last_commit()) or -1)
         while self.next_step <= last:
             timings = self._timings(self.next_step, epoch)
-            if timings:
+            if timings and self.next_step <= self.replayed:
+                self.detector.observe(self.next_step, timings)
+                self.detector.take_events()
+            elif timings:
                 self.detector.observe(self.next_step, timings)
                 self._log(self.detector.take_events())
                 # Written only when the quotas they give are predicted to be worth it: members cache

@@ -48,6 +48,9 @@ def bind(host: str, port: int) -> TCPStore:
 def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
     """Serve `cfg`'s run until it ends; returns 0 when every step committed, 1 otherwise. Raises
     ConfigError before anything is written when the address cannot be bound or the run directory made."""
+    if cfg.coord.store:  # workers started by torchrun reach the run through this process's TCPStore
+        raise ConfigError(f"coord.store={cfg.coord.store!r}: `unbroken coordinator` serves its own TCPStore; "
+                          "an etcd store works under `unbroken train` for now")
     out = Path(cfg.run.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

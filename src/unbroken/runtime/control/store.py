@@ -18,12 +18,16 @@ from unbroken.runtime.control import keys
 _MISSING = "\x00missing"
 
 
-def connect(address: str | None = None, timeout_s: float = 60.0) -> TCPStore:
-    """A client of the coordinator's store at `host:port` (default: env UNBROKEN_STORE). Raises
-    RuntimeError without an address, and torch's DistNetworkError when nothing answers in `timeout_s`."""
+def connect(address: str | None = None, timeout_s: float = 60.0) -> Store:
+    """A client of the run's store: the coordinator's TCPStore at `host:port`, or an etcd cluster at
+    `etcd://h1:2379,...[/namespace]` (etcdstore.py); default: env UNBROKEN_STORE. Raises RuntimeError
+    without an address, and torch's DistNetworkError when nothing answers in `timeout_s`."""
     address = address or os.environ.get("UNBROKEN_STORE")
     if not address:
         raise RuntimeError("no store address: pass host:port or set UNBROKEN_STORE")
+    if address.startswith("etcd://"):
+        from unbroken.runtime.control.etcdstore import EtcdStore
+        return EtcdStore(address, timeout_s=timeout_s)
     host, _, port = address.rpartition(":")
     return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                     use_libuv=True)
@@ -64,3 +68,31 @@ def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple
     if n == seen[0]:
         return seen
     return n, frozenset(r for r in ids if store.check([keys.finished(r)]))
+
+
+def preflight(address: str, run_id: str | None = None, exists: bool = False) -> None:
+    """Check an etcd store before a run writes anything: a member answers, and its namespace holds no
+    other run's keys (`run_id`: the run that may find its own there, as `unbroken resume` does; `exists`:
+    only that a member answers, for readers such as `unbroken status`). Raises ConfigError, one line. A
+    TCPStore address needs no check (the run makes it)."""
+    if not address.startswith("etcd://"):
+        return
+    from torch.distributed import DistNetworkError
+
+    from unbroken.config import ConfigError
+    try:
+        from unbroken.runtime.control.etcdstore import EtcdStore
+    except ImportError:
+        raise ConfigError(f"coord.store={address!r}: the etcd client is not installed "
+                          "(pip install 'unbroken[etcd]')") from None
+    store = EtcdStore(address, timeout_s=5.0, failover_s=5.0)
+    try:
+        n = store.num_keys()
+        held = read(store, keys.run_id()) if n else None
+    except DistNetworkError:
+        raise ConfigError(f"coord.store={address!r}: no etcd member answers") from None
+    if n and not exists and (held is None or held.decode() != run_id):
+        owner = f"run {held.decode()!r}" if held is not None else "something else"
+        root = f"/unbroken/{store.address.namespace}/"
+        raise ConfigError(f"coord.store={address!r}: the namespace holds {n} keys of {owner}; use another "
+                          f"namespace (etcd://.../NAME) or clear it (etcdctl del --prefix {root})")

@@ -63,10 +63,14 @@ class AgentSet:
         self.log.emit("rebuilt", nodes=sorted(lost), step=step, parity=self.cfg.snapshot.parity)
         return step
 
-    def close(self) -> None:
+    def close(self, keep_memory: bool = False) -> None:
+        """Stop the agents and remove the run's files, unless `keep_memory`: then the nodes' slot files
+        stay for `unbroken resume`, whose new agents adopt them (same run id)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if keep_memory:
+            return
         for n in range(self.cfg.snapshot.nodes):
             shutil.rmtree(Path(node_dir(self.cfg.snapshot.shm_dir, n)) / self.run_id, ignore_errors=True)

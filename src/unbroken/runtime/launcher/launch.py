@@ -34,8 +34,10 @@ from unbroken.progress import LiveView
 from unbroken.report import finish_run
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
+from unbroken.runtime.launcher.resume import Resumption, already_fired
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
+from unbroken.runtime.control.store import preflight as store_preflight
 from unbroken.runtime.control.epochwatch import wake
 from unbroken.runtime.control.metrics import preflight
 
@@ -56,40 +58,65 @@ class RunResult:
     summary: dict
 
 
-def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train") -> RunResult:
-    """Run `cfg` to the end. Blocks; returns a RunResult (never raises for failures of the run itself)."""
+def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train",
+           resume: Resumption | None = None) -> RunResult:
+    """Run `cfg` to the end. Blocks; returns a RunResult (never raises for failures of the run itself).
+    With `resume` (resume.read_run of cfg.run.out), continue that run in its directory instead: its log
+    and logs/ are kept and appended to, and the trainers restore from the agents' memory or a checkpoint."""
     m = cfg.metrics
     preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
+    store_preflight(cfg.coord.store, resume.run_id if resume else None)  # etcd: answers, holds no other run
     run_dir = Path(cfg.run.out)
-    shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
+    if resume is None:
+        shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in ("events.jsonl", "summary.json", "coordinator.addr"):
+    for stale in ("summary.json", "coordinator.addr") + (() if resume else ("events.jsonl",)):
         (run_dir / stale).unlink(missing_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
-    run_id = f"run-{secrets.token_hex(4)}"
+    run_id = resume.run_id if resume else f"run-{secrets.token_hex(4)}"
+    if resume:
+        _cut_torn_line(run_dir / "events.jsonl")  # a launcher killed mid-record: no half line mid-log
     log = EventLog(run_dir / "events.jsonl", who="launcher")
     t0 = time.time()
-    log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
-             exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
-             run_id=run_id, group_size=cfg.parallel.group_size)
+    if resume is None:
+        log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
+                 exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
+                 run_id=run_id, group_size=cfg.parallel.group_size)
     procs: list[subprocess.Popen] = []
     agents: AgentSet | None = None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
     error: str | None = "launcher failed"
     restore_sigterm = _sigterm_interrupts()
+    lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
     try:
         coordinator, address = _start_coordinator(cfg, run_dir)
         procs.append(coordinator)
+        if cfg.coord.store:  # etcd: standbys beside it; the run has lost its coordinator once all are gone
+            coordinator = _Coordinators([coordinator] + [_start_coordinator(cfg, run_dir, n)[0]
+                                                         for n in range(1, 1 + cfg.coord.standbys)])
+            procs.extend(coordinator.procs[1:])
         raw = connect(address)
+        raw.set(keys.run_id(), run_id)  # whose keys these are (an etcd namespace outlives the run)
         if cfg.snapshot.enabled:
             agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
-        chaos = Chaos(parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size), cfg, log, agents,
-                      run_id)
+        faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
+        fired = already_fired(faults, resume.fired) if resume else set()
+        chaos = Chaos(tuple(f for n, f in enumerate(faults) if n not in fired), cfg, log, agents, run_id)
         watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw), coordinator)
-        generation, resume = 0, ""
+        generation, source = 0, ""
+        if resume:  # one more whole-job restart of the run, into a fresh store: the next generation
+            for n in fired:
+                raw.set(keys.fired(n), "1")  # trainers' faults.Injector: fired before, not again
+            generation = resume.generation
+            source = restore_source(cfg.run.recovery, agents is not None, cfg.checkpoint.every > 0)
+            raw.set(keys.generation(), str(generation))
+            watch.offset = (run_dir / "events.jsonl").stat().st_size  # the watch reads only new records
+            watch.last_step = resume.last_step
+            log.emit("restart", generation=generation, reason=f"resumed after: {resume.reason}", source=source,
+                     resumed=True)
         while True:
             workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
-                                        resume, run_id) for r in range(cfg.run.replicas)}
+                                        source, run_id) for r in range(cfg.run.replicas)}
             procs.extend(workers.values())
             outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
             if outcome == "lost":  # the store went with the coordinator: nothing to tell anyone, end
@@ -99,11 +126,11 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             if generation >= MAX_RESTARTS:
                 error = f"gave up after {MAX_RESTARTS} restarts ({error})"
                 break
-            resume = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
+            source = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
             generation += 1
             raw.set(keys.generation(), str(generation))
             wake(raw)
-            log.emit("restart", generation=generation, reason=error, source=resume)
+            log.emit("restart", generation=generation, reason=error, source=source)
         raw.set(keys.shutdown(), "1")
         wake(raw)
         try:
@@ -113,12 +140,14 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     except KeyboardInterrupt:
         error = "interrupted"
     except _CoordinatorLost as e:
-        error = str(e)
+        error, lost = str(e), True
     finally:
         restore_sigterm()
         view.close()
         if agents is not None:
-            agents.close()  # before the coordinator: agents talk to its store until they die
+            # before the coordinator: agents talk to its store until they die. A lost coordinator
+            # leaves the nodes' memory in place (a node outlives it): `unbroken resume` restores from it
+            agents.close(keep_memory=lost)
         for p in procs:
             _kill_tree(p)
     return _finish(cfg, run_dir, log, t0, error)
@@ -189,7 +218,7 @@ def _finish(cfg: Config, run_dir: Path, log: EventLog, t0: float, error: str | N
     return RunResult(ok, run_dir, summary["steps_committed"], summary["last_committed_step"], error, summary)
 
 
-def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
+def _start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subprocess.Popen, str]:
     """Start the coordinator on a port chosen here, so workers start (and import torch) meanwhile;
     their store clients retry until the server is up."""
     with socket.socket() as s:
@@ -203,11 +232,15 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, st
            "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
            "--tensorboard", cfg.metrics.tensorboard,
-           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else ""]
-    (run_dir / "coordinator.addr").write_text(f"127.0.0.1:{port}\n")  # for `unbroken status RUN_DIR`
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / "coordinator.log", "ab"))
-    (run_dir / "logs" / "coordinator.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
-    return p, f"127.0.0.1:{port}"
+           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else "",
+           "--store", cfg.coord.store,  # etcd: the coordinator binds nothing, the state lives there
+           "--lease-ttl", str(cfg.coord.lease_ttl)]
+    address = cfg.coord.store or f"127.0.0.1:{port}"
+    (run_dir / "coordinator.addr").write_text(f"{address}\n")  # for `unbroken status RUN_DIR`
+    name = f"coordinator{n}" if n else "coordinator"  # n > 0: a standby (etcd)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / f"{name}.log", "ab"))
+    (run_dir / "logs" / f"{name}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
+    return p, address
 
 
 def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
@@ -226,6 +259,34 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
     p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p
+
+
+def _cut_torn_line(events: Path) -> None:
+    """Cut a last line that lacks its newline (its writer was killed mid-record) before appending."""
+    data = events.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(events, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+class _Coordinators:
+    """A leader and its standbys (etcd) seen as one coordinator by the watch: ended once all ended."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    def poll(self) -> int | None:
+        codes = [p.poll() for p in self.procs]
+        return None if None in codes else codes[0]
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait until one ends (the leader, at the end of the run) or `timeout` s pass."""
+        deadline = time.monotonic() + timeout
+        while all(p.poll() is None for p in self.procs):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("coordinators", timeout)
+            time.sleep(0.05)
+        return self.poll()
 
 
 class _CoordinatorLost(Exception):
@@ -285,6 +346,8 @@ class _Watch:
         except DistError:
             if self.coordinator is not None and self._coordinator_gone(wait_s=2.0):
                 return "lost", self._lost()
+            if self.cfg.coord.store:  # etcd, a cluster of its own: none of its members answers
+                return "lost", self._lost("the store was lost (no etcd member answers)")
             raise
         finally:
             exits.close()
@@ -296,7 +359,7 @@ class _Watch:
             pass
         return self.coordinator.poll() is not None
 
-    def _lost(self) -> str:
+    def _lost(self, what: str = "the coordinator was lost") -> str:
         """The one line for a lost coordinator, with the last step whose record is in the log (read
         directly: firing launcher-side faults on the way, as `_tail` would, is no longer wanted)."""
         with open(self.events, "rb") as f:
@@ -308,7 +371,7 @@ class _Watch:
                     self.last_step = max(self.last_step, json.loads(line)["step"])
                 except (ValueError, KeyError):
                     pass  # a torn last line
-        return f"the coordinator was lost; last committed step: {self.last_step}"
+        return f"{what}; last committed step: {self.last_step}"
 
     def _loop(self, store, workers: dict[int, subprocess.Popen], exits: _ExitWait) -> tuple[str, str | None]:
         reported: set[int] = set()

@@ -27,6 +27,7 @@ import xxhash
 
 from . import operations
 from .checksum import checksum, folded_digest
+from unbroken.runtime.control.etcdstore import EtcdStore
 from unbroken.runtime.control.store import connect, get_json
 
 from .control import Topology, post_command, snapshot_keys, topology_dict
@@ -34,6 +35,10 @@ from .shm import Kind, SlotFile, State, data_path, parity_path
 
 POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few ms of a copy
 POLL_STORE_S = 0.02  # store round trips: alloc requests and commands
+# ... when the store is etcd (--coord.store): each poll is two HTTP requests and a read on the Raft
+# leader; at 50 polls a second per agent, etcd's CPU took most of 2 cores and a 0.1 s step took ~1 s.
+# Requests (a slot's first allocation) and commands (parity, rebuild) wait up to this long instead.
+POLL_ETCD_S = 0.25
 SLOW_COMMAND_S = 2.0  # a command this long is logged (a stalled peer, a loaded host)
 
 
@@ -59,7 +64,9 @@ class SnapshotAgent:
         self._req_seen = -1
         self._cmd_seen = store.add(self.keys.cmd("n"), 0)  # commands before we came up are not ours
         self._stop = threading.Event()
+        self.poll_store_s = POLL_ETCD_S if isinstance(store, EtcdStore) else POLL_STORE_S
         self._scan()  # commit copies a previous agent left COPIED
+        self._republish()
         self.publish()
         # `since`: the first command this agent serves; peers waiting on an older one for this node
         # give up at once instead of after their timeout (operations._given_up)
@@ -113,7 +120,7 @@ class SnapshotAgent:
         last = 0.0
         while not self._stop.is_set():
             self._scan()
-            if time.monotonic() - last > POLL_STORE_S:
+            if time.monotonic() - last > self.poll_store_s:
                 self._requests()
                 self._commands()
                 last = time.monotonic()
@@ -135,21 +142,40 @@ class SnapshotAgent:
         digest = checksum(slot.payload()[: h.length])
         slot.set(checksum=digest)
         slot.set(state=int(State.COMMITTED))
-        doc = slot.doc()
-        rec = {"length": h.length, "checksum": digest, "offset": doc["offset"], "total": doc["total"],
+        self._record(rank, slot, publish=True)
+
+    def _record(self, rank: int, slot: SlotFile, publish: bool, encode: bool = True) -> None:
+        """Put a COMMITTED slot's record in the store (its checksum from the header); the last rank of
+        the step to do so seals it (`_all_committed`)."""
+        h, doc = slot.header(), slot.doc()
+        rec = {"length": h.length, "checksum": h.checksum, "offset": doc["offset"], "total": doc["total"],
                "doc_digest": doc_digest(doc)}
         self.store.set(self.keys.commit(h.step, rank), json.dumps(rec))
-        self.publish()
+        if publish:
+            self.publish()
         first = self.store.add(self.keys.first(h.step, rank), 1) == 1
         if first and self.store.add(self.keys.ncommit(h.step), 1) == self.topo.world:
-            self._all_committed(h.step, rec["total"])
+            self._all_committed(h.step, rec["total"], encode)
         self.store.set(self.keys.committed(h.step, rank), "1")  # wait_committed returns now
 
-    def _all_committed(self, step: int, total: int) -> None:
+    def _republish(self) -> None:
+        """A store that does not know this node's memory (`unbroken resume`: the coordinator that held
+        the old store was lost, the node's slot files were not): put back the records of the committed
+        slots adopted from it, so a restore can find and verify them. The checksums are the ones
+        computed at commit time (headers). Parity is not re-encoded: the parity slots adopted with
+        them hold what was encoded before (publish() reports it); a peer agent may not be up yet to
+        take a command. A store that has the records already (an agent replaced mid-run) is left as is."""
+        for rank, slots in self.data.items():
+            for slot in slots:
+                if slot is not None and slot.get("state") == State.COMMITTED \
+                        and not self.store.check([self.keys.commit(slot.get("step"), rank)]):
+                    self._record(rank, slot, publish=False, encode=False)
+
+    def _all_committed(self, step: int, total: int, encode: bool = True) -> None:
         # The last rank to commit seals the step: whole-state digest, then parity across nodes.
         recs = [json.loads(self.store.get(self.keys.commit(step, r))) for r in range(self.topo.world)]
         self.store.set(self.keys.digest(step), str(folded_digest([r["checksum"] for r in recs], total)))
-        if self.topo.parity != "none":
+        if encode and self.topo.parity != "none":
             post_command(self.store, self.run_id, {"op": "parity", "step": step})
 
     def _requests(self) -> None:

@@ -1,0 +1,54 @@
+"""A coordinator that takes over (etcd standby) rebuilds its fail-slow detector from the store's recent steps.
+
+Replaying every committed step from 0 would cost a month-long job millions of store reads at the moment
+it has no leader; catch_up() replays the last REPLAY_STEPS, logs none of their events again, and then the
+detector judges new steps as before: a replica 2x slow in the replayed window is still found slow.
+"""
+from __future__ import annotations
+
+import json
+
+from torch.distributed import HashStore
+
+from unbroken.events import EventLog, read_events
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.slowness import REPLAY_STEPS, SlownessMonitor
+
+
+def committed(store, step: int, slow: float = 1.0) -> None:
+    """Step `step` committed in epoch 0 by replicas 0 and 1, 4 microbatches each; replica 1 `slow` x."""
+    store.set(keys.decision(step, 0), "commit@0")
+    for m, factor in ((0, 1.0), (1, slow)):
+        timings = [[256, 256 * 64, 0.05 * factor] for _ in range(4)]
+        store.set(keys.done(step, 0, m), json.dumps({"timings": timings}))
+    store.set(keys.last_commit(), str(step))
+
+
+class Counting(SlownessMonitor):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.read_steps: list[int] = []
+
+    def _timings(self, step, epoch):
+        self.read_steps.append(step)
+        return super()._timings(step, epoch)
+
+
+def test_a_takeover_replays_only_the_recent_steps_and_still_sees_a_slow_replica(tmp_path):
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    for s in range(300):
+        committed(store, s, slow=2.0 if s >= 280 else 1.0)  # replica 1 slow over the last 20 steps
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    monitor = Counting(store, log, follow_speed=True)
+    monitor.catch_up()
+    monitor.poll(0)
+    assert monitor.read_steps == list(range(300 - REPLAY_STEPS, 300))  # not from step 0
+    assert not (tmp_path / "events.jsonl").exists() or read_events(tmp_path) == []  # replayed: not logged again
+    for s in range(300, 304):  # new steps: judged and logged as before
+        committed(store, s, slow=2.0)
+    monitor.poll(0)
+    assert monitor.read_steps[-4:] == [300, 301, 302, 303]
+    speeds = monitor.detector.speeds()
+    assert speeds[1] < 0.75 * speeds[0], speeds  # the slow replica is known from the replayed window
