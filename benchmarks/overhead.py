@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _ddp_baseline wh
 import _ddp_baseline  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
-from unbroken.runtime.launcher.launch import process_tree  # noqa: E402
+from unbroken.runtime.launcher.processes import process_tree  # noqa: E402
 from unbroken.events import read_events  # noqa: E402
 
 LONG = 10 ** 6  # steps of each run: it is stopped when the rounds are done

@@ -32,6 +32,7 @@ from unbroken.faultspec import parse
 from unbroken.policy.snapshotting import needs_restart, restore_source
 from unbroken.progress import LiveView
 from unbroken.report import finish_run
+from unbroken.runtime.launcher.processes import kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
@@ -149,39 +150,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             # leaves the nodes' memory in place (a node outlives it): `unbroken resume` restores from it
             agents.close(keep_memory=lost)
         for p in procs:
-            _kill_tree(p)
+            kill_tree(p)
     return _finish(cfg, run_dir, log, t0, error)
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and every live process under it (Linux /proc), parents before their children."""
-    parents: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # ended meanwhile
-            parents.setdefault(ppid, []).append(int(d))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += parents.get(pid, [])
-    return tree
-
-
-def _kill_tree(p: subprocess.Popen) -> None:
-    """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
-    sessions of their own: killing the agent alone would leave them running, re-parented to init."""
-    if p.poll() is not None:
-        return
-    for pid in reversed(process_tree(p.pid)):  # children first: the agent must not restart what we kill
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait()
 
 
 def _sigterm_interrupts() -> Callable[[], None]:
@@ -203,7 +173,7 @@ def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, l
              log: EventLog, reason: str | None) -> str:
     """Stop every trainer of the generation, mend what a lost node took, and choose the restore source."""
     for p in workers.values():
-        _kill_tree(p)
+        kill_tree(p)
     chaos.before_restart(last_step)
     memory_ok = agents is not None
     if agents is not None:
