@@ -11,6 +11,7 @@ Two ways in, one process. Under the local launcher, the environment (launch.py s
   UNBROKEN_RUN_DIR=DIR       where events.jsonl and config.json live
   UNBROKEN_GENERATION=g      whole-job restarts so far: coordination keys live under g{g}/
   UNBROKEN_RESUME=memory|disk|scratch   a restarted trainer's restore source (empty: a fresh start)
+  UNBROKEN_RESTORE_MAX=s     ... and the newest step it may restore (the log's last recorded step)
   UNBROKEN_RUN_ID=id         names the run's snapshots and checkpoints
 On a cluster, one torchrun job per replica group (README "On a cluster"):
   torchrun --standalone --nproc-per-node=1 -m unbroken.runtime.worker --coordinator HOST:PORT --group R
@@ -198,7 +199,9 @@ def run(factories: Factories) -> int:
             persist = Persistence(cfg, me, raw, run_id, run_dir, parts.model, parts.optimizer, log, who.rank)
         sidecar = Coordination(client(), me, watch, weights=WeightsWatch(client(), reconnect=client), rank=who.rank)
         trainer = Trainer(cfg, who, parts, coord, log, heartbeat, injector, sidecar, persist)
-        first = trainer.persist.resume(resume, generation) if resume and trainer.persist else 0
+        limit = int(os.environ.get("UNBROKEN_RESTORE_MAX", "-1"))
+        first = trainer.persist.resume(resume, generation, limit if limit >= 0 else None) \
+            if resume and trainer.persist else 0
         plan = None
         if joining:
             first, plan = join(cfg, who, coord, heartbeat, parts, log, restart)

@@ -117,7 +117,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                      resumed=True)
         while True:
             workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
-                                        source, run_id) for r in range(cfg.run.replicas)}
+                                        source, run_id, watch.last_step) for r in range(cfg.run.replicas)}
             procs.extend(workers.values())
             outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
             if outcome == "lost":  # the store went with the coordinator: nothing to tell anyone, end
@@ -214,9 +214,13 @@ def _start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subproce
 
 
 def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
-                  resume: str, run_id: str) -> subprocess.Popen:
+                  resume: str, run_id: str, recorded: int = -1) -> subprocess.Popen:
     env = {**os.environ, "UNBROKEN_STORE": address, "UNBROKEN_REPLICA": str(r), "UNBROKEN_RUN_DIR": str(run_dir),
            "UNBROKEN_GENERATION": str(generation), "UNBROKEN_RESUME": resume, "UNBROKEN_RUN_ID": run_id,
+           # a restart restores no step past the last one with a record in the log: a snapshot can be
+           # sealed before its step's record is out, and a store lost with its coordinator takes the
+           # commit with it (`unbroken resume` would then miss that step's record)
+           "UNBROKEN_RESTORE_MAX": str(recorded),
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}

@@ -83,12 +83,13 @@ class Persistence:
         if due_ckpt:
             self.ckpt.maybe_save(step, tensors)  # DCP stages a copy before returning
 
-    def resume(self, source: str, generation: int) -> int:
+    def resume(self, source: str, generation: int, newest: int | None = None) -> int:
         """Load the state a restarted job continues from; returns the first step to run.
 
         `source` "memory" tries the agents (a collective over all replicas: every one must call it) and
         falls back to disk on any StateLoadError; "disk" loads the latest checkpoint; with neither, the
         run starts over from step 0 (what a checkpoint-and-restart job does before its first checkpoint).
+        `newest`: the newest step a memory restore may load (the log's last recorded step), or None.
         """
         t0 = time.perf_counter()
         materialize(self.model, self.optimizer)
@@ -96,7 +97,7 @@ class Persistence:
         if source == "memory" and self.cfg.snapshot.enabled:
             group = dist.ProcessGroupGloo(PrefixStore(keys.restore_prefix(generation), self.store), self.me,
                                           self.world, datetime.timedelta(seconds=120))
-            step = self._restore_memory(group, tensors)
+            step = self._restore_memory(group, tensors, newest)
             if step is not None:
                 load_rng(tensors)
                 return self._restored("memory", step, t0)
@@ -110,7 +111,8 @@ class Persistence:
         load_rng(tensors)
         return self._restored("disk", step, t0)
 
-    def _restore_memory(self, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor]) -> int | None:
+    def _restore_memory(self, group: dist.ProcessGroup, tensors: dict[str, torch.Tensor],
+                        limit: int | None = None) -> int | None:
         """Every replica agrees on each decision, so nobody is left alone in a collective: the newest
         step all hold (MIN), then whether every replica's own shard verifies (a corrupt shard is
         repaired from parity by the agents first); if not, all try the snapshot before it together."""
@@ -120,6 +122,8 @@ class Persistence:
         except StateLoadError as e:
             self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
             newest = None
+        if newest is not None and limit is not None:
+            newest = min(newest, limit)  # no step whose record the log lacks (the launcher's `recorded`)
         step = _agree(group, -1 if newest is None else newest)
         for s in (step, step - self.cfg.snapshot.every):
             if s < 0:
