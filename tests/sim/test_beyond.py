@@ -10,8 +10,8 @@ from unbroken.sim.scenario import load
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path, keys", [
-    ("scenarios/recover_512.toml", ["replica_groups", "hosts"]),  # lost GPUs never come back: no rejoin
-    ("scenarios/resihp_256_failstop.toml", ["rejoin", "replica_groups", "hosts"]),
+    ("scenarios/recover_512.toml", ["replica_groups", "hosts"]),
+    ("scenarios/resihp_256_failstop.toml", ["replica_groups", "hosts"]),  # with rejoin: the runtime has it
 ])
 def test_run_start_names_what_the_runtime_cannot_do(path, keys):
     for strategy in ("unbroken_live", "checkpoint_restart"):

@@ -11,19 +11,18 @@ from __future__ import annotations
 from unbroken.sim.scenario import Scenario
 
 BEYOND_RUNTIME: dict[str, str] = {
-    "rejoin": "replaced replicas rejoining a running job (the runtime loses a replica for good)",
-    "replica_groups": "replica groups of TP x PP ranks (a runtime replica is one process)",
-    "hosts": "many hosts (the runtime launches every process on one machine)",
+    # (rejoin left this list: the runtime admits restarted or new groups and heals them from a live
+    # peer, with the same policy.membership.admit the simulator uses)
+    "replica_groups": "replica groups of TP x PP ranks (the runtime's groups shard with FSDP2 only)",
+    "hosts": "many hosts (the runtime's cluster path, one torchrun job per host, is tested on one machine)",
 }
 
 
 def beyond_runtime(sc: Scenario) -> list[str]:
-    """The BEYOND_RUNTIME entries `sc` relies on, as sentences: rejoining if failed hardware is ever
-    replaced (costs.replace_seconds finite), replica groups if TP x PP > 1, hosts if the cluster has
-    more GPUs than one node holds."""
+    """The BEYOND_RUNTIME entries `sc` relies on, as sentences: replica groups if TP x PP > 1, hosts if
+    the cluster has more GPUs than one node holds."""
     c = sc.cluster
     uses = {
-        "rejoin": sc.costs.replace_seconds < float("inf"),
         "replica_groups": c.tp * c.pp > 1,
         "hosts": c.gpus > c.gpus_per_node,
     }
