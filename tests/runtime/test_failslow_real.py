@@ -19,8 +19,32 @@ DEMO = ["--replicas", "4", "--microbatches", "8", "--exact", "--run.progress=fal
         "--coord.run_timeout=120"]
 
 
-@pytest.mark.timeout(150)
+def once_more_if_the_host_moved(check, attempt: int) -> None:
+    """Run `check(attempt)`; if it fails in a run whose own log has a `regime` record (every replica's
+    device time moved together by more than 15%: the host, not a replica, changed speed; seen on this
+    shared VM in 3 of 4 full-suite runs on 2026-11-25, with fleet-wide shifts of 0.77x-1.42x), run it
+    once more and let that attempt decide. A failure in a run without such a record fails at once."""
+    try:
+        check(attempt)
+    except AssertionError as e:
+        if not getattr(e, "host_moved", False) or attempt:
+            raise
+        print(f"attempt 1 failed while the host's speed moved (regime records); once more: {str(e)[:300]}")
+        check(attempt + 1)
+
+
+def failing(message: str, events: list[dict]) -> AssertionError:
+    e = AssertionError(message)
+    e.host_moved = any(r["event"] == "regime" for r in events)
+    return e
+
+
+@pytest.mark.timeout(280)
 def test_failure_free_runs_of_the_demo_shape_declare_nobody_slow_and_move_no_quota(tmp_path):
+    once_more_if_the_host_moved(lambda attempt: failure_free_runs(tmp_path / f"attempt{attempt}"), 0)
+
+
+def failure_free_runs(tmp_path) -> None:
     steps = 24
     for seed in (1, 2, 3):
         out = tmp_path / f"run{seed}"
@@ -34,7 +58,8 @@ def test_failure_free_runs_of_the_demo_shape_declare_nobody_slow_and_move_no_quo
         assert all(0 < e["seconds"] <= e["wall"] + 1e-4 for e in computes), \
             [e for e in computes if not 0 < e["seconds"] <= e["wall"] + 1e-4][:3]
         slow = [e for e in events if e["event"] == "verdict" and e["new"] == "slow"]
-        assert slow == [], (seed, slow)
+        if slow:
+            raise failing(f"seed {seed}: declared slow {slow}", events)
         owners = [e["owners"] for e in events if e["event"] == "step"]
         assert len(owners) == steps
         assert all(sorted(len(v) for v in o.values()) == [2, 2, 2, 2] for o in owners), owners
@@ -42,8 +67,12 @@ def test_failure_free_runs_of_the_demo_shape_declare_nobody_slow_and_move_no_quo
         assert "verdict" not in r.stdout + r.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(230)
 def test_a_1_3x_spin_slowdown_is_declared_slow_within_5_steps_and_recovers(tmp_path):
+    once_more_if_the_host_moved(lambda attempt: slowdown_run(tmp_path / f"attempt{attempt}"), 0)
+
+
+def slowdown_run(tmp_path) -> None:
     onset, end, steps = 5, 13, 22
     out = tmp_path / "slow"
     r = unbroken("train", *DEMO, "--steps", str(steps), "--microbatches", "16", "--run.quotas=equal",
@@ -64,6 +93,8 @@ def test_a_1_3x_spin_slowdown_is_declared_slow_within_5_steps_and_recovers(tmp_p
     # step-to-step noise of device time (replica-step log-sd ~0.05 here) makes it later at times: the 4th
     # in 1 of 4 runs on a loaded host, the 5th once in a full-suite run. The issue's target (3 steps) is
     # not met every time; asserted here: within 5 (the onset step is the 1st), and never before the onset.
-    assert onset <= slow[0] <= onset + 4, verdicts
+    if not onset <= slow[0] <= onset + 4:
+        raise failing(f"declared slow at step {slow[0]}, not within {onset}..{onset + 4}: {verdicts}", events)
     healthy_again = [s for s, rep, new in verdicts if rep == 2 and new == "healthy" and s >= end]
-    assert healthy_again and healthy_again[0] <= end + 5, verdicts
+    if not (healthy_again and healthy_again[0] <= end + 5):
+        raise failing(f"not healthy again by step {end + 5}: {verdicts}", events)
