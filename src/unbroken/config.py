@@ -110,6 +110,10 @@ class ParallelConfig:
     # ranks per replica group: one torchrun job of this many processes per group, the model sharded
     # over them with FSDP2 (HSDP: the replicate dimension across groups is the fault-tolerant one)
     group_size: int = 1
+    # pipeline stages inside a group (the GPT's blocks split over them); group_size = pp x tp x FSDP shards
+    pp: int = 1
+    # tensor-parallel degree inside a group (not built yet: only 1)
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,8 @@ class Config:
 
     def topology(self) -> Topology:
         """Replica groups x ranks per group, over the snapshot nodes."""
-        return Topology.of_nodes(self.run.replicas, self.parallel.group_size, self.snapshot.nodes)
+        p = self.parallel
+        return Topology.of_nodes(self.run.replicas, p.group_size, self.snapshot.nodes, p.pp, p.tp)
 
     @staticmethod
     def from_json(text: str) -> "Config":
@@ -217,9 +222,7 @@ def validate(cfg: Config) -> None:
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
         (cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size}: need at least 1"),
         (cfg.parallel.group_size >= 1, f"parallel.group_size={cfg.parallel.group_size}: need at least 1 rank"),
-        (cfg.data.batch_size % max(1, cfg.parallel.group_size) == 0,
-         f"parallel.group_size={cfg.parallel.group_size} does not divide data.batch_size={cfg.data.batch_size} "
-         f"(each rank of a group takes an equal share of every microbatch's sequences)"),
+        *_parallel_checks(cfg),
         (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),
         *((getattr(cfg.coord, t) > 0, f"coord.{t}={getattr(cfg.coord, t)}: must be > 0 (seconds)")
           for t in ("startup_timeout", "progress_timeout", "collective_timeout", "run_timeout")),
@@ -254,6 +257,35 @@ def validate(cfg: Config) -> None:
     if cfg.data.path and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
     _check_seq_len(cfg.data.seq_len, m.block_size)
+
+
+def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """The degrees inside a replica group: group_size = pp x tp x FSDP shards, and what each one needs.
+    Each message names the offending key=value first."""
+    p, m = cfg.parallel, cfg.model
+    g, pp, tp = max(1, p.group_size), p.pp, p.tp
+    fsdp = g // (pp * tp) if pp >= 1 and tp >= 1 and g % (pp * tp) == 0 else 0
+    fixed = cfg.data.seq_len.strip().isdigit()
+    return [
+        (pp >= 1, f"parallel.pp={pp}: need at least 1 stage"),
+        (tp >= 1, f"parallel.tp={tp}: need at least 1"),
+        (fsdp >= 1, f"parallel.group_size={p.group_size} is not parallel.pp={pp} x parallel.tp={tp} x a whole "
+                    f"number of FSDP shards"),
+        (tp == 1, f"parallel.tp={tp}: tensor parallelism inside a group is not built yet"),
+        (pp == 1 or fsdp == 1, f"parallel.pp={pp} with parallel.group_size={g}: FSDP2 inside pipeline stages is "
+                               f"not built yet (group_size must equal pp)"),
+        (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
+        (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
+                           f"activations of one fixed shape, so the sequence length must be one number"),
+        (pp == 1 or not cfg.checkpoint.every,
+         f"parallel.pp={pp} with checkpoint.every={cfg.checkpoint.every}: checkpoints of pipeline stages are "
+         f"not built yet"),
+        (pp == 1 or not cfg.run.restarts,
+         f"parallel.pp={pp} with run.restarts={cfg.run.restarts}: rejoin of pipeline groups is not built yet"),
+        (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
+         f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
+         f"(each FSDP rank of a group takes an equal share of every microbatch's sequences)"),
+    ]
 
 
 def _store_url_problem(url: str) -> str | None:

@@ -2,7 +2,8 @@
 
 Owns: `Topology` (how many replica groups, ranks per group, ranks per node; which node a rank lives on;
 global rank numbers), checked when built the way torchtitan's `ParallelDims` checks its degrees, and
-`Identity`, the frozen "who am I" of one trainer process (its replica group, its rank in the group, the
+the degrees inside a group (pipeline stages x tensor parallel x FSDP shards, torchtitan's order:
+pipeline outermost), and `Identity`, the frozen "who am I" of one trainer process (its replica group, its rank in the group, the
 group's size, its node), read once from the environment. Pure: plain ints, the standard library only,
 so the runtime, the snapshot layout and the simulator share one arithmetic. Does not own: building
 process groups (runtime/parallel/) or choosing sizes (config, policy/scheduling).
@@ -26,21 +27,37 @@ class Topology:
     groups: int  # replica groups (the data-parallel, fault-tolerant dimension)
     group_size: int = 1  # ranks per replica group (sharded inside: FSDP2 / TP / PP)
     ranks_per_node: int = 1  # trainer ranks per host (failure domain), the last node may hold fewer
+    pp: int = 1  # pipeline stages inside a group
+    tp: int = 1  # tensor-parallel degree inside a group (the rest of group_size shards with FSDP2)
 
     def __post_init__(self) -> None:
-        for name in ("groups", "group_size", "ranks_per_node"):
+        for name in ("groups", "group_size", "ranks_per_node", "pp", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"{name}={value!r}: must be a whole number >= 1")
+        if self.group_size % (self.pp * self.tp):
+            raise TopologyError(f"group_size={self.group_size} is not pp={self.pp} x tp={self.tp} x a whole "
+                                f"number of FSDP shards")
 
     @staticmethod
-    def of_nodes(groups: int, group_size: int, nodes: int) -> Topology:
+    def of_nodes(groups: int, group_size: int, nodes: int, pp: int = 1, tp: int = 1) -> Topology:
         """The topology of `groups` x `group_size` ranks spread evenly over `nodes` hosts; raises
         TopologyError unless the nodes divide the ranks."""
         world = groups * group_size
         if nodes < 1 or world % nodes:
             raise TopologyError(f"nodes={nodes} does not divide {groups} groups x {group_size} ranks = {world}")
-        return Topology(groups, group_size, world // nodes)
+        return Topology(groups, group_size, world // nodes, pp, tp)
+
+    @property
+    def fsdp(self) -> int:
+        """FSDP2 shards inside a group: group_size = pp x tp x fsdp."""
+        return self.group_size // (self.pp * self.tp)
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage rank `rank` of a group holds (pipeline outermost: ranks of a stage are
+        contiguous, as torchtitan's mesh order pp, dp, tp lays them out)."""
+        self._check(0, rank)
+        return rank // (self.group_size // self.pp)
 
     @property
     def world(self) -> int:

@@ -2,6 +2,10 @@
 
 Owns: the network and its loss. Does not own: data, parallelism, or randomness policy — dropout draws
 from torch's global generator, which the trainer seeds per microbatch (seed, step, i) before forward.
+
+Prunable the way torchtitan's Llama is, for pipeline stages (runtime/parallel/pipeline.py): the blocks sit
+in a ModuleDict keyed by their index, so a stage that keeps some of them keeps their names; a stage
+without the embeddings (`tok` None) takes hidden states (B, T, C) in; one without the head returns them.
 """
 from __future__ import annotations
 
@@ -54,7 +58,9 @@ class GPT(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # keyed "0".."n_layer-1": the same parameter names a ModuleList gives, and a pipeline stage keeps
+        # its blocks' names when the others are deleted
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying, as in GPT-2
@@ -72,13 +78,24 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx, targets: (B, T) int64. Returns the mean cross-entropy over targets != -1 (padding)."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) int64 token ids -> (B, T, C) token + position embeddings, after dropout."""
         B, T = idx.shape
-        x = self.drop(self.tok(idx) + self.pos(torch.arange(T, device=idx.device)))
-        for block in self.blocks:
+        return self.drop(self.tok(idx) + self.pos(torch.arange(T, device=idx.device)))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != -1 (padding)."""
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) int64 (on a pipeline stage without `tok`: hidden states (B, T, C)); targets: (B, T)
+        int64. Returns the mean cross-entropy over targets != -1; without targets the logits (B, T, vocab),
+        or on a stage without the head the hidden states (B, T, C)."""
+        x = self.embed(idx) if self.tok is not None else idx
+        for block in self.blocks.values():
             x = block(x)
+        if self.head is None:
+            return x
         logits = self.head(self.ln_f(x))  # (B, T, vocab)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(B * T, -1), targets.reshape(-1), ignore_index=-1)
+        return logits if targets is None else self.loss(logits, targets)

@@ -34,8 +34,9 @@ class Accumulator:
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, hooked: bool = False):
         self.params = params
-        # hooked: a sharded group's reduce-scatter output reaches `add_shard` (parallelize.reduced_shards)
-        # in the reduce dtype, and `.grad` (FSDP2's float32 copy of it) is dropped in `add`
+        # hooked: gradients reach `add_shard`, and `.grad` is dropped in `add`: a sharded group's
+        # reduce-scatter output in the reduce dtype (parallelize.reduced_shards; `.grad` is FSDP2's float32
+        # copy of it), or a pipeline stage's per-microbatch gradients (pipeline.Stages)
         self.hooked = hooked
         self._slot = {id(p): i for i, p in enumerate(params)}
         self.sizes = [local(p).numel() for p in params]  # this rank's shard of each (all of it in DP)
@@ -46,7 +47,7 @@ class Accumulator:
         # defined grad: 0 + g1 + g2 ..., the same float32 sums as copying), so nothing is copied.
         # Sharded parameters (DTensors) get a DTensor `.grad`, built from the local slice in `load_grads`.
         self.sharded = any(local(p) is not p for p in params)
-        self.views = all(p.dtype == dtype for p in params) and not self.sharded
+        self.views = all(p.dtype == dtype for p in params) and not self.sharded and not hooked
         # Views are made once and kept: slicing and reshaping 28 parameters' views cost ~60 us a step
         # (at every zero() and every load_grads), setting `.grad` to a kept view ~4 us for all 28.
         self._own = self._split(self.buffer) if self.views else []

@@ -52,6 +52,7 @@ from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
 from unbroken.runtime.parallel.parallelize import reduced_shards
+from unbroken.runtime.parallel.pipeline import Stages
 from unbroken.runtime.persist.healing import Forming, donate
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
@@ -68,6 +69,7 @@ class Parts:
     data: object
     optimizer: torch.optim.Optimizer
     group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
+    stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
 
 
 class Trainer:
@@ -78,8 +80,10 @@ class Trainer:
         self.cfg, self.who, self.me, self.coord, self.log = cfg, who, who.group, coord, log
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
-        # A replica group of G ranks (FSDP2 inside): its ranks run this same loop on the same events,
-        # each computing its share of the group's microbatches and reducing its own shard across groups.
+        self.stages = parts.stages
+        # A replica group of G ranks (FSDP2 or pipeline stages inside): its ranks run this same loop on the
+        # same events, each computing its share of the group's microbatches (its rows of each, or its stage
+        # of all of them) and reducing its own shard (or stage) across groups.
         self.ranks = who.group_size
         self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
         self.params = unique_parameters(self.model)
@@ -87,10 +91,13 @@ class Trainer:
         dtype = torch.float64 if cfg.run.exact else torch.float32
         # A group's ranks under --exact take the float64 reduce-scatter output itself (FSDP2 would round
         # it to float32 in .grad): summed over a step's batches, rounded once, as one-rank groups do.
-        hooked = self.group is not None and cfg.run.exact
+        # A pipeline stage hands over each microbatch's gradients itself (pipeline.py says why).
+        hooked = self.stages is not None or (self.group is not None and cfg.run.exact)
         self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
         self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
-        if hooked:
+        if self.stages is not None:
+            self.stages.sink = lambda p, grad: self.acc.add_shard(p, grad)
+        elif hooked:
             reduced_shards(self.model, lambda p, shard: self.acc.add_shard(p, shard))
         self.groups: dict[tuple[int, tuple[int, ...]], EpochGroup] = {}  # (epoch, members) -> its group
         self.reduced: torch.Tensor | None = None  # the last all-reduce's result (`scratch`)
@@ -278,6 +285,8 @@ class Trainer:
         # others, in float64 under --exact), where a reduce-scatter per microbatch cost 12% of a 2 x 2
         # step (benchmarks/hsdp_overhead.py). Outside --exact the batch's float32 sum rounds as it falls.
         self.acc = work.acc
+        if self.stages is not None:
+            return self.compute_stages(work, step, microbatches)
         for n, i in enumerate(microbatches):
             if self.group is not None:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
@@ -295,6 +304,34 @@ class Trainer:
                           wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
+        return rec.Computed(microbatches)
+
+    def compute_stages(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
+        """Feed the microbatches through this rank's pipeline stage as one schedule (every rank of the
+        group runs the same ones, a retry's redone ones too); each microbatch's gradients reach the
+        accumulator one by one (pipeline.py). A schedule interleaves its microbatches, so one's own device
+        time is not separable: the call's is shared out by tokens, the predictor's main feature."""
+        mbs = [self.data.microbatch(step, i) for i in microbatches]  # whole: stage 0 reads x, the last y
+
+        def before(k: int) -> None:  # this stage's forward of microbatch k
+            self.hb.at(step, "compute", microbatches[k])
+            seed_microbatch(mix(self.cfg.run.seed, step, microbatches[k]))  # dropout: per microbatch (and stage)
+
+        def after(k: int) -> None:
+            if k == 0:
+                self.faults.at(step, "compute")  # a kill here leaves the pipeline in flight
+
+        span = self.clock.start()
+        for loss in self.stages.run(mbs, [loss_weight(mb.tokens, work.tokens) for mb in mbs], before, after):
+            work.acc.add(loss)  # the last stage's weighted losses, in order; none on the others
+        self.faults.stretch(step, span)
+        seconds, wall = span.stop()
+        tokens = sum(mb.tokens for mb in mbs)
+        for i, mb in zip(microbatches, mbs):
+            share = mb.tokens / tokens
+            work.timings[i] = (mb.tokens, mb.sumsq, seconds * share)
+            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds * share, 6),
+                          wall=round(wall * share, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
         return rec.Computed(microbatches)
 
     def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:

@@ -145,9 +145,10 @@ def build(cfg: Config, factories: Factories, who: Identity) -> Parts:
     torch.set_num_threads(cfg.run.threads)
     group = intra_group(who.group_size, cfg.coord.collective_timeout)
     torch.manual_seed(cfg.run.seed)
-    model = parallelize(factories.model(cfg), cfg.topology(), group, cfg.run.exact)
+    shape = (cfg.data.batch_size, int(cfg.data.seq_len)) if cfg.parallel.pp > 1 else None  # config: a number
+    model, stages = parallelize(factories.model(cfg), cfg.topology(), group, cfg.run.exact, who.rank, shape)
     data = factories.data(cfg)
-    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group)
+    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group, stages)
 
 
 def run(factories: Factories) -> int:

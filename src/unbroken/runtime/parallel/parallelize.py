@@ -1,11 +1,12 @@
 """The model as this rank holds it: the seam between building a model and training it.
 
-Owns: `parallelize(model, topology, group, exact)`, called once by the worker on the model it built,
+Owns: `parallelize(model, topology, group, exact, ...)`, called once by the worker on the model it built,
 before the optimizer is made: the trainer, persistence and healing see only what it returns and never
 assume they hold the whole model. Does not own: building the model (the user's factory), the replica
-group's own process group (worker.py makes it from torchrun's environment: `intra_group`) or the
-cross-group collectives (collectives.py).
+group's own process group (worker.py makes it from torchrun's environment: `intra_group`), the
+cross-group collectives (collectives.py) or the pipeline machinery (pipeline.py).
 
+The topology names the degrees; this module applies them, as torchtitan's `parallelize` does.
 One-rank groups get the model as it is. A group of G ranks shards it with FSDP2 (`fully_shard` over a
 1-D mesh of the group's ranks: each block, then the root, which holds the embeddings and the tied
 head), the way torchtitan applies it. Gradients then leave a microbatch's backward as this rank's shard
@@ -13,6 +14,11 @@ head), the way torchtitan applies it. Gradients then leave a microbatch's backwa
 the PREMUL_SUM that a divide factor would need unless the sum is forced: REFERENCE.md) and in exact
 mode runs in float64, so a microbatch's shard is the same bits whichever group computes it. The
 cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
+
+A group of pp pipeline stages (topology.pp = group_size) instead gives rank j stage j: the model pruned to
+its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
+trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
+the others over shard index j.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import torch.nn as nn
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
 from unbroken.runtime.control import keys
+from unbroken.runtime.parallel.pipeline import Stages, split
 from unbroken.topology import Topology, TopologyError
 
 
@@ -50,25 +57,36 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     return dist.group.WORLD
 
 
-def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None,
-                exact: bool = False) -> nn.Module:
-    """The module this rank trains. Call once, after the model's construction (seeded: identical on every
-    rank) and before building the optimizer over its parameters. `group` is the replica group's own
-    process group (`intra_group`; None for one-rank groups). Raises TopologyError for a layout it
-    cannot apply."""
+def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
+                rank: int = 0, shape: tuple[int, int] | None = None) -> tuple[nn.Module, Stages | None]:
+    """(The module this rank trains, its pipeline stage or None). Call once, after the model's construction
+    (seeded: identical on every rank) and before building the optimizer over the module's parameters.
+    `group` is the replica group's own process group (`intra_group`; None for one-rank groups); `rank`
+    this rank's index in it; `shape` (rows, tokens) of every microbatch, needed when topology.pp > 1 (the
+    stages pass activations of one static shape). Raises TopologyError for a layout it cannot apply."""
     if topology.group_size == 1:
-        return model
+        return model, None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
+    if topology.pp > 1:
+        if topology.fsdp > 1 or topology.tp > 1 or shape is None:
+            raise TopologyError(f"pp={topology.pp}: only a group of pipeline stages alone (group_size = pp) with "
+                                f"a static microbatch shape is built")
+        # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
+        vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
+        stage = topology.stage_of(rank)
+        model, tied = split(model, stage, topology.pp)
+        return model, Stages(model, stage, topology.pp, group, tied, shape, width, vocab, model.loss)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = DeviceMesh.from_group(group, device)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
-    for block in getattr(model, "blocks", ()):  # a user's model without `blocks` is sharded as one unit
+    blocks = getattr(model, "blocks", ())  # a user's model without `blocks` is sharded as one unit
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         _sum(fully_shard(block, mesh=mesh, mp_policy=policy))
-    return _sum(fully_shard(model, mesh=mesh, mp_policy=policy))
+    return _sum(fully_shard(model, mesh=mesh, mp_policy=policy)), None
 
 
 def _sum(module: nn.Module) -> nn.Module:

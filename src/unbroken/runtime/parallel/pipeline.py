@@ -1,0 +1,175 @@
+"""Pipeline parallelism inside a replica group: the GPT's blocks split over the group's ranks, and a batch
+of microbatches fed through them with `torch.distributed.pipelining`.
+
+Owns: `split` (prune a model to one stage's part, parameter names kept, as torchtitan's pipeline split
+does) and `Stages` (this rank's `PipelineStage` and schedule over the group's own process group; each
+microbatch's parameter gradients handed to a sink one by one; the tied embedding/head weight, held by the
+first and the last stage, summed per microbatch across them). Does not own: which microbatches (policy),
+the accumulator they go into (gradients.py, the trainer's), the cross-group reduction (rank j of every
+group holds stage j and all-reduces its gradients with the others over shard index j: collectives.py).
+
+Why per-microbatch gradients go to a sink (a post-accumulate-grad hook on each parameter takes the
+microbatch's float32 gradient and clears `.grad`) rather than letting the schedule accumulate into
+`.grad`: a schedule sums a batch's microbatches in float32, so the sum's rounding would depend on how the
+step's microbatches were batched over groups (and regrouped by a retry). Taken one by one into the float64
+accumulator (--exact), a stage's gradient is the same float64 sum of the same float32 per-microbatch
+gradients as a one-rank group's, whatever the assignment, and the whole batch still runs as one schedule
+(the stages overlap), where a schedule per microbatch would idle every stage but one.
+
+Why the tied weight is exchanged per microbatch: a one-rank GPT's autograd sums the embedding's and the
+head's gradient of one microbatch in float32 (g_head + g_emb, then into float64); a pipeline holds them on
+two ranks. Each stage keeps its float32 part of each microbatch (shape (n, vocab, C) for n microbatches),
+one all-reduce over the group sums them (two float32 addends: the same bits in either order), and each
+microbatch's sum goes to the sink in order, on both stages: both copies then see the same gradient and
+stay equal through the optimizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from unbroken.model.data import Microbatch
+from unbroken.runtime.gradients import unique_parameters
+from unbroken.topology import TopologyError
+
+
+Tied = list[tuple[tuple[str, ...], tuple[int, ...]]]  # (names sharing one tensor, its shape)
+
+
+def split(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, Tied]:
+    """Prune `model` in place to pipeline stage `stage` of `stages` and return (it, the tied names).
+
+    The model must be prunable as `model.gpt.GPT` is: `tok`, `pos`, `drop` (before the blocks), `blocks`
+    (a ModuleDict keyed by index), `ln_f`, `head` (after them). Stage 0 keeps the embeddings, the last
+    stage the final norm and the head; blocks go in contiguous runs, earlier stages taking one more when
+    they do not divide evenly. Tied: the groups of parameter names that share one tensor in the whole
+    model (the GPT's tok.weight and head.weight) and its shape, for `Stages` to sum across stages. Raises TopologyError
+    for a model it cannot split."""
+    missing = [a for a in ("tok", "pos", "drop", "blocks", "ln_f", "head") if not hasattr(model, a)]
+    if missing or not isinstance(model.blocks, nn.ModuleDict):
+        raise TopologyError(f"parallel.pp={stages} needs a GPT-like model (tok, pos, drop, blocks as a "
+                            f"ModuleDict, ln_f, head); this one lacks {', '.join(missing) or 'a ModuleDict'}")
+    n = len(model.blocks)
+    if not 1 <= stages <= n:
+        raise TopologyError(f"parallel.pp={stages}: the model has {n} blocks")
+    bounds = [s * (n // stages) + min(s, n % stages) for s in range(stages + 1)]
+    by_tensor: dict[int, tuple[list[str], tuple[int, ...]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), ([], tuple(p.shape)))[0].append(name)
+    tied = [(tuple(names), shape) for names, shape in by_tensor.values() if len(names) > 1]
+    for key in list(model.blocks.keys()):
+        if not bounds[stage] <= int(key) < bounds[stage + 1]:
+            del model.blocks[key]
+    if stage > 0:
+        model.tok = model.pos = model.drop = None
+    if stage < stages - 1:
+        model.ln_f = model.head = None
+    return model, tied
+
+
+class Stages:
+    """This rank's pipeline stage. Build once, after `split`; set `sink` before the first `run`."""
+
+    def __init__(self, model: nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
+                 tied: Tied, shape: tuple[int, int], width: int, vocab: int,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
+        `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss."""
+        from torch.distributed.pipelining import PipelineStage
+
+        self.model, self.index, self.stages, self.group = model, stage, stages, group
+        self.first, self.last = stage == 0, stage == stages - 1
+        B, T = shape
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Shapes given up front: the stage's metadata is static, so no schedule ever runs an inference
+        # forward/backward of its own (it would call the loss and touch .grad outside our accounting).
+        # Hidden states carry gradients (requires_grad: the stage derives the gradients' buffers from it).
+        inputs = (torch.empty(B, T, dtype=torch.int64, device=device) if self.first
+                  else torch.empty(B, T, width, device=device, requires_grad=True))
+        outputs = torch.empty(B, T, vocab if self.last else width, device=device, requires_grad=True)
+        self.stage = PipelineStage(model, stage, stages, device, input_args=inputs, output_args=outputs, group=group)
+        self.loss = loss
+        self.sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (parameter, its gradient)
+        names = dict(model.named_parameters())
+        # the tied tensors this stage holds a copy of, and each group's shape (a stage without one adds zeros)
+        self.tied = [(next((names[n] for n in group if n in names), None), shape_of) for group, shape_of in tied]
+        self._tied_ids = {id(p) for p, _ in self.tied if p is not None}
+        self._stash: dict[int, list[torch.Tensor]] = {}
+        for p in unique_parameters(model):
+            p.register_post_accumulate_grad_hook(self._took)
+        model.register_forward_pre_hook(lambda _m, _a: self._call(self.before))
+        model.register_forward_hook(lambda _m, _a, _o: self._call(self.after))
+        self.before: Callable[[int], None] | None = None  # set by `run` for its duration
+        self.after: Callable[[int], None] | None = None
+        self._schedule = None
+        self._n = 0  # microbatches the schedule was built for
+        self._forwards = self._losses = 0
+        self._weights: list[float] = []
+
+    def run(self, microbatches: list[Microbatch], weights: list[float], before: Callable[[int], None],
+            after: Callable[[int], None]) -> list[torch.Tensor]:
+        """Forward and backward `microbatches` (the group's quota, or the microbatches a retry redoes)
+        through the pipeline: every rank of the group calls this with the same microbatches, in the same
+        order. Each microbatch's loss is `loss(...) * weights[k]` (its tokens over the step's); every
+        parameter gradient goes to `sink` microbatch by microbatch, in order. `before(k)` / `after(k)` run
+        around this stage's forward of microbatch k. Returns the weighted losses on the last stage (one
+        tensor per microbatch, in order), [] on the others."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        n = len(microbatches)
+        if n != self._n:  # a schedule is built for a number of microbatches; quotas and retries vary it
+            # 1F1B keeps at most `stages` microbatches' activations alive; it needs n >= stages, GPipe not
+            kind = Schedule1F1B if n >= self.stages else ScheduleGPipe
+            self._schedule, self._n = kind(self.stage, n, loss_fn=self._loss, scale_grads=False), n
+        self.before, self.after, self._weights = before, after, weights
+        self._forwards = self._losses = 0
+        self._stash = {id(p): [] for p, _ in self.tied if p is not None}
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self._schedule.step(torch.cat([mb.x for mb in microbatches]), return_outputs=False)
+        elif self.last:
+            self._schedule.step(target=torch.cat([mb.y for mb in microbatches]), losses=losses, return_outputs=False)
+        else:
+            self._schedule.step(return_outputs=False)
+        if self._forwards != n or (self.last and self._losses != n):
+            raise RuntimeError(f"pipeline stage {self.index}: {self._forwards} forwards, {self._losses} losses "
+                               f"for {n} microbatches")
+        self._sum_tied(n)
+        self.before = self.after = None
+        return [loss.detach() for loss in losses]
+
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule calls this once per microbatch, in order (GPipe and 1F1B forward in order)."""
+        weighted = self.loss(output, targets) * self._weights[self._losses]
+        self._losses += 1
+        return weighted
+
+    def _call(self, hook: Callable[[int], None] | None) -> None:
+        if hook is None:
+            return
+        hook(self._forwards)
+        if hook is self.after:
+            self._forwards += 1
+
+    def _took(self, p: torch.Tensor) -> None:
+        """After autograd accumulated one microbatch's gradient into p.grad (None before: we clear it)."""
+        g, p.grad = p.grad, None
+        if id(p) in self._tied_ids:
+            self._stash[id(p)].append(g)
+        else:
+            self.sink(p, g)
+
+    def _sum_tied(self, n: int) -> None:
+        for p, shape in self.tied:
+            parts = torch.stack(self._stash[id(p)]) if p is not None else torch.zeros(n, *shape)
+            if parts.shape[0] != n:
+                raise RuntimeError(f"pipeline stage {self.index}: {parts.shape[0]} gradients of a tied weight "
+                                   f"for {n} microbatches")
+            dist.all_reduce(parts, group=self.group)  # (n, *shape) float32: each microbatch's two parts summed
+            if p is not None:
+                for g in parts:
+                    self.sink(p, g)
+
