@@ -60,11 +60,27 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"data.seq_len": "long"}, "data.seq_len='long'"),
     ({}, {"data.seq_len": "65"}, "data.seq_len='65'"),
     ({}, {"run.step_ahead": "always"}, "run.step_ahead='always'"),
+    # the degrees inside a group: group_size = pp x tp x FSDP shards, and what is built of them
+    ({}, {"parallel.group_size": "2", "parallel.pp": "3"}, "parallel.group_size=2 is not parallel.pp=3 x"),
+    ({}, {"parallel.group_size": "4", "parallel.pp": "2", "parallel.tp": "3"}, "parallel.tp=3"),
+    ({}, {"parallel.pp": "0"}, "parallel.pp=0"),
+    ({}, {"parallel.group_size": "2", "parallel.tp": "2"}, "parallel.tp=2: tensor parallelism"),
+    ({}, {"parallel.group_size": "4", "parallel.pp": "2"}, "parallel.pp=2 with parallel.group_size=4: FSDP2"),
+    ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
+    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
+    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "checkpoint.every": "1"}, "checkpoint.every=1"),
+    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "run.restarts": "1"}, "run.restarts=1"),
 ])
 def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:
         build(tree, overrides)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pipeline_degrees_reach_the_topology():
+    topology = build({}, {"parallel.group_size": "2", "parallel.pp": "2", "run.replicas": "3"}).topology()
+    assert (topology.pp, topology.tp, topology.fsdp, topology.shards) == (2, 1, 1, 2)
+    assert [topology.stage_of(j) for j in range(2)] == [0, 1]
 
 
 def test_file_errors(tmp_path):

@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,10 @@ def digests(run: Path) -> dict[int, str]:
     return {s: r["param_digest"] for s, r in steps(read_events(run)).items()}
 
 
-def run_faults(tmp: Path, faults: str, *extra: str) -> tuple[Path, list[dict]]:
+def run_faults(tmp: Path, faults: str, *extra: str, base: list[str] = GROUPS) -> tuple[Path, list[dict]]:
+    """A run of `base` + `extra` under `faults` that succeeds with a clean audit: its directory, its events."""
     out = tmp / "run"
-    r = unbroken("train", *GROUPS, *extra, "--faults", faults, "--out", str(out))
+    r = unbroken("train", *base, *extra, "--faults", faults, "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     audit = unbroken("audit", str(out))
     assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
@@ -64,13 +66,14 @@ def assert_group_left(events: list[dict], group: int, rank: int, step: int, phas
     assert not late, late
 
 
-def plain_loop(cfg: Config, split: bool, steps: int | None = None) -> tuple[list[str], list[torch.Tensor], list[float]]:
+def plain_loop(cfg: Config, split: bool, steps: int | None = None,
+               digest: Callable[[GPT], str] | None = None) -> tuple[list[str], list[torch.Tensor], list[float]]:
     """The oracle: one process, plain PyTorch, none of unbroken's runtime. With `split`, each microbatch is
     split by rows into the G ranks' shares (the data API's `part`), each share's gradient computed on its
     own; every share of every microbatch summed in float64 and rounded to float32 once before AdamW (the
     textbook float64 accumulation, over shares). Returns, after each step, the digest of
     the parameters cut into the ranks' shards (torch.chunk along dim 0, FSDP2's layout) as the step
-    record's; the final parameters; each step's loss."""
+    record's (or `digest(model)`, for another layout); the final parameters; each step's loss."""
     G, seed = cfg.parallel.group_size, cfg.run.seed
     torch.set_num_threads(1)
     data = DataSource(cfg.data, cfg.model.block_size, seed)
@@ -105,10 +108,13 @@ def plain_loop(cfg: Config, split: bool, steps: int | None = None) -> tuple[list
             p.grad = a.float()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+        if digest is not None:
+            out.append(digest(model))
+            continue
         shards = [hashlib.sha256(b"".join(torch.chunk(p.detach(), G)[j].contiguous().numpy().tobytes()
                                           for p in params)).hexdigest() for j in range(G)]
         out.append(hashlib.sha256("".join(shards).encode()).hexdigest())
-        losses.append(loss)
     return out, [p.detach().clone() for p in params], losses
 
 
@@ -222,6 +228,8 @@ def test_every_group_lost_names_the_last_committed_step(tmp_path):
     (["--parallel.group_size=3"], "parallel.group_size=3"),  # does not divide data.batch_size=4
     (["--parallel.group_size=2", "--faults", "kill:replica=0,rank=2,step=1"], "rank=2"),
     (["--parallel.group_size=2", "--snapshot.enabled=true"], "parallel.group_size=2"),
+    (["--parallel.group_size=2", "--parallel.pp=3"], "parallel.pp=3"),  # 2 ranks are not 3 stages
+    (["--parallel.group_size=2", "--parallel.tp=2"], "parallel.tp=2"),  # not built: refused, not ignored
 ])
 def test_bad_group_input_is_one_line_and_exit_2(tmp_path, args, token):
     out = tmp_path / "run"

@@ -1,0 +1,94 @@
+"""Replica groups of two pipeline stages (`--parallel.pp=2`: rank 0 holds the embeddings and the first
+block, rank 1 the second block, the final norm and the tied head), each group a real `torchrun` job of the
+local launcher, 2 groups, in `--exact`: the failure-free trajectory is bitwise the one-rank run's, and a
+rank killed mid-pipeline takes its group out while the survivors redo its microbatches through their own
+pipeline and stay on that trajectory.
+
+The step record's digest is the sha256 of the stages' sha256s (each rank hashes its own stage); the oracle
+(`plain_loop` of test_groups.py, whole microbatches) hashes its parameters in both layouts, so one oracle
+run ties the pipeline run and the one-rank run together bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unbroken
+from tests.runtime.test_groups import assert_group_left, digests, plain_loop, run_faults
+from unbroken.config import Config
+from unbroken.events import read_events, steps
+from unbroken.model.gpt import GPT
+from unbroken.runtime.parallel.pipeline import split
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+COMMON = ["--replicas", "2", "--steps", "4", "--microbatches", "4", "--exact", "--run.progress=false",
+          "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1", "--coord.run_timeout=150",
+          "--model.dropout=0"]
+# dropout 0: each stage draws its masks from the microbatch's seed, where one model draws them in one stream
+PIPELINE = [*COMMON, "--parallel.group_size=2", "--parallel.pp=2"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline-reference")
+    r = unbroken("train", *PIPELINE, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def whole(model: GPT) -> str:
+    """A one-rank record's digest: sha256 of every parameter's float32 bytes, in order."""
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def staged(stages: int):
+    """A pipeline record's digest of a whole model: sha256 of each stage's sha256, its parameters as
+    `split` leaves them on that rank (the last stage's head holds the tied embedding)."""
+    def digest(model: GPT) -> str:
+        shards = [whole(split(copy.deepcopy(model), j, stages)[0]) for j in range(stages)]
+        return hashlib.sha256("".join(shards).encode()).hexdigest()
+    return digest
+
+
+def test_failure_free_pipeline_is_bitwise_the_one_rank_run(tmp_path, pipeline_reference):
+    """At every step: the PP=2 run's digest is the oracle's in stage layout, the one-rank run's (2 groups of
+    one rank, same config) is the same oracle's in one piece, and the two runs' losses are equal floats."""
+    one_rank = tmp_path / "one-rank"
+    r = unbroken("train", *COMMON, "--out", str(one_rank))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = Config.from_json((pipeline_reference / "config.json").read_text())
+    assert (cfg.parallel.group_size, cfg.parallel.pp) == (2, 2)
+    want_staged, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    want_whole, _, _ = plain_loop(cfg, split=False, digest=whole)
+    assert [digests(pipeline_reference)[s] for s in range(cfg.run.steps)] == want_staged
+    assert [digests(one_rank)[s] for s in range(cfg.run.steps)] == want_whole
+    pp, dp = steps(read_events(pipeline_reference)), steps(read_events(one_rank))
+    assert [pp[s]["loss"] for s in range(cfg.run.steps)] == [dp[s]["loss"] for s in range(cfg.run.steps)]
+    assert all(pp[s]["ranks"] == 4 and pp[s]["owners"] == dp[s]["owners"] for s in pp)
+    # each rank holds its stage only: a compute record per microbatch from both ranks of the owning group
+    computed = {(e["replica"], e["rank"], e["microbatch"]) for e in read_events(pipeline_reference)
+                if e["event"] == "compute" and e["step"] == 0}
+    owners = {int(g): mbs for g, mbs in pp[0]["owners"].items()}
+    assert computed == {(g, j, i) for g, mbs in owners.items() for i in mbs for j in range(2)}
+
+
+def test_a_stage_killed_mid_pipeline_takes_its_group_out_and_survivors_redo_its_microbatches(
+        tmp_path, pipeline_reference):
+    """Rank 1 (the last stage) of group 1 dies after its first forward of step 2, with the pipeline in flight:
+    the coordinator removes group 1, group 0 redoes its microbatches through its own two stages into the
+    intact accumulator, and every step's digest equals the failure-free run's (the "drop" plan)."""
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=2,phase=compute", base=PIPELINE)
+    assert_group_left(events, 1, 1, 2, "compute")
+    record = steps(events)
+    assert record[2]["members"] == [0] and record[2]["ranks"] == 2
+    assert sorted(record[2]["owners"]["0"]) == [0, 1, 2, 3]
+    recovery = [e for e in events if e["event"] == "recovery" and e["step"] == 2 and e["replica"] == 0]
+    assert sorted(e["rank"] for e in recovery) == [0, 1] and all(e["redo"] == [2, 3] for e in recovery), recovery
+    redone = {(e["rank"], e["microbatch"]) for e in events
+              if e["event"] == "compute" and e["step"] == 2 and e["replica"] == 0}
+    assert redone == {(j, i) for j in range(2) for i in range(4)}  # both stages ran the redone ones too
+    assert digests(out) == digests(pipeline_reference)
