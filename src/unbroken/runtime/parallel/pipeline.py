@@ -11,7 +11,9 @@ group holds stage j and all-reduces its gradients with the others over shard ind
 Why per-microbatch gradients go to a sink (a post-accumulate-grad hook on each parameter takes the
 microbatch's float32 gradient and clears `.grad`) rather than letting the schedule accumulate into
 `.grad`: a schedule sums a batch's microbatches in float32, so the sum's rounding would depend on how the
-step's microbatches were batched over groups (and regrouped by a retry). Taken one by one into the float64
+step's microbatches were batched over groups (and regrouped by a retry): for 4 microbatches of the default
+GPT in 2 groups of 2, 31,767 of 120,576 gradient elements then differ from the float64 sum rounded once
+(measured, step 0, dropout 0). Taken one by one into the float64
 accumulator (--exact), a stage's gradient is the same float64 sum of the same float32 per-microbatch
 gradients as a one-rank group's, whatever the assignment, and the whole batch still runs as one schedule
 (the stages overlap), where a schedule per microbatch would idle every stage but one.
