@@ -112,7 +112,7 @@ class ParallelConfig:
     group_size: int = 1
     # pipeline stages inside a group (the GPT's blocks split over them); group_size = pp x tp x FSDP shards
     pp: int = 1
-    # tensor-parallel degree inside a group (not built yet: only 1)
+    # tensor-parallel degree inside a group (attention heads and MLP units split; group_size = tp, so far)
     tp: int = 1
 
 
@@ -271,17 +271,22 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (tp >= 1, f"parallel.tp={tp}: need at least 1"),
         (fsdp >= 1, f"parallel.group_size={p.group_size} is not parallel.pp={pp} x parallel.tp={tp} x a whole "
                     f"number of FSDP shards"),
-        (tp == 1, f"parallel.tp={tp}: tensor parallelism inside a group is not built yet"),
+        (pp == 1 or tp == 1, f"parallel.tp={tp} with parallel.pp={pp}: tensor parallelism inside pipeline stages "
+                             f"is not built yet"),
+        (tp == 1 or fsdp == 1, f"parallel.tp={tp} with parallel.group_size={g}: FSDP2 beside tensor parallelism "
+                               f"is not built yet (group_size must equal tp)"),
+        (m.n_head % tp == 0, f"parallel.tp={tp} does not divide model.n_head={m.n_head} (each rank takes whole heads)"),
         (pp == 1 or fsdp == 1, f"parallel.pp={pp} with parallel.group_size={g}: FSDP2 inside pipeline stages is "
                                f"not built yet (group_size must equal pp)"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),
-        (pp == 1 or not cfg.checkpoint.every,
-         f"parallel.pp={pp} with checkpoint.every={cfg.checkpoint.every}: checkpoints of pipeline stages are "
-         f"not built yet"),
-        (pp == 1 or not cfg.run.restarts,
-         f"parallel.pp={pp} with run.restarts={cfg.run.restarts}: rejoin of pipeline groups is not built yet"),
+        (pp * tp == 1 or not cfg.checkpoint.every,
+         f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with checkpoint.every={cfg.checkpoint.every}: "
+         f"checkpoints of pipeline or tensor-parallel groups are not built yet"),
+        (pp * tp == 1 or not cfg.run.restarts,
+         f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with run.restarts={cfg.run.restarts}: rejoin of "
+         f"pipeline or tensor-parallel groups is not built yet"),
         (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
          f"(each FSDP rank of a group takes an equal share of every microbatch's sequences)"),

@@ -21,20 +21,23 @@ from unbroken.config import ModelConfig
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # batch, time (tokens), channels
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, C / heads)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape  # batch, time (tokens), channels
+        # Widths are read off the tensors, not the config: under tensor parallelism `qkv` yields this
+        # rank's heads only, (B, T, 3 * C / tp) laid out [q | k | v] of those heads (parallelize.py).
+        qkv = self.qkv(x)
+        q, k, v = qkv.split(qkv.size(-1) // 3, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
 
 class Block(nn.Module):

@@ -124,6 +124,8 @@ class Accumulator:
         p's mesh, placements and global shape (shards may be uneven: torch.chunk sizes)."""
         from torch.distributed.tensor import DTensor
 
+        if local(p) is p:  # a whole parameter beside sharded ones (tensor parallelism: norms, embeddings)
+            return shard
         return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
 

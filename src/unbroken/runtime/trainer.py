@@ -81,10 +81,14 @@ class Trainer:
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
         self.stages = parts.stages
-        # A replica group of G ranks (FSDP2 or pipeline stages inside): its ranks run this same loop on the
-        # same events, each computing its share of the group's microbatches (its rows of each, or its stage
-        # of all of them) and reducing its own shard (or stage) across groups.
-        self.ranks = who.group_size
+        # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
+        # same loop on the same events, each computing its share of the group's microbatches (its rows of
+        # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
+        self.ranks, topology = who.group_size, cfg.topology()
+        self.fsdp = self.group is not None and topology.fsdp > 1  # FSDP2 inside: rows split, reduce-scatter
+        self.share = (who.rank // topology.tp) % topology.fsdp  # whose rows of each microbatch (data.part)
+        self.shares = topology.fsdp
+        self.counts_loss = who.rank % topology.tp == 0  # tensor-parallel ranks see the same loss: one counts it
         self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
         self.params = unique_parameters(self.model)
         self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
@@ -92,7 +96,7 @@ class Trainer:
         # A group's ranks under --exact take the float64 reduce-scatter output itself (FSDP2 would round
         # it to float32 in .grad): summed over a step's batches, rounded once, as one-rank groups do.
         # A pipeline stage hands over each microbatch's gradients itself (pipeline.py says why).
-        hooked = self.stages is not None or (self.group is not None and cfg.run.exact)
+        hooked = self.stages is not None or (self.fsdp and cfg.run.exact)
         self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
         self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
         if self.stages is not None:
@@ -288,15 +292,15 @@ class Trainer:
         if self.stages is not None:
             return self.compute_stages(work, step, microbatches)
         for n, i in enumerate(microbatches):
-            if self.group is not None:
+            if self.fsdp:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
             self.hb.at(step, "compute", i)
-            mb = part(self.data.microbatch(step, i), self.who.rank, self.ranks)  # this rank's sequences
+            mb = part(self.data.microbatch(step, i), self.share, self.shares)  # this rank's sequences
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
             loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, work.tokens)
             loss.backward()
-            work.acc.add(loss)
+            work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the record sums ranks' shares
             self.faults.stretch(step, span)
             seconds, wall = span.stop()
             work.timings[i] = (mb.tokens, mb.sumsq, seconds)

@@ -15,6 +15,8 @@ the PREMUL_SUM that a divide factor would need unless the sum is forced: REFEREN
 mode runs in float64, so a microbatch's shard is the same bits whichever group computes it. The
 cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
 
+A group of tp tensor-parallel ranks (topology.tp = group_size) splits each block's attention heads and MLP
+units over them (`_tensor_parallel`); rank j of every group holds the same slices.
 A group of pp pipeline stages (topology.pp = group_size) instead gives rank j stage j: the model pruned to
 its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
 trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
@@ -82,11 +84,45 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = DeviceMesh.from_group(group, device)
+    if topology.tp > 1:
+        if topology.fsdp > 1:
+            raise TopologyError(f"tp={topology.tp}: only a group of tensor-parallel ranks alone (group_size = tp) "
+                                f"is built")
+        return _tensor_parallel(model, mesh, topology.tp), None
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
     blocks = getattr(model, "blocks", ())  # a user's model without `blocks` is sharded as one unit
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         _sum(fully_shard(block, mesh=mesh, mp_policy=policy))
     return _sum(fully_shard(model, mesh=mesh, mp_policy=policy)), None
+
+
+def _tensor_parallel(model: nn.Module, mesh, tp: int) -> nn.Module:
+    """Megatron's split of each block, as torchtitan's `apply_tp`: attention by heads (qkv column-wise,
+    proj row-wise) and the MLP by its hidden units (mlp.0 column-wise, mlp.2 row-wise); each row-wise
+    layer all-reduces its partial sums, so a block's output is whole on every rank again. The
+    embeddings, norms and head stay whole on every rank (their gradients come out the same on each).
+
+    The GPT's fused qkv holds [q | k | v] rows, and a column-wise split hands rank r a contiguous run of
+    rows; its rows are first reordered so that run is [q | k | v] of rank r's heads (the forward reads the
+    widths off the tensors). TP reorders float32 sums (a row-wise layer adds the ranks' partial sums), so a
+    run stays within float32 tolerance of a one-rank run, not bitwise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleDict) or not all(hasattr(b, "attn") and hasattr(b, "mlp") for b in blocks.values()):
+        raise TopologyError(f"parallel.tp={tp} needs a GPT-like model (blocks with attn.qkv/proj and mlp.0/2)")
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    for block in blocks.values():
+        qkv = block.attn.qkv
+        width = qkv.in_features // tp  # rows of q (and of k, of v) per rank: its heads x head_dim
+        order = torch.cat([torch.arange(r * width, (r + 1) * width) + part * qkv.in_features
+                           for r in range(tp) for part in range(3)])
+        with torch.no_grad():
+            qkv.weight.copy_(qkv.weight[order])
+            qkv.bias.copy_(qkv.bias[order])
+        parallelize_module(block, mesh, plan)
+    return model
 
 
 def _sum(module: nn.Module) -> nn.Module:
