@@ -75,7 +75,7 @@ def run(cfg: Config, host: str = "127.0.0.1", port: int = 0, say=print) -> int:
     r, c = cfg.run, cfg.coord
     log.emit("run_start", replicas=r.replicas, steps=r.steps, microbatches=r.microbatches, exact=r.exact,
              seed=r.seed, faults=r.faults, recovery=r.recovery, run_id=run_id, coordinator=address,
-             group_size=cfg.parallel.group_size)
+             group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     say(f"unbroken coordinator: serving {address} ({r.replicas} replica groups, {r.steps} steps, run dir {out})")
     say("start one torchrun job per replica group (on its host):")
     for g in range(r.replicas):

@@ -82,7 +82,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     if resume is None:
         log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
                  exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
-                 run_id=run_id, group_size=cfg.parallel.group_size)
+                 run_id=run_id, group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     procs: list[subprocess.Popen] = []
     agents: AgentSet | None = None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
