@@ -6,6 +6,7 @@ import pytest
 
 from unbroken.config import Config, ConfigError, build, load, parse_overrides
 from unbroken.api import make_config
+from unbroken.topology import Topology, TopologyError
 
 
 def write(tmp_path, text: str):
@@ -84,6 +85,10 @@ def test_pipeline_degrees_reach_the_topology():
     topology = build({}, {"parallel.group_size": "2", "parallel.pp": "2", "run.replicas": "3"}).topology()
     assert (topology.pp, topology.tp, topology.fsdp, topology.shards) == (2, 1, 1, 2)
     assert [topology.stage_of(j) for j in range(2)] == [0, 1]
+    assert [Topology(1, 8, pp=2, tp=2).stage_of(j) for j in range(8)] == [0] * 4 + [1] * 4  # pipeline outermost
+    assert Topology(1, 8, pp=2, tp=2).fsdp == 2
+    with pytest.raises(TopologyError, match="group_size=2 is not pp=3"):
+        Topology(1, 2, pp=3)
 
 
 def test_file_errors(tmp_path):

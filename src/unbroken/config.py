@@ -275,7 +275,8 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
                              f"is not built yet"),
         (tp == 1 or fsdp == 1, f"parallel.tp={tp} with parallel.group_size={g}: FSDP2 beside tensor parallelism "
                                f"is not built yet (group_size must equal tp)"),
-        (m.n_head % tp == 0, f"parallel.tp={tp} does not divide model.n_head={m.n_head} (each rank takes whole heads)"),
+        (m.n_head % tp == 0,
+         f"parallel.tp={tp} does not divide model.n_head={m.n_head} (each rank takes whole heads)"),
         (pp == 1 or fsdp == 1, f"parallel.pp={pp} with parallel.group_size={g}: FSDP2 inside pipeline stages is "
                                f"not built yet (group_size must equal pp)"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),

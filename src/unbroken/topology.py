@@ -1,12 +1,12 @@
 """The arithmetic of replica groups x ranks x nodes, and who this process is in it.
 
 Owns: `Topology` (how many replica groups, ranks per group, ranks per node; which node a rank lives on;
-global rank numbers), checked when built the way torchtitan's `ParallelDims` checks its degrees, and
-the degrees inside a group (pipeline stages x tensor parallel x FSDP shards, torchtitan's order:
-pipeline outermost), and `Identity`, the frozen "who am I" of one trainer process (its replica group, its rank in the group, the
-group's size, its node), read once from the environment. Pure: plain ints, the standard library only,
-so the runtime, the snapshot layout and the simulator share one arithmetic. Does not own: building
-process groups (runtime/parallel/) or choosing sizes (config, policy/scheduling).
+global rank numbers; the degrees inside a group: pipeline stages x tensor parallel x FSDP shards, in
+torchtitan's order, pipeline outermost), checked when built the way torchtitan's `ParallelDims` checks
+its degrees, and `Identity`, the frozen "who am I" of one trainer process (its replica group, its rank
+in the group, the group's size, its node), read once from the environment. Pure: plain ints, the
+standard library only, so the runtime, the snapshot layout and the simulator share one arithmetic. Does
+not own: building process groups (runtime/parallel/) or choosing sizes (config, policy/scheduling).
 
 Layout: replica groups are laid out contiguously. Global rank = group * group_size + rank; node =
 global rank // ranks_per_node, so a group of G ranks on nodes of G ranks is one host, as torchrun per

@@ -109,7 +109,8 @@ def _tensor_parallel(model: nn.Module, mesh, tp: int) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleDict) or not all(hasattr(b, "attn") and hasattr(b, "mlp") for b in blocks.values()):
+    if not isinstance(blocks, nn.ModuleDict) or not all(hasattr(b, "attn") and hasattr(b, "mlp")
+                                                        for b in blocks.values()):
         raise TopologyError(f"parallel.tp={tp} needs a GPT-like model (blocks with attn.qkv/proj and mlp.0/2)")
     plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}

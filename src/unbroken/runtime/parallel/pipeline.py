@@ -48,8 +48,8 @@ def split(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, Tied]:
     (a ModuleDict keyed by index), `ln_f`, `head` (after them). Stage 0 keeps the embeddings, the last
     stage the final norm and the head; blocks go in contiguous runs, earlier stages taking one more when
     they do not divide evenly. Tied: the groups of parameter names that share one tensor in the whole
-    model (the GPT's tok.weight and head.weight) and its shape, for `Stages` to sum across stages. Raises TopologyError
-    for a model it cannot split."""
+    model (the GPT's tok.weight and head.weight) and its shape, for `Stages` to sum across stages.
+    Raises TopologyError for a model it cannot split."""
     missing = [a for a in ("tok", "pos", "drop", "blocks", "ln_f", "head") if not hasattr(model, a)]
     if missing or not isinstance(model.blocks, nn.ModuleDict):
         raise TopologyError(f"parallel.pp={stages} needs a GPT-like model (tok, pos, drop, blocks as a "
@@ -102,8 +102,8 @@ class Stages:
         self._stash: dict[int, list[torch.Tensor]] = {}
         for p in unique_parameters(model):
             p.register_post_accumulate_grad_hook(self._took)
-        model.register_forward_pre_hook(lambda _m, _a: self._call(self.before))
-        model.register_forward_hook(lambda _m, _a, _o: self._call(self.after))
+        model.register_forward_pre_hook(self._before_forward)
+        model.register_forward_hook(self._after_forward)
         self.before: Callable[[int], None] | None = None  # set by `run` for its duration
         self.after: Callable[[int], None] | None = None
         self._schedule = None
@@ -149,11 +149,13 @@ class Stages:
         self._losses += 1
         return weighted
 
-    def _call(self, hook: Callable[[int], None] | None) -> None:
-        if hook is None:
-            return
-        hook(self._forwards)
-        if hook is self.after:
+    def _before_forward(self, _module, _args) -> None:
+        if self.before is not None:
+            self.before(self._forwards)
+
+    def _after_forward(self, _module, _args, _output) -> None:
+        if self.after is not None:  # inside `run`: microbatch `_forwards` is through this stage
+            self.after(self._forwards)
             self._forwards += 1
 
     def _took(self, p: torch.Tensor) -> None:
