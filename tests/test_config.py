@@ -73,7 +73,6 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "checkpoint.every": "1"}, "checkpoint.every=1"),
-    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "run.restarts": "1"}, "run.restarts=1"),
 ])
 def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:

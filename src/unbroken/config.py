@@ -285,9 +285,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (pp * tp == 1 or not cfg.checkpoint.every,
          f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with checkpoint.every={cfg.checkpoint.every}: "
          f"checkpoints of pipeline or tensor-parallel groups are not built yet"),
-        (pp * tp == 1 or not cfg.run.restarts,
-         f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with run.restarts={cfg.run.restarts}: rejoin of "
-         f"pipeline or tensor-parallel groups is not built yet"),
         (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
          f"(each FSDP rank of a group takes an equal share of every microbatch's sequences)"),

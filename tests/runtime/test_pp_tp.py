@@ -138,3 +138,39 @@ def test_a_tensor_parallel_rank_killed_mid_step_takes_its_group_out_on_the_same_
     record = steps(events)
     assert record[2]["members"] == [0] and sorted(record[2]["owners"]["0"]) == [0, 1, 2]
     assert digests(out) == digests(tensor_reference)
+
+
+@pytest.mark.parametrize("layout, slow", [("pp", 6), ("tp", 3)])
+def test_a_group_restarted_by_torchrun_rejoins_healed_rank_by_rank(tmp_path, layout, slow):
+    """run.restarts=1: rank 1 of group 1 is killed in step 2, torchrun restarts the group, it is admitted
+    at a step boundary and each of its ranks takes its stage (or slices) and optimizer state from the
+    donor's rank of the same index; the run ends with both groups, every step on the failure-free
+    trajectory: the oracle's for PP, a failure-free TP run's for TP. The survivor's rank 0 sleeps through
+    `slow` x its compute (wall time only: its quotas and digests do not move), so 60 steps outlast the
+    restart (measured at factor 3: a PP group healed at step 43, a TP group, whose steps cost more, at 9)."""
+    base = PIPELINE if layout == "pp" else TENSOR
+    at = base.index("--steps") + 1
+    args = [*base[:at], "60", *base[at + 1:]]
+    out = tmp_path / "run"
+    r = unbroken("train", *args, "--run.restarts=1", "--out", str(out),
+                 "--faults", f"kill:replica=1,rank=1,step=2,phase=compute;slow:replica=0,from=0,factor={slow}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    audit = unbroken("audit", str(out))
+    assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
+    events = read_events(out)
+    assert (next(e for e in events if e["event"] == "join")["replica"]) == 1
+    heals = [e for e in events if e["event"] == "heal"]
+    assert sorted((e["side"], e["rank"]) for e in heals) == [("donor", 0), ("donor", 1), ("joiner", 0), ("joiner", 1)]
+    record = steps(events)
+    healed = heals[0]["step"]
+    assert record[2]["members"] == [0] and record[healed + 1]["members"] == record[59]["members"] == [0, 1]
+    assert record[healed + 1]["owners"]["1"] == [2]  # its quota back
+    cfg = Config.from_json((out / "config.json").read_text())
+    if layout == "pp":
+        want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+        assert [digests(out)[s] for s in range(60)] == want
+    else:
+        reference = tmp_path / "reference"
+        r = unbroken("train", *args, "--out", str(reference))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert digests(out) == digests(reference)
