@@ -243,9 +243,6 @@ def validate(cfg: Config) -> None:
         (s.parity == "none" or (s.k >= 1 and s.m >= 1 and s.nodes % group == 0 and (s.parity == "rs" or s.m == 1)),
          f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
-        (cfg.parallel.group_size == 1 or not s.enabled,
-         f"parallel.group_size={cfg.parallel.group_size} with snapshot.enabled=true: in-memory snapshots of "
-         f"sharded groups are not built yet (DCP checkpoints are: --checkpoint.every)"),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
     for ok, message in checks:

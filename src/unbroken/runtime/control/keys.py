@@ -187,9 +187,10 @@ def signature() -> str:
     return "signature"
 
 
-def restore_prefix(generation: int) -> str:
-    """Where the gloo group of generation `generation`'s restore from snapshots rendezvous."""
-    return f"restore/{generation}/"
+def restore_prefix(generation: int, shard: int = 0) -> str:
+    """Where the gloo group of generation `generation`'s restore from snapshots rendezvous: rank `shard`
+    of every replica group (one group per shard index; one-rank groups: shard 0)."""
+    return f"restore/{generation}/{shard}/"
 
 
 # -- unprefixed: the launcher's, across generations ---------------------------------------------------
