@@ -86,6 +86,10 @@ class RunConfig:
     # torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running job,
     # healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun line)
     restarts: int = 0
+    # the local launcher pins replica group r's processes to its own cores (group r's G ranks share cores
+    # r*G .. r*G+G-1, modulo the cores this process may use), as a GPU a rank gives each its own device:
+    # a survivor then cannot speed up on a dead peer's core, and a waiting peer lends none to a slow one
+    pin_cores: bool = False
 
 
 @dataclass(frozen=True)
