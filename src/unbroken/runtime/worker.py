@@ -217,6 +217,7 @@ def run(factories: Factories) -> int:
         traceback.print_exc()
         if who.group_size > 1 and peer_lost(e):  # a rank of our group died: the group is out, not the run
             log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
+            coord.leave(4)  # the coordinator learns now, not after a heartbeat timeout
             return 4
         log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
         return 1
