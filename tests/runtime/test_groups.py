@@ -136,14 +136,18 @@ def test_a_group_restarted_by_torchrun_rejoins_healed_from_a_live_peer(tmp_path)
     against the donor's digest), and the run ends with 3 groups, every step bitwise the oracle's."""
     out = tmp_path / "run"
     at = GROUPS.index("--steps") + 1
-    args = [*GROUPS[:at], "48", *GROUPS[at + 1:]]  # 48 steps: time for the restart to come back (~30)
-    r = unbroken("train", *args, "--run.restarts=1", "--faults", "kill:replica=1,rank=1,step=2,phase=compute",
-                 "--out", str(out))
+    args = [*GROUPS[:at], "48", *GROUPS[at + 1:]]
+    # The survivors must still be training when torchrun's restart is back (3-10 s after the kill here, by
+    # load), while the lost group is now declared dead within ~0.1 s: steps 3-29 take 6x their wall time
+    # (how=sleep: wall only, which the detector never reads, so quotas stay as they are).
+    hold = "; ".join(f"slow:replica={g},from=3,to=30,factor=6" for g in (0, 2))
+    r = unbroken("train", *args, "--run.restarts=1", "--faults",
+                 f"kill:replica=1,rank=1,step=2,phase=compute; {hold}", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     audit = unbroken("audit", str(out))
     assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
     events = read_events(out)
-    assert [(e["replica"], e.get("rank")) for e in events if e["event"] == "fault"] == [(1, 1)]
+    assert [(e["replica"], e.get("rank")) for e in events if e["event"] == "fault" and e.get("kind") != "slow"] == [(1, 1)]
     assert 1 in [e["replica"] for e in events if e["event"] == "member_dead"]
     join = next(e for e in events if e["event"] == "join")
     assert (join["replica"], join["restart"]) == (1, 1)
@@ -293,7 +297,8 @@ if __name__ == "__main__":
     r = unbroken.train(model=model, data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed),
                        optimizer=lambda ps, cfg: torch.optim.AdamW(ps, lr=1e-3), replicas=2, steps=40,
                        microbatches=4, exact=True, progress=False, out=sys.argv[1], run__launcher="torchrun",
-                       run__restarts=1, faults="kill:replica=1,step=2,phase=compute",
+                       run__restarts=1, faults="kill:replica=1,step=2,phase=compute; "
+                                               "slow:replica=0,from=3,to=25,factor=6",  # wall only: wait for it
                        coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
     print("ok" if r.ok else "failed")
 '''
