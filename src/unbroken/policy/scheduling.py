@@ -56,6 +56,7 @@ class Decision:
         """Fields of a `replan` event: the decision, its predicted cost, the state moved, the others."""
         c = self.chosen
         return {"group": self.group, "decision": c.kind, "plan": c.plan.shape() if c.plan else None,
+                "teams": [list(team) for team in c.plan.teams] if c.plan else [],
                 "predicted_step_seconds": round(c.step_seconds, 6), "replan_seconds": round(c.replan_seconds, 6),
                 "moved_bytes": round(c.moved_bytes), "horizon_steps": self.horizon_steps,
                 "options": [o.record() for o in self.options]}
