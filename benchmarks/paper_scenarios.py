@@ -75,9 +75,9 @@ def resihp(seed: int) -> list[tuple[str, float]]:
 
 def say_plans(records: list[dict]) -> None:
     """The scheduler's decisions of one run: the plan chosen per group and every candidate's predicted
-    step time (s) and re-plan cost (s), as its `replan` events record them."""
+    step time (s) and re-plan cost (s), as its `group_plan` events record them."""
     for e in records:
-        if e["event"] != "replan":
+        if e["event"] != "group_plan":
             continue
         cands = ", ".join(f"{o['kind']}{' ' + o['plan'] if o['plan'] and o['kind'] not in ('keep', 'reweight') else ''}"
                           f" {o['step_seconds']:.3f}+{o['replan_seconds']:.1f}" for o in e["options"])

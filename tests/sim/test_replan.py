@@ -21,7 +21,7 @@ def test_a_lost_host_shrinks_its_group_then_the_group_is_dropped_when_too_little
     recs = res["unbroken_replan"].records
     start = events(recs, "run_start")[0]
     assert BEYOND_RUNTIME["replanning"] in start["beyond_runtime"] and start["full_plan"] == "tp8 pp4 [20,20,20,20]"
-    faults, replans = events(recs, "fault"), events(recs, "replan")
+    faults, replans = events(recs, "fault"), events(recs, "group_plan")
     assert [r["t"] for r in replans] == [f["t"] for f in faults]  # one decision per fault, at the fault
     first, second = replans
     assert first["decision"] == "shrink" and first["plan"].startswith("tp8 pp3")
@@ -40,7 +40,7 @@ def test_a_lost_host_shrinks_its_group_then_the_group_is_dropped_when_too_little
 def test_a_slow_rank_gets_its_stage_lightened_and_the_group_grows_back():
     sc = load("scenarios/resihp_256_failslow.toml")
     recs = simulate(sc, "unbroken_replan", seed=0, keep=True, aggregate_seconds=600).records
-    replans = events(recs, "replan")
+    replans = events(recs, "group_plan")
     assert [r["why"] for r in replans] == ["slow", "healthy again"] * len(sc.trace)
     slows = [e for e in events(recs, "slow") if e["factor"] > 1]
     for onset, (slow, healthy) in zip(slows, zip(replans[::2], replans[1::2])):
@@ -62,7 +62,7 @@ def test_detect_only_reports_and_moves_nothing():
     sc = load("scenarios/resihp_256_failslow.toml")
     recs = simulate(sc, "detect_only", seed=0, keep=True, aggregate_seconds=600).records
     assert [v for v in events(recs, "verdict") if v["new"] == "slow"]
-    assert not events(recs, "quotas") and not events(recs, "replan")
+    assert not events(recs, "quotas") and not events(recs, "group_plan")
     assert BEYOND_RUNTIME["replanning"] not in events(recs, "run_start")[0]["beyond_runtime"]
     acting = simulate(sc, "unbroken_replan", seed=0, aggregate_seconds=600).end
     assert acting["tokens"] > events(recs, "run_end")[0]["tokens"]

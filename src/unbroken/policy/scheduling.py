@@ -3,7 +3,7 @@ rank returns, which plan it should run, chosen by predicted step time.
 
 Owns: the candidate plans of one group (`options`) and the choice among them (`decide`), each with its
 predicted step time, its one-off re-plan cost and the state it moves, as a frozen `Decision` that the
-runtime logs as a `replan` event and the simulator applies. Candidates:
+runtime logs as a `group_plan` event and the simulator applies. Candidates:
   drop         the group leaves the step (today's behaviour; the baseline every other option must beat)
   keep         the current plan as it is (only while all its ranks live: "report, do not act")
   reweight     the current plan, its quota weight set to its predicted speed
@@ -53,7 +53,7 @@ class Decision:
     horizon_steps: float
 
     def record(self) -> dict[str, Any]:
-        """Fields of a `replan` event: the decision, its predicted cost, the state moved, the others."""
+        """Fields of a `group_plan` event: the decision, its predicted cost, the state moved, the others."""
         c = self.chosen
         return {"group": self.group, "decision": c.kind, "plan": c.plan.shape() if c.plan else None,
                 "teams": [list(team) for team in c.plan.teams] if c.plan else [],

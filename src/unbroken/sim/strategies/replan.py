@@ -4,7 +4,7 @@ lost ranks are back.
 
 Owns: the group plans of a simulated run, calling the scheduler at those moments with what the runtime
 would know (dead ranks from heartbeats, speeds from the fail-slow detector), logging each decision as a
-`replan` event (the decision, every candidate's predicted step time and re-plan cost, the state moved),
+`group_plan` event (the decision, every candidate's predicted step time and re-plan cost, the state moved),
 and applying it: quotas follow each plan's weight through `workload.assign`, so every step still reduces
 all M microbatches. Does not own: the scheduler or its cost model (policy/), the detector feeding
 (detect.py), in-step recovery (live.py).
@@ -20,7 +20,7 @@ the same step time. Simplifications (in run_start):
   chosen option's re-plan cost at the next step boundary;
 - the detector is fed each group's slowest live rank's device time (per-rank timings), so it follows the
   device, not the plan, and a Slow verdict is pinned on that rank; the runtime's detector times whole groups;
-- dropping a slow group, if ever chosen, is logged (`replan_skipped`) and not applied.
+- dropping a slow group, if ever chosen, is logged (`group_plan_skipped`) and not applied.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class Replan(LiveDetect):
         d = scheduling.decide(r, plans, self.full, alive, {r: speeds}, self.setting, horizon, peers)
         self.decisions += 1
         self.token[r] += 1
-        self.log.emit("replan", t, step=self.step, replica=r, why=why, **d.record())
+        self.log.emit("group_plan", t, step=self.step, replica=r, why=why, **d.record())
         return d
 
     def interrupt(self, t: float, f: Fault) -> None:
@@ -190,7 +190,7 @@ class Replan(LiveDetect):
             d = self.decide(t, r, self.believed(r), self.horizon, "slow" if slow else "healthy again")
             if d.chosen.plan is None:
                 # dropping a slow group is not applied: the simulator could not see a dropped group recover
-                self.log.emit("replan_skipped", t, step=self.step, replica=r, decision="drop")
+                self.log.emit("group_plan_skipped", t, step=self.step, replica=r, decision="drop")
                 continue
             stall = max(stall, d.chosen.replan_seconds)
             changed |= d.chosen.plan != self.plans[r]
