@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from unbroken.policy import plans as P
 from unbroken.policy import scheduling as S
 from unbroken.policy import stepcost as C
+from unbroken.policy.predictor import CostModel
 from unbroken.topology import Topology, TopologyError
 
 GIB = 2 ** 30
@@ -72,6 +73,36 @@ def test_partition_is_optimal_within_capacity(args):
         return max(f + n * p for n, p, f in zip(c, per_layer, fixed))
     assert sum(got) == layers and all(1 <= n <= k for n, k in zip(got, cap))
     assert cost(got) <= min(cost(c) for c in feasible) + 1e-12
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
+def test_two_groups_of_two_ranks_shrink_to_one_rank_at_half_speed(tp, pp):
+    """The runtime's case: 2 groups x (PP 2 or TP 2), rank 1 of group 0 lost. With no communication cost
+    the survivor runs the whole model at half the pair's speed, takes a third of the microbatches, and the
+    step is 2/3 of dropping the group (3 of 4 ranks busy instead of 2) less the pipeline's bubble."""
+    full = P.full_plan(Topology(2, 2, 2, tp=tp, pp=pp), 4)
+    model = C.ModelShape(4, 1e9, 0.0)  # no activation traffic: compute alone
+    s = C.calibrate(1.0, full, model, C.Hardware(state_budget_bytes=8e9), 4096, 12)
+    d = S.decide(0, {0: full, 1: full}, full, {0}, {}, s, horizon_steps=math.inf)
+    drop = next(o for o in d.options if o.kind == "drop")
+    assert d.chosen.kind == "shrink" and d.chosen.plan.teams == ((0,),) and d.chosen.plan.stages == (4,)
+    assert d.chosen.plan.weight == pytest.approx(0.5) and d.chosen.owners.count(0) == 4
+    # drop: group 1 pipelines all 12 (12 + pp-1 slots of 1 s); shrink: group 0 runs 4 at 2 s, group 1 8
+    assert drop.step_seconds == pytest.approx(12 + pp - 1)
+    assert d.chosen.step_seconds == pytest.approx(max(8 + pp - 1, 4 * 2))  # 1.5x for TP, 13/9 for PP
+    # rank 0 pulls what it lacks from rank 1 of the peer group: half the model's state
+    assert d.chosen.moved_bytes == pytest.approx(2e9)
+
+
+def test_the_predictors_cost_model_sets_the_microbatch_time():
+    """The runtime calibrates with the predictor's fit: seconds of one microbatch of its tokens and
+    sum of squared lengths on a healthy group's full plan."""
+    full = P.full_plan(Topology(2, 2, 2, pp=2), 8)
+    cost = CostModel(a=2e-5, b=1e-9, c=0.01)
+    per_mb = cost.predict(4096, 4 * 1024 ** 2)
+    s = C.calibrate(per_mb, full, C.ModelShape(8, 1e9, 2048.0), C.Hardware(), 4096, 16)
+    assert C.bottleneck(full, {}, s) == pytest.approx(per_mb)
+    assert C.bottleneck(full, {1: 0.5}, s) > 1.9 * per_mb  # a 2x slow rank on stage 1 nearly doubles it
 
 
 def test_a_lost_host_shrinks_the_pipeline_and_grows_back():
