@@ -7,7 +7,9 @@ import pytest
 
 from unbroken.sim.beyond import BEYOND_RUNTIME
 from unbroken.sim.runner import simulate
-from unbroken.sim.scenario import load
+from unbroken.sim.scenario import ScenarioError, from_tree, load
+
+from .conftest import small_tree
 
 
 def events(recs, kind):
@@ -66,3 +68,11 @@ def test_detect_only_reports_and_moves_nothing():
     assert BEYOND_RUNTIME["replanning"] not in events(recs, "run_start")[0]["beyond_runtime"]
     acting = simulate(sc, "unbroken_replan", seed=0, aggregate_seconds=600).end
     assert acting["tokens"] > events(recs, "run_end")[0]["tokens"]
+
+
+def test_a_model_table_that_cannot_fill_the_pipeline_is_refused():
+    with pytest.raises(ScenarioError, match="model.layers=1 must be >= cluster.pp=2"):
+        from_tree(small_tree(model={"layers": 1}))
+    with pytest.raises(ScenarioError, match="unknown key 'hidden'"):
+        from_tree(small_tree(model={"hidden": 8192}))
+    assert from_tree(small_tree()).model.layers == 8

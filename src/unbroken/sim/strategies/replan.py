@@ -20,7 +20,9 @@ the same step time. Simplifications (in run_start):
   chosen option's re-plan cost at the next step boundary;
 - the detector is fed each group's slowest live rank's device time (per-rank timings), so it follows the
   device, not the plan, and a Slow verdict is pinned on that rank; the runtime's detector times whole groups;
-- dropping a slow group, if ever chosen, is logged (`group_plan_skipped`) and not applied.
+- dropping a slow group, if ever chosen, is logged (`group_plan_skipped`) and not applied;
+- the step in flight at a fail-stop is recovered with live.py's timing (each group at its slowest rank's
+  factor, whatever its plan).
 """
 from __future__ import annotations
 
@@ -73,7 +75,9 @@ class Replan(LiveDetect):
                     "on, and rejoins at a step boundary (everyone re-forms)",
                     "re-plans for slow ranks and grow-backs stall the whole job for their re-plan cost",
                     "the detector sees each group's slowest live rank (per-rank timings); the Slow rank is "
-                    "located exactly"]}
+                    "located exactly",
+                    "dropping a slow group, if chosen, is logged (group_plan_skipped) and not applied",
+                    "the step in flight at a fail-stop is recovered at each group's slowest rank's factor"]}
 
     def end_fields(self) -> dict[str, Any]:
         return {**super().end_fields(), "replans": self.decisions}
@@ -146,7 +150,10 @@ class Replan(LiveDetect):
             self.dead_gpus = {g for g in self.dead_gpus if self.topology.group_of(g) != replica}
             self.dead.pop(replica, None)
             d = self.decide(t, replica, self.believed(replica), self.horizon, "ranks back")
-            self.plans[replica] = d.chosen.plan or self.full
+            if d.chosen.plan is None:  # only possible around a Slow rank: not applied, as in `apply`
+                self.log.emit("group_plan_skipped", t, step=self.step, replica=replica, decision="drop")
+                return
+            self.plans[replica] = d.chosen.plan
             self.sync_weights()
             self.replan(t, d.chosen.replan_seconds, "replan")
             return
