@@ -9,7 +9,7 @@ from unbroken.sim.beyond import BEYOND_RUNTIME
 from unbroken.sim.runner import simulate
 from unbroken.sim.scenario import ScenarioError, from_tree, load
 
-from .conftest import small_tree
+from tests.sim.conftest import small_tree
 
 
 def events(recs, kind):
