@@ -76,3 +76,23 @@ def test_a_model_table_that_cannot_fill_the_pipeline_is_refused():
     with pytest.raises(ScenarioError, match="unknown key 'hidden'"):
         from_tree(small_tree(model={"hidden": 8192}))
     assert from_tree(small_tree()).model.layers == 8
+
+
+@pytest.mark.timeout(60)
+def test_a_group_dropped_for_a_slow_rank_leaves_the_step_and_returns_after_its_episode(small):
+    """3x slow ranks in groups of TP 2 x PP 2 (small scenario): dropping the group is predicted best; it
+    leaves at the next step boundary and comes back once its episode is over, the batch unchanged."""
+    recs = simulate(small, "unbroken_replan", seed=5, keep=True, log_steps=True).records
+    drops = [e for e in events(recs, "group_plan") if e["why"] == "slow" and e["decision"] == "drop"]
+    assert drops and all(s["microbatches"] == small.workload.microbatches for s in events(recs, "step"))
+    for d in drops:
+        r = d["replica"]
+        onset = [e for e in events(recs, "slow") if e["replica"] == r and e["factor"] > 1 and e["t"] < d["t"]][-1]
+        left = next(e for e in events(recs, "epoch") if e["t"] >= d["t"] and r not in e["members"])
+        # at the next step boundary (the step in flight runs at the slow pace), after a re-form
+        step = events(recs, "run_start")[0]["step_seconds"]
+        assert left["t"] - d["t"] <= 2 * onset["factor"] * step + small.costs.reform_seconds
+        ended = next(e for e in events(recs, "slow") if e["replica"] == r and e["factor"] == 1.0 and e["t"] > d["t"])
+        back = next(e for e in events(recs, "group_plan") if e["replica"] == r and e["t"] > d["t"])
+        assert back["why"] == "healthy again" and back["t"] >= ended["t"] + small.costs.rejoin_seconds
+        assert back["plan"] == events(recs, "run_start")[0]["full_plan"]

@@ -20,7 +20,8 @@ the same step time. Simplifications (in run_start):
   chosen option's re-plan cost at the next step boundary;
 - the detector is fed each group's slowest live rank's device time (per-rank timings), so it follows the
   device, not the plan, and a Slow verdict is pinned on that rank; the runtime's detector times whole groups;
-- dropping a slow group, if ever chosen, is logged (`group_plan_skipped`) and not applied;
+- a group dropped for a Slow rank is probed off the step: it is seen healthy `recover_steps` steps after
+  its episode ends, heals from a peer (rejoin_seconds) and rejoins at a step boundary;
 - the step in flight at a fail-stop is recovered with live.py's timing (each group at its slowest rank's
   factor, whatever its plan).
 """
@@ -65,7 +66,9 @@ class Replan(LiveDetect):
         self.acted: dict[int, bool] = {}  # group -> whether its plan now routes around a Slow rank
         self.token: dict[int, int] = defaultdict(int)  # group -> decisions so far (stale events ignored)
         self.decisions = 0
+        self.slow_out: set[int] = set()  # groups dropped for a Slow rank, out until it is healthy
         self.engine.on("regroup", self._on_regroup)
+        self.engine.on("slow_back", self._on_slow_back)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "scheduler": "unbroken.policy.scheduling.decide",
@@ -76,7 +79,8 @@ class Replan(LiveDetect):
                     "re-plans for slow ranks and grow-backs stall the whole job for their re-plan cost",
                     "the detector sees each group's slowest live rank (per-rank timings); the Slow rank is "
                     "located exactly",
-                    "dropping a slow group, if chosen, is logged (group_plan_skipped) and not applied",
+                    "a group dropped for a Slow rank is seen healthy recover_steps steps after its episode "
+                    "ends, then heals (rejoin_seconds) and rejoins",
                     "the step in flight at a fail-stop is recovered at each group's slowest rank's factor"]}
 
     def end_fields(self) -> dict[str, Any]:
@@ -109,6 +113,10 @@ class Replan(LiveDetect):
         return d
 
     def interrupt(self, t: float, f: Fault) -> None:
+        for r in f.replicas:
+            if r in self.slow_out:  # out for slowness, now losing ranks: out until replaced instead
+                self.slow_out.discard(r)
+                del self.out[r]
         hit = [r for r in f.replicas if r not in self.out]
         for r in f.replicas:
             self.token[r] += 1  # a group already out loses its pending regroup: it waits for replacement
@@ -173,6 +181,36 @@ class Replan(LiveDetect):
         for g in f.gpus:
             self.rank_slow[self.topology.group_of(g)][g % self.topology.group_size].remove(f.factor)
         super()._on_slow_end(t, f)
+        cfg = self.detector.config
+        for r in f.replicas:
+            if r in self.slow_out and not self.true_speeds(r):
+                # its probe sees recover_steps calm steps, then it heals from a peer like a rejoin
+                back = t + cfg.recover_steps * self.t_full + self.costs.rejoin_seconds
+                self.engine.at(back, "slow_back", (r, self.token[r]))
+
+    def drop_slow(self, r: int) -> None:
+        """Take a Slow group out of the step (the scheduler chose drop); it is probed off the step and
+        comes back when its slow rank is healthy again (`_on_slow_back`)."""
+        cause = max(self.slow[r])[1] if self.slow.get(r) else "slow"
+        self.out[r] = (float("inf"), cause)
+        self.slow_out.add(r)
+
+    def _on_slow_back(self, t: float, payload: tuple[int, int]) -> None:
+        r, token = payload
+        if token != self.token[r] or r not in self.slow_out:
+            return
+        self.slow_out.discard(r)
+        del self.out[r]
+        self.acted[r] = False
+        self.detector.forget(r)  # a fresh record: the probe's calm steps are not the detector's
+        d = self.decide(t, r, {}, self.horizon, "healthy again")
+        self.plans[r] = d.chosen.plan or self.plans[r]
+        self.sync_weights()
+        if self.seg is None:
+            if t >= self.busy_until:
+                self.start(t)
+        else:
+            self.replan(t, self.costs.reform_seconds, "rejoin")
 
     def believed(self, r: int) -> dict[int, float]:
         """What the runtime would know of group r's ranks: while its verdict is Slow, the detector's speed
@@ -195,8 +233,11 @@ class Replan(LiveDetect):
             self.acted[r] = slow
             # a slow episode's end is unknown when it starts: its re-plan cost is spread over the run
             d = self.decide(t, r, self.believed(r), self.horizon, "slow" if slow else "healthy again")
-            if d.chosen.plan is None:
-                # dropping a slow group is not applied: the simulator could not see a dropped group recover
+            if d.chosen.plan is None and slow:
+                self.drop_slow(r)
+                changed, stall = True, max(stall, d.chosen.replan_seconds)
+                continue
+            if d.chosen.plan is None:  # healthy again yet dropping predicted better: not applied
                 self.log.emit("group_plan_skipped", t, step=self.step, replica=r, decision="drop")
                 continue
             stall = max(stall, d.chosen.replan_seconds)
