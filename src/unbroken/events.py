@@ -45,6 +45,12 @@ their fields:
   replan         step, replica, proposed, agreed, why (the step's work was dropped and redone: "another
                  plan won" over our own, or "previous step retried" after we had stepped ahead of it)
   undone         step, replica, epoch                 (optimizer stepped ahead of a retry decision: undone)
+  group_plan     step, replica, why, group, decision (drop|keep|reweight|repartition|shrink|grow), plan
+                 ("tp8 pp3 [27,27,26]"; null: dropped), teams (ranks per stage), predicted_step_seconds,
+                 replan_seconds, moved_bytes, horizon_steps, options (every candidate: kind, plan, weight,
+                 step_seconds, replan_seconds, moved_bytes, amortised_seconds)   (policy/scheduling.py's
+                 decision for a group that lost or regained ranks or whose rank turned slow; the
+                 simulator writes it today, the runtime once it can change a group's plan)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step
@@ -74,6 +80,7 @@ Simulated runs (sim/) add:
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
   slow           replica, factor, until, kind         (a fail-slow episode starts or ends)
   quotas         step, weights                         (speed-weighted quotas changed)
+  group_plan_skipped step, replica, decision            (a decision the simulator does not apply)
   restart        seconds, reason, members             (simulated downtime of a restart)
 """
 from __future__ import annotations

@@ -10,6 +10,8 @@ process groups (runtime/parallel/) or choosing sizes (config, policy/scheduling)
 Layout: replica groups are laid out contiguously. Global rank = group * group_size + rank; node =
 global rank // ranks_per_node, so a group of G ranks on nodes of G ranks is one host, as torchrun per
 host gives. Rank j of every group holds the same shard and reduces with the others over shard index j.
+Inside a group, G = pp x dp_shard x tp, TP innermost (torchtitan's mesh order): rank =
+(stage * dp_shard + shard) * tp + tp_index, so a TP team is consecutive ranks on one host.
 """
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ class Topology:
     groups: int  # replica groups (the data-parallel, fault-tolerant dimension)
     group_size: int = 1  # ranks per replica group (sharded inside: FSDP2 / TP / PP)
     ranks_per_node: int = 1  # trainer ranks per host (failure domain), the last node may hold fewer
+    tp: int = 1  # tensor-parallel degree inside a group
+    pp: int = 1  # pipeline stages inside a group; the rest of the group (dp_shard) shards with FSDP
 
     def __post_init__(self) -> None:
-        for name in ("groups", "group_size", "ranks_per_node"):
+        for name in ("groups", "group_size", "ranks_per_node", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"{name}={value!r}: must be a whole number >= 1")
+        if self.group_size % (self.tp * self.pp):
+            raise TopologyError(f"group_size={self.group_size} is not a multiple of tp={self.tp} x pp={self.pp}")
 
     @staticmethod
     def of_nodes(groups: int, group_size: int, nodes: int) -> Topology:
@@ -55,6 +61,16 @@ class Topology:
     def shards(self) -> int:
         """Shard indices: one cross-group collective group each."""
         return self.group_size
+
+    @property
+    def dp_shard(self) -> int:
+        """FSDP degree inside a group: group_size == pp * dp_shard * tp."""
+        return self.group_size // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, FSDP shard, TP index) of `rank` inside its group."""
+        self._check(0, rank)
+        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
 
     def global_rank(self, group: int, rank: int = 0) -> int:
         self._check(group, rank)
