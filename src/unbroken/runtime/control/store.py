@@ -103,16 +103,15 @@ def preflight(address: str, run_id: str | None = None, exists: bool = False, con
     if not n or exists:
         return
     held = read(store, keys.run_id())
+    claimed = read(store, keys.config()) if config is not None else None  # a standalone coordinator's claim
     if config is not None:  # the same config, and the run not over: this coordinator is one more for it
-        ours = read(store, keys.config()) == config.encode() and read(store, keys.shutdown()) is None
+        ours = claimed == config.encode() and read(store, keys.shutdown()) is None
     else:
         ours = held is not None and held.decode() == run_id
     if not ours:
         owner = f"run {held.decode()!r}" if held is not None else "something else"
-        if config is not None and read(store, keys.config()) == config.encode():
-            owner += ", which ended"
-        elif config is not None and held is not None:
-            owner += " (another config)"
+        if claimed is not None:
+            owner += ", which ended" if claimed == config.encode() else " (another config)"
         root = f"/unbroken/{store.address.namespace}/"
         raise ConfigError(f"coord.store={address!r}: the namespace holds {n} keys of {owner}; use another "
                           f"namespace (etcd://.../NAME) or clear it (etcdctl del --prefix {root})")
