@@ -48,6 +48,9 @@ their fields:
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step
+  coordinator_leads  pid, host, waited (s it stood by), takeover (true: it took over a running
+                 membership), previous (the identity of the leader it replaced, if it saw one)   (etcd store)
+  coordinator_deposed  pid                            (a write found another coordinator leading: it ends)
   run_end        ok, steps_committed, seconds
   worker_error   replica, error                       (an exception in a trainer: the run fails)
   group_broken   replica, rank, error                 (a rank's group process group failed under it: a

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import sys
 import time
 
@@ -257,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(3)
         leadership, waited = lead(store, a.lease_ttl, deposed)
         current = PrefixStore(keys.generation_prefix(int(read(store, keys.generation()) or 0)), store)
-        log.emit("coordinator_leads", pid=os.getpid(), waited=round(waited, 3), previous=leadership.previous,
-                 takeover=current.check([keys.epoch()]))  # True: a standby took over a running membership
+        log.emit("coordinator_leads", pid=os.getpid(), host=socket.gethostname(), waited=round(waited, 3),
+                 previous=leadership.previous,  # takeover: a standby took over a running membership
+                 takeover=current.check([keys.epoch()]))
     else:
         store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=60), use_libuv=True)
