@@ -117,7 +117,8 @@ def _run_in_etcd(cfg: Config, say) -> int:
         t0 = _started_at(out)
     log.emit("coordinator_leads", pid=os.getpid(), host=socket.gethostname(), waited=round(waited, 3),
              takeover=not first, previous=leadership.previous)
-    say(f"unbroken coordinator: leading run {run_id}" + ("" if first else f" (took over from {leadership.previous})"))
+    took = "" if first else f" (took over from {leadership.previous})" if leadership.previous else " (took over)"
+    say(f"unbroken coordinator: leading run {run_id}{took}")
     code = _serve(cfg, store, url, log, out)
     error = _verdict(store, code)
     store.set(keys.shutdown(), json.dumps({"error": error}))  # fenced: a deposed leader ends here, unheard
