@@ -231,8 +231,8 @@ def validate(cfg: Config) -> None:
          "coord.heartbeat_timeout must exceed two heartbeat intervals"),
         (cfg.coord.standbys >= 0, f"coord.standbys={cfg.coord.standbys}: must be >= 0"),
         (cfg.coord.lease_ttl >= 1, f"coord.lease_ttl={cfg.coord.lease_ttl}: must be >= 1 (whole seconds)"),
-        (_store_url_problem(cfg.coord.store) is None, f"coord.store={cfg.coord.store!r}: "
-                                                       f"{_store_url_problem(cfg.coord.store)}"),
+        (store_url_problem(cfg.coord.store) is None, f"coord.store={cfg.coord.store!r}: "
+                                                       f"{store_url_problem(cfg.coord.store)}"),
     ]
     s = cfg.snapshot
     group = s.k + s.m
@@ -257,7 +257,7 @@ def validate(cfg: Config) -> None:
     _check_seq_len(cfg.data.seq_len, m.block_size)
 
 
-def _store_url_problem(url: str) -> str | None:
+def store_url_problem(url: str) -> str | None:
     """Why `url` is not a store address (None: fine). Syntax only: whether it answers is checked by
     store.preflight when a run starts."""
     if not url:
