@@ -6,6 +6,8 @@ unbroken's `parallelize`), the same GPT and seed, the same microbatches (M a ste
 contiguous block M/R * r .. M/R * (r+1) - 1, each rank its share of every microbatch's sequences through
 the data API's `part`), the same SUM reduction with token loss weights, gradient sync only on a replica's
 last microbatch (`set_requires_gradient_sync`), AdamW, one torch thread a process. No fault tolerance.
+With `run.exact` FSDP2 reduces in float64 (`MixedPrecisionPolicy(reduce_dtype=torch.float64)`): the same
+reduce bytes as unbroken's exact mode, whose float64 reduce-scatter is the cost of bitwise results.
 
 `start(cfg, port, times)` starts the R x G processes (this file as a script, one per rank, joining through
 a TCPStore rendezvous as torchrun would give them); rank 0 appends its wall-clock time after each optimizer
@@ -39,7 +41,7 @@ def rank_main(rank: int, port: int, cfg: Config, out: Path) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from unbroken.model.data import DataSource, mix, part, seed_microbatch
     from unbroken.model.gpt import GPT
@@ -51,8 +53,9 @@ def rank_main(rank: int, port: int, cfg: Config, out: Path) -> None:
     mesh = init_device_mesh("cpu", (R, G), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float64) if cfg.run.exact else MixedPrecisionPolicy()
     for m in [*model.blocks, model]:
-        fully_shard(m, mesh=mesh)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
         m.set_force_sum_reduction_for_comms(True)  # gloo: a SUM, as unbroken's (REFERENCE.md)
         m.set_gradient_divide_factor(1.0)
     data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)

@@ -21,6 +21,10 @@ millisecond of unbroken's control plane (coordinator, torchrun agents, heartbeat
 taken from the training: the figure is then the control plane's CPU share plus the per-microbatch
 reduce-scatters, an upper bound on what a GPU node (a device a rank, host cores to spare) would see.
 
+With --exact both sides reduce in float64: unbroken's exact mode, and the baseline's FSDP2 with
+`MixedPrecisionPolicy(reduce_dtype=torch.float64)` (the same reduce-scatter and all-reduce bytes), so the
+ratio is what unbroken adds, not what float64 costs.
+
 Prints a table, then last `ratio hsdp_overhead <unbroken / FSDP2 HSDP>` (target <= 1.05).
 Usage: python benchmarks/hsdp_overhead.py [--rounds 8] [--window 4] [--settle 2] [--replicas 2]
        [--group-size 2] [--microbatches 4] [--n-layer 2] [--n-embd 64] [--exact]
@@ -49,7 +53,8 @@ from unbroken.api import make_config  # noqa: E402
 
 def start_hsdp(tmp: Path, args: argparse.Namespace) -> Side:
     cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
-                      model__n_layer=args.n_layer, model__n_embd=args.n_embd, parallel__group_size=args.group_size)
+                      model__n_layer=args.n_layer, model__n_embd=args.n_embd, parallel__group_size=args.group_size,
+                      exact=args.exact)
     return start_baseline("fsdp2 hsdp", _hsdp_baseline.start, cfg, tmp / "hsdp-times.txt")
 
 

@@ -73,6 +73,7 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "checkpoint.every": "1"}, "checkpoint.every=1"),
+    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "snapshot.enabled": "true"}, "snapshot.enabled=true"),
 ])
 def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:
@@ -82,11 +83,9 @@ def test_validation_is_one_line_naming_the_key(tree, overrides, words):
 
 def test_pipeline_degrees_reach_the_topology():
     topology = build({}, {"parallel.group_size": "2", "parallel.pp": "2", "run.replicas": "3"}).topology()
-    assert (topology.pp, topology.tp, topology.fsdp, topology.shards) == (2, 1, 1, 2)
-    assert [topology.stage_of(j) for j in range(2)] == [0, 1]
-    assert [Topology(1, 8, pp=2, tp=2).stage_of(j) for j in range(8)] == [0] * 4 + [1] * 4  # pipeline outermost
-    assert Topology(1, 8, pp=2, tp=2).fsdp == 2
-    with pytest.raises(TopologyError, match="group_size=2 is not pp=3"):
+    assert (topology.pp, topology.tp, topology.dp_shard, topology.shards) == (2, 1, 1, 2)
+    assert [topology.coords(j)[0] for j in range(2)] == [0, 1]  # rank j holds stage j
+    with pytest.raises(TopologyError, match="group_size=2 is not a multiple of tp=1 x pp=3"):
         Topology(1, 2, pp=3)
 
 

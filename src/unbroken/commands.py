@@ -223,11 +223,13 @@ def add_parsers(sub) -> None:
                        epilog=overrides)
     k.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
     k.add_argument("--out", required=True, help="run directory (shared by the workers' hosts)")
-    k.add_argument("--host", default="127.0.0.1", help="address to bind: the cluster's private interface")
-    k.add_argument("--port", type=int, default=29400)
+    k.add_argument("--host", help="address to bind: the cluster's private interface (default 127.0.0.1; "
+                                  "not with --coord.store)")
+    k.add_argument("--port", type=int, help="port to bind (default 29400; not with --coord.store)")
     k.set_defaults(run=coordinator, overrides=True)
     w = sub.add_parser("worker", help="one rank of a replica group: run it under torchrun")
-    w.add_argument("--coordinator", required=True, help="host:port that `unbroken coordinator` printed")
+    w.add_argument("--coordinator", required=True,
+                   help="host:port that `unbroken coordinator` printed, or its etcd://... store")
     w.add_argument("--group", type=int, required=True, help="this torchrun job's replica group (0 .. replicas-1)")
     w.set_defaults(run=worker)
 

@@ -45,9 +45,18 @@ their fields:
   replan         step, replica, proposed, agreed, why (the step's work was dropped and redone: "another
                  plan won" over our own, or "previous step retried" after we had stepped ahead of it)
   undone         step, replica, epoch                 (optimizer stepped ahead of a retry decision: undone)
+  group_plan     step, replica, why, group, decision (drop|keep|reweight|repartition|shrink|grow), plan
+                 ("tp8 pp3 [27,27,26]"; null: dropped), teams (ranks per stage), predicted_step_seconds,
+                 replan_seconds, moved_bytes, horizon_steps, options (every candidate: kind, plan, weight,
+                 step_seconds, replan_seconds, moved_bytes, amortised_seconds)   (policy/scheduling.py's
+                 decision for a group that lost or regained ranks or whose rank turned slow; the
+                 simulator writes it today, the runtime once it can change a group's plan)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step
+  coordinator_leads  pid, host, waited (s it stood by), takeover (true: it took over a running
+                 membership), previous (the identity of the leader it replaced, if it saw one)   (etcd store)
+  coordinator_deposed  pid                            (a write found another coordinator leading: it ends)
   run_end        ok, steps_committed, seconds
   worker_error   replica, error                       (an exception in a trainer: the run fails)
   group_broken   replica, rank, error                 (a rank's group process group failed under it: a
@@ -74,6 +83,7 @@ Simulated runs (sim/) add:
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
   slow           replica, factor, until, kind         (a fail-slow episode starts or ends)
   quotas         step, weights                         (speed-weighted quotas changed)
+  group_plan_skipped step, replica, decision            (a decision the simulator does not apply)
   restart        seconds, reason, members             (simulated downtime of a restart)
 """
 from __future__ import annotations
@@ -160,6 +170,30 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All complete records of a log; a torn last line from a killed writer is skipped (read_log
     reports it). Raises CorruptLog for any other line that does not parse."""
     return read_log(path).records
+
+
+def has_step_record(path: str | os.PathLike[str], step: int, chunk: int = 1 << 20) -> bool:
+    """Whether the log's current generation (since its last `restart` record) holds the record of `step`,
+    read back from the end: for a survivor about to write the record of a writer that died after its
+    record was out but before the store said so. Assumes, as the writers guarantee, that `step` is the
+    newest step that can have a record: the scan stops at the first `step` or `restart` record."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        tail = b""
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            lines = (f.read(end - start) + tail).split(b"\n")
+            tail, end = (lines.pop(0) if start else b""), start  # a line cut by the chunk's start: next time
+            for line in reversed(lines):
+                if line.startswith(b'{"event":"restart"'):
+                    return False
+                if line.startswith(b'{"event":"step"'):
+                    try:
+                        return json.loads(line)["step"] == step
+                    except (ValueError, KeyError):
+                        continue  # a torn last line
+        return False
 
 
 def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

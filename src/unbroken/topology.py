@@ -1,16 +1,17 @@
 """The arithmetic of replica groups x ranks x nodes, and who this process is in it.
 
 Owns: `Topology` (how many replica groups, ranks per group, ranks per node; which node a rank lives on;
-global rank numbers; the degrees inside a group: pipeline stages x tensor parallel x FSDP shards, in
-torchtitan's order, pipeline outermost), checked when built the way torchtitan's `ParallelDims` checks
-its degrees, and `Identity`, the frozen "who am I" of one trainer process (its replica group, its rank
-in the group, the group's size, its node), read once from the environment. Pure: plain ints, the
-standard library only, so the runtime, the snapshot layout and the simulator share one arithmetic. Does
-not own: building process groups (runtime/parallel/) or choosing sizes (config, policy/scheduling).
+global rank numbers), checked when built the way torchtitan's `ParallelDims` checks its degrees, and
+`Identity`, the frozen "who am I" of one trainer process (its replica group, its rank in the group, the
+group's size, its node), read once from the environment. Pure: plain ints, the standard library only,
+so the runtime, the snapshot layout and the simulator share one arithmetic. Does not own: building
+process groups (runtime/parallel/) or choosing sizes (config, policy/scheduling).
 
 Layout: replica groups are laid out contiguously. Global rank = group * group_size + rank; node =
 global rank // ranks_per_node, so a group of G ranks on nodes of G ranks is one host, as torchrun per
 host gives. Rank j of every group holds the same shard and reduces with the others over shard index j.
+Inside a group, G = pp x dp_shard x tp, TP innermost (torchtitan's mesh order): rank =
+(stage * dp_shard + shard) * tp + tp_index, so a TP team is consecutive ranks on one host.
 """
 from __future__ import annotations
 
@@ -27,17 +28,16 @@ class Topology:
     groups: int  # replica groups (the data-parallel, fault-tolerant dimension)
     group_size: int = 1  # ranks per replica group (sharded inside: FSDP2 / TP / PP)
     ranks_per_node: int = 1  # trainer ranks per host (failure domain), the last node may hold fewer
-    pp: int = 1  # pipeline stages inside a group
-    tp: int = 1  # tensor-parallel degree inside a group (the rest of group_size shards with FSDP2)
+    tp: int = 1  # tensor-parallel degree inside a group
+    pp: int = 1  # pipeline stages inside a group; the rest of the group (dp_shard) shards with FSDP
 
     def __post_init__(self) -> None:
-        for name in ("groups", "group_size", "ranks_per_node", "pp", "tp"):
+        for name in ("groups", "group_size", "ranks_per_node", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"{name}={value!r}: must be a whole number >= 1")
-        if self.group_size % (self.pp * self.tp):
-            raise TopologyError(f"group_size={self.group_size} is not pp={self.pp} x tp={self.tp} x a whole "
-                                f"number of FSDP shards")
+        if self.group_size % (self.tp * self.pp):
+            raise TopologyError(f"group_size={self.group_size} is not a multiple of tp={self.tp} x pp={self.pp}")
 
     @staticmethod
     def of_nodes(groups: int, group_size: int, nodes: int, pp: int = 1, tp: int = 1) -> Topology:
@@ -46,18 +46,7 @@ class Topology:
         world = groups * group_size
         if nodes < 1 or world % nodes:
             raise TopologyError(f"nodes={nodes} does not divide {groups} groups x {group_size} ranks = {world}")
-        return Topology(groups, group_size, world // nodes, pp, tp)
-
-    @property
-    def fsdp(self) -> int:
-        """FSDP2 shards inside a group: group_size = pp x tp x fsdp."""
-        return self.group_size // (self.pp * self.tp)
-
-    def stage_of(self, rank: int) -> int:
-        """The pipeline stage rank `rank` of a group holds (pipeline outermost: ranks of a stage are
-        contiguous, as torchtitan's mesh order pp, dp, tp lays them out)."""
-        self._check(0, rank)
-        return rank // (self.group_size // self.pp)
+        return Topology(groups, group_size, world // nodes, tp=tp, pp=pp)
 
     @property
     def world(self) -> int:
@@ -72,6 +61,16 @@ class Topology:
     def shards(self) -> int:
         """Shard indices: one cross-group collective group each."""
         return self.group_size
+
+    @property
+    def dp_shard(self) -> int:
+        """FSDP degree inside a group: group_size == pp * dp_shard * tp."""
+        return self.group_size // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, FSDP shard, TP index) of `rank` inside its group."""
+        self._check(0, rank)
+        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
 
     def global_rank(self, group: int, rank: int = 0) -> int:
         self._check(group, rank)

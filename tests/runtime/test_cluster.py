@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # unbroken and torchrun of this environment, as with the venv active
 
 
-def readme_lines() -> list[str]:
+def readme_lines(block: str = "cluster-commands") -> list[str]:
+    """The command lines of the README's block between `<!-- block -->` and `<!-- /block -->`."""
     text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- cluster-commands -->")[1].split("<!-- /cluster-commands -->")[0]
+    block = text.split(f"<!-- {block} -->")[1].split(f"<!-- /{block} -->")[0]
     return [line for line in block.splitlines() if line and not line.startswith("```")]
 
 
@@ -59,9 +60,10 @@ def run_cluster(tmp: Path, extra: list[str] = (), timeout: float = 150) -> tuple
     return subprocess.CompletedProcess(lines[0], coordinator.returncode, first + out, ""), jobs
 
 
-def local_reference(tmp: Path) -> Path:
-    """The same run through the local launcher (`unbroken train`)."""
-    flags = [a for a in readme_lines()[0].split() if a.startswith("--run.")]
+def local_reference(tmp: Path, extra: list[str] = ()) -> Path:
+    """The same run through the local launcher (`unbroken train`): the README coordinator's `--run.` flags,
+    then `extra` overrides."""
+    flags = [a for a in readme_lines()[0].split() if a.startswith("--run.")] + list(extra)
     out = tmp / "local"
     r = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", *flags, "--run.progress=false", "--out",
                         str(out)], capture_output=True, text=True, timeout=150, env=env())

@@ -7,6 +7,7 @@ PrefixStore over it and a gloo group formed on it work, and a member SIGKILLed i
 """
 from __future__ import annotations
 
+import base64
 import datetime
 import subprocess
 import sys
@@ -149,3 +150,27 @@ def test_a_deposed_leader_cannot_write(etcd):
     s = EtcdStore(url)
     assert s.get("epoch") == b"2" and s.get("n") == b"1"  # none of the deposed leader's writes landed
     second.resign()
+
+
+def test_an_add_whose_answer_was_lost_counts_once(etcd):
+    """A member applies an add's transaction and is gone before it answers: the retry on the next member
+    finds the counter moved, and must not count it again (counters decide a snapshot's commit and a
+    step's last publisher)."""
+    from etcd3gw import exceptions
+    s = fresh(etcd)
+    assert s.add("n", 1) == 1
+    client = s._clients[s._at]
+    real, lost = client.post, []
+    counter = base64.b64encode(s._key("n")).decode()
+
+    def post(url, json=None, **kw):
+        answer = real(url, json=json, **kw)
+        writes = [op["request_put"]["key"] for op in (json or {}).get("success", []) if "request_put" in op]
+        if url.endswith("/kv/txn") and counter in writes and not lost:  # applied; the answer never comes
+            lost.append(answer)
+            raise exceptions.ConnectionFailedError("the member died before it answered")
+        return answer
+    client.post = post
+    assert s.add("n", 1) == 2 and lost  # the first try was applied, the retry went to the next member
+    assert EtcdStore(s.address).add("n", 0) == 2  # counted once
+    assert s.add("n", 5) == 7  # and the client counts on

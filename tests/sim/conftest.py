@@ -15,6 +15,8 @@ def small_tree(**over: object) -> dict:
         "costs": {"detect_seconds": 5.0, "reform_seconds": 1.0, "restart_seconds": 60.0, "reload_seconds": 30.0,
                   "checkpoint_seconds": 5.0, "snapshot_seconds": 0.02, "memory_restore_seconds": 5.0,
                   "rejoin_seconds": 20.0, "replace_seconds": 3600.0},
+        # small enough that a group of 4 ranks can shrink to 2 or 3 of them (unbroken_replan)
+        "model": {"layers": 8, "state_gb_per_layer": 1.0, "activation_bytes_per_token": 2048.0},
         "cause": [
             {"name": "gpu", "scope": "gpu", "count": 10, "over_gpus": 24, "over_hours": 24.0},
             {"name": "node", "scope": "node", "count": 3, "over_gpus": 24, "over_hours": 24.0},

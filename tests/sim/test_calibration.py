@@ -26,7 +26,7 @@ import pytest
 from unbroken.events import read_events
 from unbroken.sim.calibrate import predict_other
 
-COMMON = ["--replicas", "2", "--microbatches", "8", "--data.batch_size=16", "--run.progress=false",
+COMMON = ["--replicas", "2", "--microbatches", "8", "--data.batch_size=16", "--run.progress=false", "--run.pin_cores=true",
           "--run.quotas=equal", "--coord.heartbeat_timeout=1.0", "--coord.heartbeat_interval=0.1"]
 
 

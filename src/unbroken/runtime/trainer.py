@@ -85,10 +85,10 @@ class Trainer:
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
         self.ranks, topology = who.group_size, cfg.topology()
-        self.fsdp = self.group is not None and topology.fsdp > 1  # FSDP2 inside: rows split, reduce-scatter
-        self.share = (who.rank // topology.tp) % topology.fsdp  # whose rows of each microbatch (data.part)
-        self.shares = topology.fsdp
-        self.counts_loss = who.rank % topology.tp == 0  # tensor-parallel ranks see the same loss: one counts it
+        _, self.share, tp_index = topology.coords(who.rank)  # share: whose rows of each microbatch (data.part)
+        self.shares = topology.dp_shard
+        self.fsdp = self.group is not None and self.shares > 1  # FSDP2 inside: rows split, reduce-scatter
+        self.counts_loss = tp_index == 0  # tensor-parallel ranks see the same loss: one counts it
         self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
         self.params = unique_parameters(self.model)
         self.clock = DeviceClock(self.params[0].device, cfg.run.threads)

@@ -6,7 +6,7 @@ this rank holds it), the trainer and its persistence, and leaving with a meaning
 own: the step loop (trainer.py).
 
 Two ways in, one process. Under the local launcher, the environment (launch.py sets it):
-  UNBROKEN_STORE=host:port   the coordinator's TCPStore
+  UNBROKEN_STORE=host:port   the coordinator's TCPStore (or etcd://...: the run's etcd store)
   UNBROKEN_REPLICA=r         this replica group's id
   UNBROKEN_RUN_DIR=DIR       where events.jsonl and config.json live
   UNBROKEN_GENERATION=g      whole-job restarts so far: coordination keys live under g{g}/
@@ -16,13 +16,16 @@ Two ways in, one process. Under the local launcher, the environment (launch.py s
 On a cluster, one torchrun job per replica group (README "On a cluster"):
   torchrun --standalone --nproc-per-node=1 -m unbroken.runtime.worker --coordinator HOST:PORT --group R
 (or UNBROKEN_COORDINATOR=HOST:PORT and UNBROKEN_REPLICA=R in the environment, for a user's script that
-calls `unbroken.train(...)`): the config, run directory and run id come from the coordinator's store;
+calls `unbroken.train(...)`; `--coordinator etcd://h1:2379,...[/namespace]` when the coordinators keep
+the run in etcd: the worker then follows whichever of them leads, as it talks only to the store):
+the config, run directory and run id come from the coordinator's store;
 torchrun's RANK and WORLD_SIZE give the rank inside the group.
 Run with the default GPT and corpus as `python -m unbroken.runtime.worker`; a user's script that calls
 `unbroken.train(...)` is re-run as the worker with its own factories instead.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import socket
@@ -33,14 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed import PrefixStore
+from torch.distributed import DistStoreError, PrefixStore
 
-from unbroken.config import Config, ConfigError
+from unbroken.config import Config, ConfigError, store_url_problem
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordination import Coordination
-from unbroken.runtime.control.store import connect, read
+from unbroken.runtime.control.store import answering, connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.control.heartbeat import Heartbeat
@@ -84,7 +87,14 @@ class Placement:
 
 def answers(address: str, timeout_s: float) -> None:
     """Wait up to `timeout_s` for something to accept connections at host:port (the coordinator may still
-    be starting). Raises ConfigError, one line: a failed TCPStore connect prints a C++ trace instead."""
+    be starting), or for a member of the etcd store at etcd://... to answer. Raises ConfigError, one line:
+    a failed TCPStore connect prints a C++ trace instead."""
+    if address.startswith("etcd://"):
+        problem = store_url_problem(address)
+        if problem:
+            raise ConfigError(f"--coordinator {address!r}: {problem}")
+        answering(address, "--coordinator ", timeout_s)
+        return
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--coordinator {address!r}: expected host:port")
@@ -113,6 +123,11 @@ def placement(env: dict[str, str] | None = None) -> Placement:
     address = env.get("UNBROKEN_COORDINATOR", "")
     answers(address, float(env.get("UNBROKEN_CONNECT_TIMEOUT", "30")))
     store = connect(address)
+    if address.startswith("etcd://"):  # coordinators and workers start in any order: the leader may not
+        try:                           # have set the run up yet (it writes the run's id last)
+            store.wait([keys.run_id()], datetime.timedelta(seconds=float(env.get("UNBROKEN_CONNECT_TIMEOUT", "30"))))
+        except DistStoreError:
+            pass  # no run there: said below
     values = [read(store, k) for k in (keys.config(), keys.run_dir(), keys.run_id())]
     if None in values:
         raise ConfigError(f"{address!r} serves no unbroken run (start it with `unbroken coordinator`)")
@@ -218,6 +233,7 @@ def run(factories: Factories) -> int:
         traceback.print_exc()
         if who.group_size > 1 and peer_lost(e):  # a rank of our group died: the group is out, not the run
             log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
+            coord.leave(4)  # the coordinator learns now, not after a heartbeat timeout
             return 4
         log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
         return 1
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="unbroken worker")
-    ap.add_argument("--coordinator", help="host:port that `unbroken coordinator` printed")
+    ap.add_argument("--coordinator", help="host:port that `unbroken coordinator` printed, or its etcd://... store")
     ap.add_argument("--group", type=int, help="this torchrun job's replica group id (0 .. replicas-1)")
     a = ap.parse_args(argv)
     if (a.coordinator is None) != (a.group is None):

@@ -61,6 +61,19 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class Model:
+    """What re-planning (policy/stepcost.py) needs of the model and the links; an optional [model] table.
+    The defaults describe a 70B-parameter model on H100 hosts: chosen, not cited."""
+    layers: int = 80  # transformer blocks
+    state_gb_per_layer: float = 13.76  # parameters + gradients + optimizer state of one block, GB (0.86e9
+    # parameters x 16 B: bf16 weights and gradients, fp32 master weights and Adam moments)
+    activation_bytes_per_token: float = 16384.0  # one block boundary's activation per token (8192 x bf16)
+    state_budget_gb: float = 60.0  # per GPU for that state (80 GB HBM less room for activations), GB
+    tp_gb_per_s: float = 300.0  # per-GPU bus bandwidth of a TP all-reduce inside a host (NVLink 4), GB/s
+    pp_gb_per_s: float = 25.0  # stage-to-stage and peer-to-peer across hosts (a 200 Gb/s NIC per GPU), GB/s
+
+
+@dataclass(frozen=True)
 class Cause:
     name: str
     scope: str  # one of SCOPES
@@ -97,6 +110,7 @@ class Scenario:
     trace: tuple[TraceEvent, ...] = ()
     chosen: tuple[str, ...] = ()
     path: str = ""
+    model: Model = Model()
 
     @property
     def step_tokens(self) -> int:
@@ -121,7 +135,7 @@ def load(path: str | Path) -> Scenario:
 
 def from_tree(tree: dict[str, Any], where: str = "<scenario>") -> Scenario:
     """A validated Scenario from a parsed TOML tree."""
-    top = {"name", "source", "cluster", "workload", "costs", "cause", "trace", "chosen"}
+    top = {"name", "source", "cluster", "workload", "costs", "cause", "trace", "chosen", "model"}
     for key in tree:
         if key not in top:
             raise ScenarioError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(top))})")
@@ -131,6 +145,7 @@ def from_tree(tree: dict[str, Any], where: str = "<scenario>") -> Scenario:
     cluster = _build(Cluster, tree["cluster"], f"{where}: cluster")
     workload = _build(Workload, tree["workload"], f"{where}: workload")
     costs = _build(Costs, tree["costs"], f"{where}: costs")
+    model = _build(Model, tree.get("model", {}), f"{where}: model")
     causes = tuple(_build(Cause, c, f"{where}: cause[{i}]") for i, c in enumerate(_list(tree, "cause", where)))
     trace = tuple(_build(TraceEvent, e, f"{where}: trace[{i}]") for i, e in enumerate(_list(tree, "trace", where)))
     chosen = tree.get("chosen", [])
@@ -140,7 +155,7 @@ def from_tree(tree: dict[str, Any], where: str = "<scenario>") -> Scenario:
         if not _names_key(tree, c):
             raise ScenarioError(f"{where}: chosen entry {c!r} names no key of the scenario")
     sc = Scenario(str(tree.get("name", Path(where).stem)), str(tree.get("source", "")), cluster, workload,
-                  costs, causes, trace, tuple(chosen), where)
+                  costs, causes, trace, tuple(chosen), where, model)
     _check(sc, where)
     return sc
 
@@ -194,6 +209,9 @@ def _check(sc: Scenario, where: str) -> None:
         (w.microbatch_seconds > 0 and w.sync_seconds >= 0, "workload step costs must be > 0"),
         (0 < w.duration_hours < math.inf, "workload.duration_hours must be finite and > 0"),
         (all(getattr(k, f.name) >= 0 for f in fields(Costs)), "costs must be >= 0"),
+        (sc.model.layers >= c.pp, f"model.layers={sc.model.layers} must be >= cluster.pp={c.pp}"),
+        (all(getattr(sc.model, f.name) > 0 for f in fields(Model) if f.name != "activation_bytes_per_token")
+         and sc.model.activation_bytes_per_token >= 0, "model sizes and speeds must be > 0"),
     ]
     for cause in sc.causes:
         rules.append((cause.scope in SCOPES, f"cause {cause.name!r}: scope must be one of {', '.join(SCOPES)}"))

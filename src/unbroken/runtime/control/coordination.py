@@ -210,6 +210,18 @@ class Coordination:
             pause = min(pause * 1.5, 0.002)
         raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
 
+    def leave(self, code: int) -> None:
+        """Report that this member's replica group can train no more (its own process group broke under
+        one of its ranks: a peer rank died), as the launcher reports a process's exit: the coordinator
+        declares the group dead at its next round instead of after a heartbeat timeout (under torchrun
+        the launcher sees no rank's exit, and on a cluster nobody does). Call at most once, on the way
+        out; a store that is gone is ignored (the heartbeat timeout still comes)."""
+        try:
+            self.store.set(keys.exited(self.me), str(code))
+            self.store.add(keys.exits(), 1)
+        except Exception:  # noqa: BLE001 - best effort: the group leaves either way
+            pass
+
     def request_reform(self, epoch: int, reason: str) -> None:
         """Ask the coordinator for a new epoch with the same members (a fresh collective group).
 

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import sys
 import time
 
@@ -250,17 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
     if a.store:  # several coordinators may serve the run: the one holding the lease leads, the rest wait
         store, address = connect(a.store), a.store
-        from unbroken.runtime.control.election import Leadership
-        lead = Leadership(store, f"pid {os.getpid()}", a.lease_ttl)
-        waited = lead.acquire()
+        from unbroken.runtime.control.election import lead
 
         def deposed() -> None:  # a write found another coordinator leading: stop before doing anything else
             log.emit("coordinator_deposed", pid=os.getpid())
             os._exit(3)
-        store.fence(keys.leader(), lead.me, deposed)  # every write of this client: only while it leads
+        leadership, waited = lead(store, a.lease_ttl, deposed)
         current = PrefixStore(keys.generation_prefix(int(read(store, keys.generation()) or 0)), store)
-        log.emit("coordinator_leads", pid=os.getpid(), waited=round(waited, 3),
-                 takeover=current.check([keys.epoch()]))  # True: a standby took over a running membership
+        log.emit("coordinator_leads", pid=os.getpid(), host=socket.gethostname(), waited=round(waited, 3),
+                 previous=leadership.previous,  # takeover: a standby took over a running membership
+                 takeover=current.check([keys.epoch()]))
     else:
         store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=60), use_libuv=True)

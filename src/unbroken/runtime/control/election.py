@@ -1,7 +1,8 @@
 """Which of several coordinators leads a run: an etcd lease, held by a key only one can create.
 
 Owns: `Leadership` (acquire: block until this process holds `keys.leader()` under a lease of its own;
-keep the lease alive from a thread; end the process the moment the lease is lost). Does not own: what a
+keep the lease alive from a thread; end the process the moment the lease is lost), and `lead` (that,
+plus fencing every write of the leader's store client). Does not own: what a
 leader does (coordinator.py), the store (etcdstore.py), or any consensus: the key is created by one etcd
 transaction ("create if absent", attached to the lease), and etcd deletes it when the lease's TTL passes
 without a keep-alive, so a SIGKILLed, hung or partitioned leader loses it after at most the TTL.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import base64
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +40,7 @@ class Leadership:
         self.store, self.me, self.ttl_s = store, me, ttl_s
         self.on_lost = on_lost or (lambda: os._exit(3))
         self.lease: str | None = None
+        self.previous: str | None = None  # the last other holder acquire() saw (who this one took over from)
         self._resigned = threading.Event()  # stops the keep-alive: a lapse after resign() is not a loss
         self._key = base64.b64encode(store._key(keys.leader())).decode()
 
@@ -59,7 +63,8 @@ class Leadership:
                 threading.Thread(target=self._keep_alive, name="lease", daemon=True).start()
                 return time.monotonic() - t0
             self.store._post("/kv/lease/revoke", {"ID": lease})
-            while self.holder() is not None:
+            while (held := self.holder()) is not None:
+                self.previous = held
                 time.sleep(POLL_S)
 
     def _keep_alive(self) -> None:
@@ -82,3 +87,17 @@ class Leadership:
         self._resigned.set()
         if self.lease is not None:
             self.store._post("/kv/lease/revoke", {"ID": self.lease})
+
+
+def lead(store: EtcdStore, ttl_s: int, on_deposed: Callable[[], None]) -> tuple[Leadership, float]:
+    """Block until this process leads the run whose state is in `store`; returns (the leadership, the
+    seconds it waited). From then on every write of `store` lands only while this process leads, and a
+    write that finds another leader calls `on_deposed`, which must end the process. Call once, on the
+    client the coordinator writes with, before any write of its own."""
+    # host, pid and a random tag: coordinators on different hosts may share a pid, and the fence
+    # compares this identity, so it must be one process's alone
+    me = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(3)}"
+    leadership = Leadership(store, me, ttl_s)
+    waited = leadership.acquire()
+    store.fence(keys.leader(), me, on_deposed)
+    return leadership, waited

@@ -18,13 +18,18 @@ watch stream cut by a member's death must not hang the waiter until its timeout)
 member for `failover_s` raises torch's DistNetworkError, as a TCPStore client does when its server is
 gone; a wait past its timeout raises DistStoreError, as a TCPStore's does.
 An ambiguous failure (a request sent, the member gone before its answer) is retried on the next member:
-put and compare_set are idempotent under a retry (compare_set then reads the value it wrote); an add
-retried so may count twice, which no caller relies on against (counters are watched for a change).
+put and compare_set are idempotent under a retry (compare_set then reads the value it wrote). An add is
+made so: its transaction also writes this client's add token (one key per client, outside every key of
+the protocol, holding the number of the client's latest add), so when a retry of it finds the counter
+moved, one read of the token says whether the move was its own write, and it is not counted twice
+(counters decide: a snapshot's first and last shard, a step's last publisher).
 """
 from __future__ import annotations
 
 import base64
 import datetime
+import itertools
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +102,11 @@ class EtcdStore(Store):
         self._at = 0  # the member this client talks to; moves on when it stops answering
         self._timeout_s, self._failover_s = timeout_s, failover_s
         self._fence: list[dict] = []  # compares every write of this client must pass (fence())
+        # this client's add token: b"\x00" starts no key of the protocol, and it lives in the namespace
+        # so clearing a namespace clears it
+        self._token = _b64(self._root + b"\x00adds/" + secrets.token_hex(8).encode())
+        self._adds = itertools.count(1)
+        self._failovers = 0  # requests that found their member gone: an answer may have been lost
         self._on_deposed: Callable[[], None] = lambda: None
         _LIVE.append(self)
 
@@ -131,6 +141,7 @@ class EtcdStore(Store):
                 return client.post(client.get_url(path), json=body)
             except self._down as e:  # this member is gone (or lost its leader): try the next
                 last = e
+                self._failovers += 1
                 self._at = (self._at + 1) % len(self._clients)
                 if time.monotonic() > deadline:
                     raise DistNetworkError(f"etcd store {self.address.url}: no member answered for "
@@ -172,8 +183,10 @@ class EtcdStore(Store):
 
     def add(self, key, amount: int) -> int:
         """The counter after adding `amount` (a missing key counts 0), as TCPStore's: a read, then a
-        transaction that writes only if the key did not change since (else read again)."""
+        transaction that writes only if the key did not change since (else read again), once even when
+        its answer was lost and it was retried (the module's docstring says how)."""
         k = _b64(self._key(key))
+        n = _b64(str(next(self._adds)).encode())  # this call's number, written with it
         while True:
             kv = self._ranges([key])[0][0]
             now = int(base64.b64decode(kv.get("value", "")) or b"0") if kv else 0
@@ -181,9 +194,17 @@ class EtcdStore(Store):
                      else {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
             if amount == 0:
                 return now
-            if self._fenced([guard], [{"request_put": {"key": k, "value": _b64(str(now + amount).encode())}}],
-                            []).get("succeeded"):
+            failovers = self._failovers
+            if self._fenced([guard], [{"request_put": {"key": k, "value": _b64(str(now + amount).encode())}},
+                                      {"request_put": {"key": self._token, "value": n}}], []).get("succeeded"):
                 return now + amount
+            if self._failovers != failovers and self._landed(n):  # our first try went through unanswered
+                return now + amount
+
+    def _landed(self, n: str) -> bool:
+        """Whether this client's add token holds `n`: that add's transaction was applied."""
+        r = self._post("/kv/range", {"key": self._token})
+        return any(kv.get("value") == n for kv in r.get("kvs") or [])
 
     def compare_set(self, key, expected, desired) -> bytes:
         """TCPStore's semantics: writes `desired` if the key holds `expected` (or is missing and `expected`

@@ -40,12 +40,16 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   restore/...           gloo's rendezvous of a restore from snapshots
 Unprefixed (they outlive generations):
   config, run_dir, run_id   the run's config (JSON), directory and id   a standalone coordinator, for
-                        workers started by torchrun on other hosts
-  generation, shutdown  the launcher's orders to the coordinator
+                        workers started by torchrun on other hosts (on etcd every coordinator claims
+                        `config` by compare-and-set; `run_id` is written last, once the run is set up)
+  generation, shutdown  the launcher's orders to the coordinator; with standalone coordinators on etcd,
+                        `shutdown` is JSON {"error"} once the run is over   its last leader
+  coordinator/leader    the leading coordinator's identity, on its lease (etcd)   election.py
   status/view           the run's latest figures (JSON) for `unbroken status`   the coordinator
   wakes, wake/{n}       the coordinator's wake-ups                launcher
   fired/{i}             fault i of the fault spec fired once      the replica that fired it
   unbroken/snap/{run}/...   the snapshot agents' control plane (`SnapshotKeys`)
+Not a key of the protocol: an etcd store keeps one add token per client (`\x00adds/...`, etcdstore.py).
 In torchrun's own agent store (one per replica group), not the coordinator's:
   unbroken/attempt{n}/...   the group's process group rendezvous of restart attempt n
 """
@@ -187,9 +191,10 @@ def signature() -> str:
     return "signature"
 
 
-def restore_prefix(generation: int) -> str:
-    """Where the gloo group of generation `generation`'s restore from snapshots rendezvous."""
-    return f"restore/{generation}/"
+def restore_prefix(generation: int, shard: int = 0) -> str:
+    """Where the gloo group of generation `generation`'s restore from snapshots rendezvous: rank `shard`
+    of every replica group (one group per shard index; one-rank groups: shard 0)."""
+    return f"restore/{generation}/{shard}/"
 
 
 # -- unprefixed: the launcher's, across generations ---------------------------------------------------

@@ -7,7 +7,8 @@ publishes a step's done record and count while the member steps its optimizer ah
 the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a committed step whose commit this member proposed, writes its record
 (reads the commit epoch's owners, hashes the parameters: sha256, ~2 ms for 1M of them), and
 refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
-a recovery, writes the record of the step before if its writer died with it unwritten.
+a recovery, writes the record of the step before if its writer died with it unwritten (or only says so
+in the store, if the writer died after its record reached the log: the log is read back for it).
 
 Every committed step gets its record, written by the member that proposed its commit (the decision
 names it: no member claims anything). A member publishes a step (lets it commit) only after the
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from unbroken.events import EventLog
+from unbroken.events import EventLog, has_step_record
 from unbroken.runtime.control.coordination import Coordination, Plan
 
 
@@ -154,6 +155,9 @@ class Sidecar:
 
     def _rewrite(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
         if not self.coord.recorded(step) and self.coord.reclaim_record(step):
+            if has_step_record(self.log.path, step):  # the writer died between its record and the store's
+                self.coord.mark_recorded(step)        # mark of it (a store round trip): one record only
+                return
             self._write(step, epoch, members, record, *self.digest(step, record["loss"]))
 
     def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict, digest: str,

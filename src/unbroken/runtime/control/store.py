@@ -70,29 +70,48 @@ def finished_among(store: Store, ids, seen: tuple[int, frozenset[int]]) -> tuple
     return n, frozenset(r for r in ids if store.check([keys.finished(r)]))
 
 
-def preflight(address: str, run_id: str | None = None, exists: bool = False) -> None:
-    """Check an etcd store before a run writes anything: a member answers, and its namespace holds no
-    other run's keys (`run_id`: the run that may find its own there, as `unbroken resume` does; `exists`:
-    only that a member answers, for readers such as `unbroken status`). Raises ConfigError, one line. A
-    TCPStore address needs no check (the run makes it)."""
-    if not address.startswith("etcd://"):
-        return
+def answering(address: str, flag: str, timeout_s: float = 5.0) -> Store:
+    """A client of the etcd store at `address` once one of its members answered (within `timeout_s`).
+    Raises ConfigError, one line starting with `flag` (the option that named the address), when the
+    etcd client is not installed or no member answers."""
     from torch.distributed import DistNetworkError
 
     from unbroken.config import ConfigError
     try:
         from unbroken.runtime.control.etcdstore import EtcdStore
     except ImportError:
-        raise ConfigError(f"coord.store={address!r}: the etcd client is not installed "
-                          "(pip install 'unbroken[etcd]')") from None
-    store = EtcdStore(address, timeout_s=5.0, failover_s=5.0)
+        raise ConfigError(f"{flag}{address!r}: the etcd client is not installed (pip install 'unbroken[etcd]')") from None
+    store = EtcdStore(address, timeout_s=timeout_s, failover_s=timeout_s)
     try:
-        n = store.num_keys()
-        held = read(store, keys.run_id()) if n else None
+        store.num_keys()
     except DistNetworkError:
-        raise ConfigError(f"coord.store={address!r}: no etcd member answers") from None
-    if n and not exists and (held is None or held.decode() != run_id):
+        raise ConfigError(f"{flag}{address!r}: no etcd member answers") from None
+    return store
+
+
+def preflight(address: str, run_id: str | None = None, exists: bool = False, config: str | None = None) -> None:
+    """Check an etcd store before a run writes anything: a member answers, and its namespace holds no
+    other run's keys (`run_id`: the run that may find its own there, as `unbroken resume` does; `config`:
+    a standalone coordinator's config, which may find the same run there, still running, and stand by
+    for it; `exists`: only that a member answers, for readers such as `unbroken status`). Raises
+    ConfigError, one line. A TCPStore address needs no check (the run makes it)."""
+    if not address.startswith("etcd://"):
+        return
+    from unbroken.config import ConfigError
+    store = answering(address, "coord.store=")
+    n = store.num_keys()
+    if not n or exists:
+        return
+    held = read(store, keys.run_id())
+    claimed = read(store, keys.config()) if config is not None else None  # a standalone coordinator's claim
+    if config is not None:  # the same config, and the run not over: this coordinator is one more for it
+        ours = claimed == config.encode() and read(store, keys.shutdown()) is None
+    else:
+        ours = held is not None and held.decode() == run_id
+    if not ours:
         owner = f"run {held.decode()!r}" if held is not None else "something else"
+        if claimed is not None:
+            owner += ", which ended" if claimed == config.encode() else " (another config)"
         root = f"/unbroken/{store.address.namespace}/"
         raise ConfigError(f"coord.store={address!r}: the namespace holds {n} keys of {owner}; use another "
                           f"namespace (etcd://.../NAME) or clear it (etcdctl del --prefix {root})")

@@ -2,12 +2,13 @@
 
 Owns: node directories (`snapshot.shm_dir/node{n}`: a node's CPU memory, gone when the node is lost),
 starting the agents in parallel, replacing a lost node's agent and asking the survivors to rebuild its
-shards from parity, and removing the run's files at the end. Does not own: the agents' protocol
+shards from parity, and removing the run's files at the end. With replica groups of G ranks each agent
+serves G snapshot families, one per shard index (`shard_run_id`): rank j of every group holds the same
+state, snapshotted across the groups as a one-rank run's replicas are. Does not own: the agents' protocol
 (snapshot/), or deciding when a node is lost (chaos.py, or a real node failure).
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,7 @@ from torch.distributed import Store
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.runtime.snapshot import AgentSpec, StateLoadError, Topology, request_rebuild, start_agent
-from unbroken.runtime.snapshot.control import node_dir
+from unbroken.runtime.snapshot.control import node_dir, remove_run, shard_run_ids
 
 
 class AgentSet:
@@ -25,7 +26,9 @@ class AgentSet:
         s = cfg.snapshot
         self.cfg, self.address, self.store, self.run_id, self.log = cfg, address, store, run_id, log
         self.logs = run_dir / "logs"
-        self.topology = Topology(nodes=s.nodes, ranks_per_node=cfg.topology().ranks_per_node, parity=s.parity,
+        self.shards = cfg.parallel.group_size
+        # each family's "ranks" are the replica groups (its shares), laid on nodes as the groups are
+        self.topology = Topology(nodes=s.nodes, ranks_per_node=cfg.run.replicas // s.nodes, parity=s.parity,
                                  k=s.k, m=s.m)
         self.procs: dict[int, subprocess.Popen] = {}
         with ThreadPoolExecutor(s.nodes) as pool:
@@ -36,7 +39,7 @@ class AgentSet:
         # 15 s per collective among agents (a shard moves in well under 1 s here): an encode that a
         # dead node left hanging must not hold the rebuild of that very node for a minute
         spec = AgentSpec(store=self.address, run_id=self.run_id, node=node, topology=self.topology,
-                         shm_dir=node_dir(self.cfg.snapshot.shm_dir, node), timeout_s=15.0)
+                         shm_dir=node_dir(self.cfg.snapshot.shm_dir, node), timeout_s=15.0, shards=self.shards)
         return start_agent(spec, log=self.logs / f"agent{node}.log")
 
     def lose(self, node: int) -> None:
@@ -46,7 +49,7 @@ class AgentSet:
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
-        shutil.rmtree(Path(node_dir(self.cfg.snapshot.shm_dir, node)) / self.run_id, ignore_errors=True)
+        remove_run(node_dir(self.cfg.snapshot.shm_dir, node), self.run_id, self.shards)
 
     def replace(self, lost: list[int], rebuild: bool) -> int | None:
         """Start fresh agents for `lost` nodes; with `rebuild`, have the survivors rebuild their shards
@@ -55,8 +58,15 @@ class AgentSet:
             self.procs[n] = self._start(n)
         if not (rebuild and lost):
             return None
+        families = shard_run_ids(self.run_id, self.shards)
         try:
-            step = request_rebuild(self.store, self.run_id, sorted(lost))
+            steps = [request_rebuild(self.store, r, sorted(lost)) for r in families]
+            # every shard index must hold the step a restore will load: where the agents of one family
+            # picked a newer step than another's (a snapshot one shard index skipped), rebuild the oldest
+            step = min(steps)
+            for r, got in zip(families, steps):
+                if got != step:
+                    request_rebuild(self.store, r, sorted(lost), step=step)
         except StateLoadError as e:
             self.log.emit("rebuild_failed", nodes=sorted(lost), error=str(e))
             return None
@@ -73,4 +83,4 @@ class AgentSet:
         if keep_memory:
             return
         for n in range(self.cfg.snapshot.nodes):
-            shutil.rmtree(Path(node_dir(self.cfg.snapshot.shm_dir, n)) / self.run_id, ignore_errors=True)
+            remove_run(node_dir(self.cfg.snapshot.shm_dir, n), self.run_id, self.shards)

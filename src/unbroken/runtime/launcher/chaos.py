@@ -6,13 +6,15 @@ crash-all:step=s       once step s-1 is committed: SIGKILL every trainer at once
 corrupt:replica=r,step=s   at the first restart after step s: flip bytes in replica r's stored shard
                            of the step a memory restore will read (the newest every replica holds
                            committed; once its parity is encoded), so the checksum path must catch it
+                           (in replica groups: the shard of the group's rank 0)
+A trainer is killed with everything under it: in replica groups the launcher's child is a torchrun agent
+whose workers run in sessions of their own.
 Each fault fires once per run, whatever restarts follow. Also reports, at each restart, every snapshot
 slot left mid-copy by a writer that died copying (`torn` records: what a `tear` fault must leave).
 Does not own: recovering (launcher, agents).
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -20,14 +22,16 @@ import time
 from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 from unbroken.runtime.launcher.agents import AgentSet
+from unbroken.runtime.launcher.processes import signal_tree
 from unbroken.runtime.control.store import get_json
-from unbroken.runtime.snapshot.control import node_dir, snapshot_keys
+from unbroken.runtime.snapshot.control import node_dir, shard_run_ids, snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
 
 class Chaos:
     def __init__(self, faults: tuple[Fault, ...], cfg, log: EventLog, agents: AgentSet | None, run_id: str):
         self.cfg, self.log, self.agents, self.run_id = cfg, log, agents, run_id
+        self.families = shard_run_ids(run_id, cfg.parallel.group_size)  # snapshot run ids, by shard index
         self.pending = [f for f in faults if f.kind in ("node", "crash-all", "corrupt")]
         self.lost_nodes: list[int] = []
 
@@ -45,8 +49,7 @@ class Chaos:
                 victims = list(workers)
                 self.log.emit("fault", kind="crash-all", step=f.step, replicas=victims)
             for r in victims:
-                if workers[r].poll() is None:
-                    os.kill(workers[r].pid, signal.SIGKILL)
+                signal_tree(workers[r], signal.SIGKILL)
 
     def before_restart(self, last_committed: int) -> None:
         """Call with all trainers stopped, before a restart: report torn slots, apply due corruptions."""
@@ -58,41 +61,48 @@ class Chaos:
             self.log.emit("fault", kind="corrupt", replica=f.replica, step=f.step,
                           corrupted_step=self._corrupt(f.replica))
 
-    def _slots(self, replica: int) -> list[SlotFile]:
-        """The replica's data slot files that exist on its node (the caller closes them)."""
-        paths = [data_path(node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(replica)), self.run_id,
-                           replica, b) for b in (0, 1)]
+    def _slots(self, replica: int, family: int = 0) -> list[SlotFile]:
+        """The replica's data slot files of shard index `family` that exist on its node (the caller
+        closes them)."""
+        paths = [data_path(node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(replica)),
+                           self.families[family], replica, b) for b in (0, 1)]
         return [SlotFile.open(p) for p in paths if p.exists()]
 
     def _report_torn(self) -> None:
         """A `torn` record for each slot still WRITING: its writer died copying (the agent commits
         only slots marked COPIED, so a restore never reads one)."""
         for r in range(self.cfg.run.replicas):
-            for s in self._slots(r):
-                if s.get("state") == State.WRITING:
-                    self.log.emit("torn", replica=r, step=s.get("step"))
-                s.close()
+            for j in range(len(self.families)):
+                for s in self._slots(r, j):
+                    if s.get("state") == State.WRITING:
+                        self.log.emit("torn", replica=r, step=s.get("step"), **({"rank": j} if j else {}))
+                    s.close()
 
     def _restore_step(self, timeout_s: float = 5.0) -> int | None:
         """The step a memory restore will read (SnapshotClient.latest_committed's rule: the newest
-        every replica holds committed, with its whole-state digest), once the agents have committed
-        what the dead trainers finished copying (no slot left COPIED), or after timeout_s."""
+        every replica holds committed, with its whole-state digest; in replica groups the oldest of
+        those over the shard indices, as the restore agrees), once the agents have committed what the
+        dead trainers finished copying (no slot left COPIED), or after timeout_s."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             states = []
             for r in range(self.cfg.run.replicas):
-                for s in self._slots(r):
-                    states.append(s.get("state"))
-                    s.close()
+                for j in range(len(self.families)):
+                    for s in self._slots(r, j):
+                        states.append(s.get("state"))
+                        s.close()
             if State.COPIED not in states:
                 break
             time.sleep(0.02)
-        keys, store = snapshot_keys(self.run_id), self.agents.store
-        held: dict[str, list[int]] = {}
-        for n in range(self.cfg.snapshot.nodes):
-            held.update(get_json(store, keys.held(n), {}))
-        common = set.intersection(*(set(held.get(str(r), [])) for r in range(self.cfg.run.replicas)))
-        return max((s for s in common if store.check([keys.digest(s)])), default=None)
+        newest = []
+        for family in self.families:
+            keys, store = snapshot_keys(family), self.agents.store
+            held: dict[str, list[int]] = {}
+            for n in range(self.cfg.snapshot.nodes):
+                held.update(get_json(store, keys.held(n), {}))
+            common = set.intersection(*(set(held.get(str(r), [])) for r in range(self.cfg.run.replicas)))
+            newest.append(max((s for s in common if store.check([keys.digest(s)])), default=None))
+        return None if None in newest else min(newest)
 
     def _corrupt(self, replica: int) -> int | None:
         """Flip 64 payload bytes of the replica's committed slot of the step a restore will read;
@@ -121,7 +131,7 @@ class Chaos:
         parity: after 2 s without its whole-state digest, go on."""
         if self.agents is None or self.cfg.snapshot.parity == "none":
             return
-        keys, store = snapshot_keys(self.run_id), self.agents.store
+        keys, store = snapshot_keys(self.families[0]), self.agents.store
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if int(get_json(store, keys.pdone(node), -1)) >= step:

@@ -230,7 +230,13 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
     out = open(run_dir / "logs" / f"replica{r}.log", "ab")
-    p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    pin = None
+    if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
+        cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
+        mine = {cores[(r * G + j) % len(cores)] for j in range(G)}
+        pin = lambda: os.sched_setaffinity(0, mine)  # noqa: E731 - runs in the child before exec
+    p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         preexec_fn=pin)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p
 

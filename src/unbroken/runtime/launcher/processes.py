@@ -30,14 +30,21 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def kill_tree(p: subprocess.Popen) -> None:
-    """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
-    sessions of their own: killing the agent alone would leave them running, re-parented to init."""
+def signal_tree(p: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to `p` and every process under it (listed before any is signalled: a process whose parent
+    died is re-parented and could no longer be found); does not reap. A no-op once `p` has ended."""
     if p.poll() is not None:
         return
     for pid in process_tree(p.pid):  # the agent first, so it restarts nothing; its workers are listed already
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    p.wait()
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
+    sessions of their own: killing the agent alone would leave them running, re-parented to init."""
+    signal_tree(p, signal.SIGKILL)
+    if p.poll() is None:
+        p.wait()

@@ -71,12 +71,12 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
     if topology.pp > 1:
-        if topology.fsdp > 1 or topology.tp > 1 or shape is None:
+        if topology.dp_shard > 1 or topology.tp > 1 or shape is None:
             raise TopologyError(f"pp={topology.pp}: only a group of pipeline stages alone (group_size = pp) with "
                                 f"a static microbatch shape is built")
         # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
         vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
-        stage = topology.stage_of(rank)
+        stage = topology.coords(rank)[0]
         model, tied = split(model, stage, topology.pp)
         return model, Stages(model, stage, topology.pp, group, tied, shape, width, vocab, model.loss)
     from torch.distributed.device_mesh import DeviceMesh
@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = DeviceMesh.from_group(group, device)
     if topology.tp > 1:
-        if topology.fsdp > 1:
+        if topology.dp_shard > 1:
             raise TopologyError(f"tp={topology.tp}: only a group of tensor-parallel ranks alone (group_size = tp) "
                                 f"is built")
         return _tensor_parallel(model, mesh, topology.tp), None

@@ -1,7 +1,8 @@
 """A trainer's snapshots and checkpoints: save hooks around the optimizer step, and resume.
 
 Owns: when to snapshot (every `snapshot.every` committed steps, each live replica writing the shares
-`policy.snapshotting.shares_of` gives it, adopted shares of dead replicas included), when to write a
+`policy.snapshotting.shares_of` gives it, adopted shares of dead replicas included; in replica groups,
+rank j snapshots its own FSDP2 shards into shard index j's family, shared across the groups), when to write a
 DCP checkpoint (every `checkpoint.every` steps, by the lowest live replica: data-parallel replicas hold
 identical state, so one copy suffices), and resuming a restarted trainer from the agents' memory or the
 latest checkpoint, verified before the first step. Does not own: slots, parity, agents (snapshot/),
@@ -26,8 +27,8 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
 from unbroken.runtime.gradients import param_digest, unique_parameters
 from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
-from unbroken.runtime.snapshot.control import node_dir
-from unbroken.runtime.persist.state import load_rng, materialize, training_state
+from unbroken.runtime.snapshot.control import node_dir, shard_run_id
+from unbroken.runtime.persist.state import load_rng, local_state, materialize, training_state
 
 
 class Persistence:
@@ -35,6 +36,7 @@ class Persistence:
                  model: nn.Module, optimizer: torch.optim.Optimizer, log: EventLog, rank: int = 0):
         self.cfg, self.me, self.store, self.run_id, self.log = cfg, me, store, run_id, log
         self.tag = {"rank": rank} if cfg.parallel.group_size > 1 else {}  # a group's rank: its shard's digest
+        self.rank = rank
         self.model, self.optimizer = model, optimizer
         self.world = cfg.run.replicas
         self.clients: dict[int, SnapshotClient] = {}
@@ -49,7 +51,8 @@ class Persistence:
 
     def _client(self, share: int) -> SnapshotClient:
         if share not in self.clients:
-            self.clients[share] = SnapshotClient(self.store, run_id=self.run_id, rank=share, world=self.world,
+            run_id = shard_run_id(self.run_id, self.rank, self.cfg.parallel.group_size)
+            self.clients[share] = SnapshotClient(self.store, run_id=run_id, rank=share, world=self.world,
                                                  shm_dir=node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(share)))
         return self.clients[share]
 
@@ -64,8 +67,8 @@ class Persistence:
         due_ckpt = self.ckpt is not None and step % self.cfg.checkpoint.every == 0 and self.me == min(members)
         if not (due_snap or due_ckpt):
             return
-        tensors = training_state(self.model, self.optimizer)
         if due_snap:
+            tensors = local_state(self.model, self.optimizer)
             # the copies wait for `on_snapshot` (a fault point: a `tear` kills us there, mid-copy)
             gate = threading.Event() if on_snapshot is not None else None
             for share in shares_of(self.me, members, self.world):
@@ -81,7 +84,7 @@ class Persistence:
                 finally:
                     gate.set()
         if due_ckpt:
-            self.ckpt.maybe_save(step, tensors)  # DCP stages a copy before returning
+            self.ckpt.maybe_save(step, training_state(self.model, self.optimizer))  # DCP stages a copy
 
     def resume(self, source: str, generation: int, newest: int | None = None) -> int:
         """Load the state a restarted job continues from; returns the first step to run.
@@ -95,11 +98,13 @@ class Persistence:
         materialize(self.model, self.optimizer)
         tensors = training_state(self.model, self.optimizer)
         if source == "memory" and self.cfg.snapshot.enabled:
-            group = dist.ProcessGroupGloo(PrefixStore(keys.restore_prefix(generation), self.store), self.me,
-                                          self.world, datetime.timedelta(seconds=120))
-            step = self._restore_memory(group, tensors, newest)
+            # rank j of every group restores shard index j's family over a group of its own
+            group = dist.ProcessGroupGloo(PrefixStore(keys.restore_prefix(generation, self.rank), self.store),
+                                          self.me, self.world, datetime.timedelta(seconds=120))
+            mine = local_state(self.model, self.optimizer)
+            step = self._restore_memory(group, mine, newest)
             if step is not None:
-                load_rng(tensors)
+                load_rng(mine)
                 return self._restored("memory", step, t0)
         step = self._latest_checkpoint()
         if step is None:
@@ -165,9 +170,14 @@ class Persistence:
 
 
 def _agree(group: dist.ProcessGroup, value: int) -> int:
-    """The minimum of `value` over the group: one answer every replica acts on."""
+    """The minimum of `value` over every trainer rank: one answer every rank acts on. `group` joins rank j
+    of every replica group; in groups of several ranks a second MIN over the group's own world (the
+    default process group, idle while a restore runs) makes it the minimum over the whole grid, so every
+    shard index loads the same step or none does."""
     t = torch.tensor([value], dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
     group.allreduce([t], opts).wait()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

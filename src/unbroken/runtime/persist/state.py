@@ -27,6 +27,13 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return out
 
 
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """training_state with every DTensor (FSDP2 inside a replica group) replaced by this rank's local
+    shard, a view of it: what rank j holds, identical on rank j of every group, for in-memory snapshots
+    whose bytes are this rank's alone. DCP takes training_state itself (it reshards DTensors)."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in training_state(model, optimizer).items()}
+
+
 def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer its state tensors (shapes and dtypes) without changing the parameters:
     one step on zero gradients, then the parameters are put back. Call once before loading state."""

@@ -5,6 +5,9 @@ checksumming and committing copies the trainers finished, publishing what it hol
 the command queue (parity encode, rebuild) with its peer agents. Does not own the trainers'
 copies (client.py) or the coding math (parity.py, erasure.py).
 
+In replica groups of G ranks the one process per node runs G agents, a thread and a store client each,
+one per shard index (`--shards G`, `control.shard_run_id`): rank j of every group holds the same state.
+
 Started before the trainers (`start_agent` in control.py, or
 `python -m unbroken.runtime.snapshot.agent --store HOST:PORT --run-id ID --node N ...`) and outlives
 them: SIGKILL of every trainer leaves the agent, its files and its commits intact. SIGTERM stops it
@@ -30,7 +33,7 @@ from .checksum import checksum, folded_digest
 from unbroken.runtime.control.etcdstore import EtcdStore
 from unbroken.runtime.control.store import connect, get_json
 
-from .control import Topology, post_command, snapshot_keys, topology_dict
+from .control import Topology, post_command, shard_run_ids, snapshot_keys, topology_dict
 from .shm import Kind, SlotFile, State, data_path, parity_path
 
 POLL_SHM_S = 0.003  # header scans are microseconds; commits start within a few ms of a copy
@@ -235,13 +238,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shm-dir", default="/dev/shm/unbroken")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds, collectives among agents")
     p.add_argument("--nonce", default="")
+    p.add_argument("--shards", type=int, default=1,
+                   help="ranks per replica group: serve each shard index's snapshots (a thread each)")
     a = p.parse_args(argv)
     topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
-    agent = SnapshotAgent(connect(a.store), a.run_id, a.node, topo, a.shm_dir, a.timeout,
-                          a.nonce)
+    # One SnapshotAgent per shard index, each with its own store client and thread: an agent blocks in
+    # collectives with its peers (parity, rebuild), and shard j's peers must never wait for shard i's.
+    agents = [SnapshotAgent(connect(a.store), run_id, a.node, topo, a.shm_dir, a.timeout, a.nonce)
+              for run_id in shard_run_ids(a.run_id, a.shards)]
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop())
-    agent.serve()
+        signal.signal(sig, lambda *_: [agent.stop() for agent in agents])
+    threads = [threading.Thread(target=agent.serve, name=f"agent-{agent.run_id}", daemon=True)
+               for agent in agents[1:]]
+    for t in threads:
+        t.start()
+    agents[0].serve()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":

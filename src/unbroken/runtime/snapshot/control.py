@@ -35,6 +35,20 @@ from .shm import check_run_id
 DEFAULT_SHM_DIR = "/dev/shm/unbroken"
 
 
+def shard_run_id(run_id: str, shard: int, shards: int) -> str:
+    """The snapshot run id of shard index `shard` of replica groups of `shards` ranks.
+
+    Rank j of every replica group holds the same state (its FSDP2 shards: parameters, optimizer state,
+    RNG), so each shard index is a data-parallel state of its own, snapshotted by the same protocol as a
+    one-rank run: its own slots, commit records and parity under this id. One-rank groups keep the run id."""
+    return run_id if shards == 1 else f"{run_id}.s{shard}"
+
+
+def shard_run_ids(run_id: str, shards: int) -> list[str]:
+    """Every shard index's snapshot run id (see shard_run_id), in order."""
+    return [shard_run_id(run_id, j, shards) for j in range(shards)]
+
+
 def node_dir(shm_dir: str, node: int) -> str:
     """Node `node`'s emulated CPU memory under `shm_dir`: gone when the node is lost."""
     return f"{shm_dir}/node{node}"
@@ -149,6 +163,7 @@ class AgentSpec:
     topology: Topology
     shm_dir: str = DEFAULT_SHM_DIR
     timeout_s: float = 60.0  # for collectives among agents
+    shards: int = 1  # ranks per replica group: the agent serves each shard index's snapshots (shard_run_id)
 
 
 def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | None = None,
@@ -156,7 +171,8 @@ def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | Non
     """Spawn `python -m unbroken.runtime.snapshot.agent` for one node and wait until it serves.
 
     Start it before the trainers; it outlives them. Existing slot files of the run in shm_dir are
-    adopted, so restarting an agent on a healthy node keeps its snapshots.
+    adopted, so restarting an agent on a healthy node keeps its snapshots. With `spec.shards` > 1 the one
+    process serves every shard index (a thread each) and is ready once each has published its record.
     """
     nonce = secrets.token_hex(8)
     t = spec.topology
@@ -164,13 +180,13 @@ def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | Non
             "--run-id", spec.run_id, "--node", str(spec.node), "--nodes", str(t.nodes),
             "--ranks-per-node", str(t.ranks_per_node), "--parity", t.parity, "--k", str(t.k),
             "--m", str(t.m), "--shm-dir", spec.shm_dir, "--timeout", str(spec.timeout_s),
-            "--nonce", nonce]
+            "--nonce", nonce, "--shards", str(spec.shards)]
     out = open(log, "ab") if log else None
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None)
     own = store or connect(spec.store)
-    key = snapshot_keys(spec.run_id).agent(spec.node)
+    ready = [snapshot_keys(r).agent(spec.node) for r in shard_run_ids(spec.run_id, spec.shards)]
     deadline = time.monotonic() + ready_timeout_s
-    while get_json(own, key, {}).get("nonce") != nonce:
+    while any(get_json(own, key, {}).get("nonce") != nonce for key in ready):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"snapshot agent for node {spec.node} did not start (rc={proc.poll()})")
@@ -188,9 +204,10 @@ def stop_agent(proc: subprocess.Popen, timeout_s: float = 10) -> int:
         return proc.wait()
 
 
-def remove_run(shm_dir: str, run_id: str) -> None:
-    """Delete a run's snapshot files on this node (end of run, or a node wiped in a test)."""
-    shutil.rmtree(Path(shm_dir) / check_run_id(run_id), ignore_errors=True)
+def remove_run(shm_dir: str, run_id: str, shards: int = 1) -> None:
+    """Delete a run's snapshot files on this node, every shard index's (end of run, a node wiped)."""
+    for r in shard_run_ids(check_run_id(run_id), shards):
+        shutil.rmtree(Path(shm_dir) / r, ignore_errors=True)
 
 
 def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, what: str,

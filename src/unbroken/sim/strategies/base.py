@@ -37,6 +37,7 @@ class Run(abc.ABC):
     ckpt_cost = 0.0  # s per persistent checkpoint; subclasses with checkpoints set it with ckpt_every
     ckpt_every = 0
     snapshot = 0.0  # s blocked per step for an in-memory snapshot
+    replans = False  # whether it re-plans replica groups (policy/scheduling.py): named in run_start
 
     def __init__(self, scenario: Scenario, faults: tuple[Fault, ...], log: SimLog, *, log_steps: bool = False,
                  aggregate_seconds: float = 3600.0, seed: int = 0):
@@ -76,7 +77,7 @@ class Run(abc.ABC):
                       steps=None, microbatches=self.M, tokens_per_microbatch=self.tpm, exact=False,
                       step_seconds=self.t_full, ckpt_every=self.ckpt_every, chosen=list(self.sc.chosen),
                       simplifications=list(SIMPLIFICATIONS), faults=len(self.faults),
-                      beyond_runtime=beyond_runtime(self.sc), **self.describe())
+                      beyond_runtime=beyond_runtime(self.sc, self.replans), **self.describe())
         for f in self.faults:
             e.at(f.t, "fault", f)
         e.at(self.aggregate, "tick")

@@ -200,3 +200,12 @@ class LiveDetect(Live):
             self.log.emit("quotas", t, step=self.step,
                           weights={str(r): round(s, 4) for r, s in (weights or {}).items() if s != 1.0})
             self.replan(t)
+
+
+class DetectOnly(LiveDetect):
+    """ResiHP's "detector that reports but does not act" baseline: the same detector and verdicts, quotas
+    never moved; fail-stops are recovered in-step as by live.py (the group is dropped until replaced)."""
+    name = "detect_only"
+
+    def apply(self, t: float, weights: dict[int, float] | None) -> None:
+        pass

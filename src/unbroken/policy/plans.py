@@ -1,0 +1,112 @@
+"""A replica group's parallel plan: TP degree, pipeline stages, their layers and ranks, quota weight.
+
+Owns: the frozen `Plan` value (checked when built: every layer in exactly one stage, in order; every
+stage's TP team of `tp` distinct ranks), the group's full plan from its topology (`full_plan`), the
+teams a set of surviving ranks can form (`teams`), and the layer partition that balances stages of
+unequal speed (`partition`). Does not own: what a plan costs (stepcost.py) or which plan to take
+(scheduling.py). Pure: plain ints and floats, the standard library only.
+
+Rank layout is the topology's (TP innermost): the full plan's stage k is ranks k*tp .. k*tp + tp-1, one
+host's GPUs for the usual TP 8 on 8-GPU hosts. A smaller plan keeps every TP team inside one of the full
+plan's teams (the fast intra-host links), so shrinking never stretches tensor parallelism across hosts.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from unbroken.topology import Topology
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one replica group computes: `stages[k]` layers on stage k, computed by the TP team `teams[k]`."""
+    tp: int  # tensor-parallel degree of every stage
+    stages: tuple[int, ...]  # layers per pipeline stage, in pipeline order (contiguous runs of layers)
+    teams: tuple[tuple[int, ...], ...]  # group ranks of each stage's TP team; teams[k][j] has TP index j
+    weight: float = 1.0  # quota weight: microbatch throughput relative to the full plan on healthy ranks
+
+    def __post_init__(self) -> None:
+        ranks = [r for team in self.teams for r in team]
+        if self.tp < 1 or not self.stages or len(self.stages) != len(self.teams):
+            raise ValueError(f"plan needs tp >= 1 and one team per stage: {self}")
+        if min(self.stages) < 1 or any(len(team) != self.tp for team in self.teams):
+            raise ValueError(f"every stage needs >= 1 layer and a team of tp={self.tp} ranks: {self}")
+        if len(set(ranks)) != len(ranks) or min(ranks) < 0:
+            raise ValueError(f"a rank may serve one stage only: {self}")
+        if not self.weight > 0:
+            raise ValueError(f"quota weight must be > 0: {self}")
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def layers(self) -> int:
+        return sum(self.stages)
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(r for team in self.teams for r in team)
+
+    def layer_ranges(self) -> tuple[range, ...]:
+        """The layers of each stage: contiguous, in order, covering 0 .. layers-1 once."""
+        out, first = [], 0
+        for n in self.stages:
+            out.append(range(first, first + n))
+            first += n
+        return tuple(out)
+
+    def shape(self) -> str:
+        """A short human label, e.g. 'tp8 pp3 [27,27,26]'."""
+        return f"tp{self.tp} pp{self.pp} [{','.join(map(str, self.stages))}]"
+
+
+def full_plan(topology: Topology, layers: int) -> Plan:
+    """The plan a group starts with: the topology's tp x pp, layers split evenly (earlier stages take
+    the remainder). Raises ValueError when there are fewer layers than stages or when the group also
+    shards with FSDP (dp_shard > 1): re-planning covers TP x PP groups only."""
+    tp, pp = topology.tp, topology.pp
+    if topology.dp_shard != 1:
+        raise ValueError(f"re-planning covers TP x PP groups only; this one has dp_shard={topology.dp_shard}")
+    if layers < pp:
+        raise ValueError(f"{layers} layers cannot fill {pp} stages")
+    stages = tuple(layers // pp + (k < layers % pp) for k in range(pp))
+    return Plan(tp, stages, tuple(tuple(range(k * tp, (k + 1) * tp)) for k in range(pp)))
+
+
+def teams(full: Plan, alive: Collection[int], tp: int, speeds: Mapping[int, float]) -> list[tuple[int, ...]]:
+    """Every TP team of `tp` ranks the survivors can form, each inside one team of the full plan, in the
+    full plan's stage order. Within a host the fastest survivors are taken first (then the lowest rank),
+    so a slow or dead GPU is what is left out. `tp` must divide full.tp (heads split evenly)."""
+    if tp < 1 or full.tp % tp:
+        raise ValueError(f"tp={tp} must divide the full plan's tp={full.tp}")
+    out = []
+    for host in full.teams:
+        live = sorted((r for r in host if r in alive), key=lambda r: (-speeds.get(r, 1.0), r))
+        for i in range(len(live) // tp):
+            out.append(tuple(sorted(live[i * tp:(i + 1) * tp])))
+    return out
+
+
+def partition(layers: int, per_layer: Sequence[float], fixed: Sequence[float],
+              capacity: Sequence[int]) -> tuple[int, ...] | None:
+    """Layers per stage minimising the slowest stage's time `fixed[k] + n_k * per_layer[k]` (s), with
+    1 <= n_k <= capacity[k] (layers whose state fits stage k's memory). None when they cannot all fit.
+
+    Greedy water-filling: each layer goes to the stage whose time after taking it is least (ties: the
+    earlier stage). Layers cost the same, so this is optimal for the bottleneck; O(layers log stages).
+    """
+    pp = len(per_layer)
+    if pp == 0 or layers < pp or min(capacity) < 1 or sum(capacity) < layers:
+        return None
+    counts = [1] * pp
+    heap = [(fixed[k] + 2 * per_layer[k], k) for k in range(pp) if capacity[k] > 1]
+    heapq.heapify(heap)
+    for _ in range(layers - pp):
+        _, k = heapq.heappop(heap)
+        counts[k] += 1
+        if counts[k] < capacity[k]:
+            heapq.heappush(heap, (fixed[k] + (counts[k] + 1) * per_layer[k], k))
+    return tuple(counts)
