@@ -38,6 +38,7 @@ def train(out, steps: int, faults: str) -> None:
 def within(p) -> None:
     """The target is 15%. Above it but within 50% is this host's known gap (issue 22 item 6, open): an
     expected failure that prints the measured error; beyond 50% the simulator is wrong, a failure."""
+    print(f"predicted {p.predicted_wall:.2f} s, measured {p.measured_wall:.2f} s: {p.wall_error:.1%} off")
     assert p.wall_error < 0.5, p
     if p.wall_error >= 0.15:
         pytest.xfail(f"predicted {p.predicted_wall:.2f} s against {p.measured_wall:.2f} s measured: "
