@@ -54,7 +54,7 @@ def rank_main(rank: int, port: int, cfg: Config, out: Path) -> None:
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float64) if cfg.run.exact else MixedPrecisionPolicy()
-    for m in [*model.blocks, model]:
+    for m in [*model.blocks.values(), model]:
         fully_shard(m, mesh=mesh, mp_policy=mp)
         m.set_force_sum_reduction_for_comms(True)  # gloo: a SUM, as unbroken's (REFERENCE.md)
         m.set_gradient_divide_factor(1.0)
