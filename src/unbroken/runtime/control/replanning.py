@@ -85,6 +85,11 @@ class GroupPlanner:
         """`speed` while the group's last applied option is reweight, else 1.0 (keep: equal quotas)."""
         return speed if group in self.reweighted else 1.0
 
+    def resume(self, published: Mapping[int, float]) -> None:
+        """A coordinator taking over: the groups whose published weight is below 1 were reweighted by the
+        leader before (its decisions are in the event log already; they are not made again)."""
+        self.reweighted = {g: w for g, w in published.items() if w < 1.0}
+
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
         self.reweighted.pop(group, None)

@@ -48,6 +48,8 @@ class SlownessMonitor:
         last = int(read(self.store, keys.last_commit()) or -1)
         self.next_step, self.replayed = max(0, last - REPLAY_STEPS + 1), last
         self.published = {int(k): v for k, v in json.loads(read(self.store, keys.weights()) or b"{}").items()}
+        if self.planner is not None:
+            self.planner.resume(self.published)
 
     def poll(self, epoch: int) -> None:
         last = int(read(self.store, keys.last_commit()) or -1)
