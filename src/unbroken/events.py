@@ -50,7 +50,10 @@ their fields:
                  replan_seconds, moved_bytes, horizon_steps, options (every candidate: kind, plan, weight,
                  step_seconds, replan_seconds, moved_bytes, amortised_seconds)   (policy/scheduling.py's
                  decision for a group that lost or regained ranks or whose rank turned slow; the
-                 simulator writes it today, the runtime once it can change a group's plan)
+                 simulator applies it). The coordinator writes it too when a group turns Slow or Healthy
+                 again (runtime/control/replanning.py), adding speed, located (false: it times whole
+                 groups), per_microbatch_seconds, cost_source (predictor|measured median), applied (the
+                 option it executed: keep|reweight), applied_weight, not_executable (kind -> why)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step
@@ -83,7 +86,8 @@ Simulated runs (sim/) add:
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
   slow           replica, factor, until, kind         (a fail-slow episode starts or ends)
   quotas         step, weights                         (speed-weighted quotas changed)
-  group_plan_skipped step, replica, decision            (a decision the simulator does not apply)
+  group_plan_skipped step, replica, decision | why     (a decision the simulator does not apply; the
+                                                       coordinator: why it could not price one)
   restart        seconds, reason, members             (simulated downtime of a restart)
 """
 from __future__ import annotations

@@ -194,3 +194,52 @@ def test_all_ranks_back_and_healthy_restores_the_full_plan(case):
     back = {**plans, 0: shrunk} if shrunk else {g: p for g, p in plans.items() if g != 0}
     d = S.decide(0, back, full, full.ranks, {}, s, math.inf, peers=True)
     assert d.chosen.plan == full
+
+
+RUNTIME_REFUSES = {"drop": "no parking", "repartition": "no re-form", "shrink": "no re-form", "grow": "no re-form"}
+
+
+def test_restrict_applies_the_best_executable_option_and_says_why_the_others_were_not():
+    """A rank of a PP 4 x TP 8 group at a quarter speed: the scheduler moves layers off it (repartition),
+    but an executor that can only keep or reweight applies reweight, with the group's quota weight its
+    predicted rate, and lists every refused kind that was a candidate."""
+    full, s = resihp_group()
+    d = S.decide(0, {0: full, 1: full}, full, full.ranks, {0: {9: 0.25}}, s, horizon_steps=1000)
+    r = S.restrict(d, RUNTIME_REFUSES)
+    assert d.chosen.kind not in ("keep", "reweight")  # the full scheduler would re-plan the group
+    assert r.applied.kind == "reweight" and r.applied.plan.weight < 1.0
+    assert r.applied.plan.weight == pytest.approx(C.rate(full, {9: 0.25}, full, s))
+    keep = next(o for o in d.options if o.kind == "keep")
+    assert r.applied.step_seconds < keep.step_seconds  # reweighting is predicted to pay
+    candidates = {o.kind for o in d.options}
+    rec = r.record()
+    assert set(rec["not_executable"]) == candidates & set(RUNTIME_REFUSES) and "drop" in rec["not_executable"]
+    assert rec["applied"] == "reweight" and rec["decision"] == d.chosen.kind and len(rec["options"]) == len(d.options)
+    # the applied option's owners: one group per microbatch of the step, both groups still working
+    assert len(r.applied.owners) == s.work.microbatches and set(r.applied.owners) == {0, 1}
+    assert r.applied.owners.count(0) < r.applied.owners.count(1)  # the slow group holds fewer
+
+
+def test_restrict_keeps_a_healthy_group_and_refuses_nonsense():
+    full, s = resihp_group()
+    d = S.decide(0, {0: full, 1: full}, full, full.ranks, {}, s, horizon_steps=10)
+    assert S.restrict(d, RUNTIME_REFUSES).applied.kind == "keep"
+    with pytest.raises(ValueError, match="unknown"):
+        S.restrict(d, {"teleport": "?"})
+    with pytest.raises(ValueError, match="no executable"):
+        S.restrict(d, {"keep": "x", "drop": "y"})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 7), st.sampled_from([0.1, 0.25, 0.5, 0.9]), st.integers(0, 3))
+def test_restricted_choice_keeps_every_microbatch_and_never_beats_the_free_choice(slow, speed, other):
+    """Whatever rank is slow: the applied option assigns each of the M microbatches to one group, and it is
+    never predicted better than the unrestricted choice (it is chosen among fewer)."""
+    full = P.full_plan(Topology(4, 8, 8, tp=2, pp=4), 16)
+    s = setting(full, microbatches=12)
+    plans = {g: full for g in range(4)}
+    d = S.decide(other, plans, full, full.ranks, {other: {slow: speed}}, s, horizon_steps=50)
+    r = S.restrict(d, RUNTIME_REFUSES)
+    assert r.applied.kind in ("keep", "reweight")
+    assert len(r.applied.owners) == 12 and set(r.applied.owners) <= set(plans)
+    assert r.applied.amortised_seconds >= d.chosen.amortised_seconds

@@ -13,6 +13,10 @@ runtime logs as a `group_plan` event and the simulator applies. Candidates:
   grow         more ranks, up to the full plan, when lost ranks are back
 Does not own: the cost model (stepcost.py), plan shapes (plans.py), detecting faults, moving state.
 
+`restrict` is the runtime's view of a decision: the option it applies among those it can execute (today
+keep and reweight: a group's plan cannot be re-formed inside a running torchrun job), beside the choice
+and the reasons the others were not executable.
+
 Quotas are always `workload.assign(M, groups, weights)`: whatever plan is chosen, the step's
 microbatches (s, 0..M-1) are each assigned exactly once, and the global batch never changes.
 """
@@ -158,3 +162,36 @@ def decide(group: int, plans: Mapping[int, P.Plan], full: P.Plan, alive: Collect
     opts = options(group, plans, full, alive, speeds, s, horizon_steps, peers)
     best = min(opts, key=lambda o: (o.amortised_seconds, KINDS.index(o.kind)))
     return Decision(group, best, tuple(opts), horizon_steps)
+
+
+@dataclass(frozen=True)
+class Restricted:
+    """A decision as an executor that can run only some kinds of option applies it."""
+    decision: Decision  # the scheduler's choice among every candidate
+    applied: Option  # the least amortised step time among the executable candidates
+    not_executable: tuple[tuple[str, str], ...]  # (kind, why) of each candidate the executor cannot run
+
+    def record(self) -> dict[str, Any]:
+        """`Decision.record()` plus `applied` (its kind and quota weight) and `not_executable` (kind -> why)."""
+        a = self.applied
+        return {**self.decision.record(), "applied": a.kind,
+                "applied_weight": round(a.plan.weight, 4) if a.plan else 0.0,
+                "not_executable": {kind: why for kind, why in self.not_executable}}
+
+
+def restrict(decision: Decision, refused: Mapping[str, str]) -> Restricted:
+    """The option to apply when the executor cannot run the kinds in `refused` (kind -> why not).
+
+    Call with a `decide` result; every candidate whose kind is in `refused` is listed (once per kind) in
+    `not_executable`, and the rest compete as in `decide` (least amortised step time, ties by KINDS).
+    Raises ValueError when no candidate is executable (`keep` always is while every rank of the group's
+    current plan lives, so an executor that can keep never sees it then)."""
+    unknown = set(refused) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown option kinds {sorted(unknown)}")
+    able = [o for o in decision.options if o.kind not in refused]
+    if not able:
+        raise ValueError(f"no executable option among {[o.kind for o in decision.options]}")
+    best = min(able, key=lambda o: (o.amortised_seconds, KINDS.index(o.kind)))
+    seen = dict.fromkeys(o.kind for o in decision.options if o.kind in refused)
+    return Restricted(decision, best, tuple((kind, refused[kind]) for kind in seen))

@@ -330,6 +330,13 @@ class Trainer:
             work.acc.add(loss)  # the last stage's weighted losses, in order; none on the others
         self.faults.stretch(step, span)
         seconds, wall = span.stop()
+        # The group's time is its slowest stage's: a stage waiting on a slow peer's send blocks without
+        # spending device time, so rank 0's own clock (the one in the done record) would never show a slow
+        # rank 1. Every rank takes the group's maximum (one float64 all-reduce over the group's own ranks,
+        # which run this schedule together; it dies with the group like the schedule's send/recv).
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.stages.group)
+        seconds = float(slowest[0])
         tokens = sum(mb.tokens for mb in mbs)
         for i, mb in zip(microbatches, mbs):
             share = mb.tokens / tokens

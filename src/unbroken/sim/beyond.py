@@ -13,24 +13,31 @@ from unbroken.sim.scenario import Scenario
 BEYOND_RUNTIME: dict[str, str] = {
     # (rejoin left this list: the runtime admits restarted or new groups and heals them from a live
     # peer, with the same policy.membership.admit the simulator uses)
-    "replica_groups": "replica groups of TP x PP ranks (the runtime's groups shard with FSDP2 only)",
-    # the scheduler itself is policy code the runtime can call (policy/scheduling.py); what it lacks is
-    # executing a plan change inside a group, and locating a slow rank inside a group
+    "replica_groups": "replica groups of TP and PP ranks together (the runtime runs pipeline or tensor "
+                      "parallelism inside a group, not both, and no FSDP2 inside pipeline stages)",
+    "group_persistence": "in-memory snapshots and persistent checkpoints of TP or PP groups, wherever the run "
+                         "restores them (the runtime refuses both for such groups; they rejoin by healing from "
+                         "a live peer only)",
+    # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
+    # declares a group Slow or Healthy again, logs the decision, and executes keep or reweight only
     "replanning": "re-planning a replica group around a lost or slow rank: shrinking TP x PP, moving layers "
-                  "off a slow stage, growing back (the runtime has the scheduler, policy/scheduling.py, but "
-                  "cannot change a group's plan yet), with the slow rank inside a group located exactly (the "
-                  "runtime's detector times whole groups)",
+                  "off a slow stage, growing back, dropping a slow group off the step (the runtime calls the "
+                  "same scheduler, policy/scheduling.py, on a group's Slow or Healthy verdict, but executes "
+                  "only keep or reweight: a group's plan is fixed for its torchrun job), with the slow rank "
+                  "inside a group located exactly (the runtime's detector times a group by its slowest stage)",
     "hosts": "many hosts (the runtime's cluster path, one torchrun job per host, is tested on one machine)",
 }
 
 
 def beyond_runtime(sc: Scenario, replans: bool = False) -> list[str]:
-    """The BEYOND_RUNTIME entries a run of `sc` relies on, as sentences: replica groups if TP x PP > 1,
-    re-planning if the strategy re-plans groups (`replans`) of more than one rank, hosts if the cluster
-    has more GPUs than one node holds."""
+    """The BEYOND_RUNTIME entries a run of `sc` relies on, as sentences: replica groups if TP > 1 and
+    PP > 1, group persistence if TP x PP > 1 (counted for every strategy: each restores groups after the
+    failures nothing else survives), re-planning if the strategy re-plans groups (`replans`) of more than
+    one rank, hosts if the cluster has more GPUs than one node holds."""
     c = sc.cluster
     uses = {
-        "replica_groups": c.tp * c.pp > 1,
+        "replica_groups": c.tp > 1 and c.pp > 1,
+        "group_persistence": c.tp * c.pp > 1,
         "replanning": replans and c.tp * c.pp > 1,
         "hosts": c.gpus > c.gpus_per_node,
     }

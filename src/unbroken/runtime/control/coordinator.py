@@ -30,6 +30,7 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import WakeWatch
 from unbroken.runtime.control.metrics import Exporter
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
+from unbroken.runtime.control.replanning import GroupShape, planner_for
 from unbroken.runtime.control.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
@@ -38,10 +39,11 @@ FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
                  progress_timeout: float, startup_timeout: float, follow_speed: bool = True,
-                 beat_every: float = 0.1, group_size: int = 1):
+                 beat_every: float = 0.1, group_size: int = 1, shape: GroupShape | None = None):
         self.store, self.log = store, log
         self.ranks = range(group_size)  # every rank of a member group beats; one silent rank kills the group
-        self.slowness = SlownessMonitor(store, log, follow_speed)
+        # shape (the groups' plan and model): a group turning Slow or Healthy is re-planned (replanning.py)
+        self.slowness = SlownessMonitor(store, log, follow_speed, planner_for(shape, replicas, log, follow_speed))
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress-timeout", type=float, default=20.0)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
+    ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS of every group: re-plan "
+                    "groups turning Slow with the scheduler (empty: quotas follow speed without it)")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     ap.add_argument("--metrics-host", default="127.0.0.1")
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-ttl", type=int, default=5, help="s: with etcd, a standby leads this long after a death")
     a = ap.parse_args(argv)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
+    shape = GroupShape(a.group_size, *map(int, a.plan.split(","))) if a.plan else None
     if a.store:  # several coordinators may serve the run: the one holding the lease leads, the rest wait
         store, address = connect(a.store), a.store
         from unbroken.runtime.control.election import lead
@@ -271,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     return serve(store, address, a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
                                        a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll,
-                                       group_size=a.group_size),
+                                       group_size=a.group_size, shape=shape),
                  a.poll, exporter=exporter)
 
 

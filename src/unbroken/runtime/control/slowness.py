@@ -3,7 +3,9 @@
 Owns: reading each committed step's per-microbatch timings from the store (members publish them with
 their done record), feeding `policy.detection.Detector`, logging its verdict and regime changes, and
 publishing its speeds as the `weights` key that the next step's plan takes (when quotas follow speed).
-Does not own: the detection logic (policy/detection.py) or slowness injection (faults.py): injected
+A group entering or leaving Slow is re-planned by `planner` (replanning.py: the scheduler's decision,
+of which this runtime executes keep or reweight); the weights published are then the speeds of the groups
+whose applied option is reweight. Does not own: the detection logic (policy/detection.py) or slowness injection (faults.py): injected
 slowness reaches this module only as longer measured times, never as a flag.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import publish_weights
+from unbroken.runtime.control.replanning import GroupPlanner
 from unbroken.runtime.control.store import read
 
 
@@ -30,8 +33,8 @@ class SlownessMonitor:
     """Call `poll(epoch)` every beat round of the coordinator (a round trip, plus two for each step
     committed since); `forget(r)` when a member is declared dead."""
 
-    def __init__(self, store: TCPStore, log: EventLog, follow_speed: bool):
-        self.store, self.log, self.follow_speed = store, log, follow_speed
+    def __init__(self, store: TCPStore, log: EventLog, follow_speed: bool, planner: GroupPlanner | None = None):
+        self.store, self.log, self.follow_speed, self.planner = store, log, follow_speed, planner
         self.detector = Detector()
         self.next_step = 0
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
@@ -45,6 +48,8 @@ class SlownessMonitor:
         last = int(read(self.store, keys.last_commit()) or -1)
         self.next_step, self.replayed = max(0, last - REPLAY_STEPS + 1), last
         self.published = {int(k): v for k, v in json.loads(read(self.store, keys.weights()) or b"{}").items()}
+        if self.planner is not None:
+            self.planner.resume(self.published)
 
     def poll(self, epoch: int) -> None:
         last = int(read(self.store, keys.last_commit()) or -1)
@@ -55,11 +60,17 @@ class SlownessMonitor:
                 self.detector.take_events()
             elif timings:
                 self.detector.observe(self.next_step, timings)
-                self._log(self.detector.take_events())
+                changes = self.detector.take_events()
+                self._log(changes)
+                if self.planner is not None:
+                    self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)], timings,
+                                             self.detector.predictor, sorted(timings))
                 # Written only when the quotas they give are predicted to be worth it: members cache
                 # the weights for their plan proposals (a proposal that differs from the agreed plan
                 # can cost a redo), and jitter in the estimates must not move microbatches to and fro.
                 speeds = {r: round(v, 2) for r, v in self.detector.speeds().items()}
+                if self.planner is not None:  # a group's speed moves its quotas only while it is reweighted
+                    speeds = {r: self.planner.weight_of(r, v) for r, v in speeds.items()}
                 total = sum(len(t) for t in timings.values())  # every microbatch is held once: M
                 if self.follow_speed and worth_replanning(total, sorted(timings), self.published, speeds):
                     publish_weights(self.store, json.dumps(speeds))
@@ -68,6 +79,8 @@ class SlownessMonitor:
 
     def forget(self, replica: int) -> None:
         self.detector.forget(replica)
+        if self.planner is not None:
+            self.planner.forget(replica)
 
     def _timings(self, step: int, epoch: int) -> dict[int, list[MicrobatchTiming]]:
         """Every commit-epoch member's timings of `step`: (tokens, sumsq, seconds) per microbatch."""

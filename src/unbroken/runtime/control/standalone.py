@@ -35,6 +35,7 @@ from unbroken.report import finish_run
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordinator import Coordinator, serve
 from unbroken.runtime.control.metrics import Exporter, preflight
+from unbroken.runtime.control.replanning import group_shape
 from unbroken.runtime.control.store import connect, last_committed, read
 from unbroken.runtime.control.store import preflight as store_preflight
 
@@ -177,7 +178,8 @@ def _serve(cfg: Config, store: Store, address: str, log: EventLog, out: Path) ->
     return serve(store, address, r.replicas, log,
                  lambda s: Coordinator(s, r.replicas, log, c.heartbeat_timeout, c.progress_timeout,
                                        c.startup_timeout, follow_speed=r.quotas == "speed",
-                                       beat_every=c.heartbeat_interval, group_size=cfg.parallel.group_size),
+                                       beat_every=c.heartbeat_interval, group_size=cfg.parallel.group_size,
+                                       shape=group_shape(cfg)),
                  c.heartbeat_interval, until_finished=True,
                  exporter=Exporter(out, store, m.port, m.host, m.tensorboard,
                                    str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else ""))

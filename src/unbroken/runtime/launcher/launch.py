@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from torch.distributed import DistError, PrefixStore
@@ -40,6 +40,7 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
 from unbroken.runtime.control.store import preflight as store_preflight
 from unbroken.runtime.control.epochwatch import wake
+from unbroken.runtime.control.replanning import group_shape
 from unbroken.runtime.control.metrics import preflight
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
@@ -199,6 +200,7 @@ def _start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subproce
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
+           "--plan", ",".join(map(str, astuple(group_shape(cfg))[1:])),  # all but group_size, passed above
            "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
            "--tensorboard", cfg.metrics.tensorboard,

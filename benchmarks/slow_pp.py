@@ -1,0 +1,103 @@
+"""Throughput over a fail-slow episode inside a pipeline group: the scheduler's choice against "do nothing".
+
+Owns: running 2 groups x PP 2 through unbroken's own launcher (one real torchrun job per group, gloo),
+rank 1 (the last stage) of group 1 spinning `--factor` x its compute from step 2 to the end, under
+--run.quotas=speed (the coordinator calls policy.scheduling.decide when the detector declares the group
+Slow and applies what the runtime can execute: reweight) and --run.quotas=equal (the decision is logged,
+keep is applied: "do nothing"), alternating the two in every round, and reading each run's committed
+tokens per second over the episode from its event log. "drop" is not measured: the runtime cannot take a
+live slow group out of the run (runtime/control/replanning.py says why), so there is no such run to time.
+
+Episode: from the commit of step 1 (the last step before the slowdown) to the commit of the last step;
+committed tokens are the step records' tokens over those steps. The transient counts in full: the steps
+before the detector declares the group Slow and before its quotas change run with equal quotas in both
+configurations. Step 0 and 1 are left out (process start, and the healthy steps the predictor learns from).
+
+Two figures, both printed: wall clock (the headline asked for, `ratio reweight_over_equal`), and device
+time: per step the busiest group's device seconds (its slowest stage's, as the group reports it), the
+critical path of the step's compute blind to waiting for one of this machine's cores. What both leave out:
+the all-reduce, commit and optimizer step are in the wall-clock figure but not the device-time one;
+neither includes what shrink or repartition (not executable here) would give; on this 2-core host shared
+with other jobs the wall-clock ratio is noisy (each round's value is printed, so the spread shows).
+Usage: python benchmarks/slow_pp.py [--rounds 2] [--steps 30] [--microbatches 8] [--factor 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from unbroken.api import make_config
+from unbroken.events import read_events
+from unbroken.runtime.launcher.launch import launch
+
+FROM = 2  # the step the slowdown starts
+
+
+def measure(records: list[dict]) -> dict[str, float]:
+    """Committed tokens per wall-clock second and per device-time critical-path second over the episode."""
+    steps = {r["step"]: r for r in records if r["event"] == "step"}
+    last = max(steps)
+    episode = range(FROM, last + 1)
+    tokens = sum(steps[s]["tokens"] for s in episode)
+    wall = steps[last]["t"] - steps[FROM - 1]["t"]
+    busy: dict[tuple[int, int], float] = {}  # (step, group) -> device s; rank 0's records (every rank logs
+    for r in records:  # the group's slowest stage's time, so one rank's records are the group's)
+        if r["event"] == "compute" and r["step"] >= FROM and r.get("rank", 0) == 0:
+            busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
+    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in episode)
+    plans = [r for r in records if r["event"] == "group_plan"]
+    return {"wall": tokens / wall, "device": tokens / path, "applied": plans[0]["applied"] if plans else "none",
+            "decision": plans[0]["decision"] if plans else "none", "at": plans[0]["step"] if plans else -1,
+            "last_quotas": "/".join(str(len(v)) for _, v in sorted(steps[last]["owners"].items()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of reweight (speed) / equal")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--factor", type=float, default=3.0, help="slowdown of group 1's rank 1, from step 2")
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
+    ap.add_argument("--seq-len", type=int, default=64, help="fixed tokens per sequence (= block size)")
+    args = ap.parse_args()
+    t0 = time.time()
+    base = dict(replicas=2, steps=args.steps, microbatches=args.microbatches, progress=False, exact=True,
+                faults=f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=spin",
+                parallel__group_size=2, parallel__pp=2, model__n_layer=2, model__n_embd=args.n_embd,
+                model__block_size=args.seq_len, model__dropout=0.0, data__batch_size=args.batch_size,
+                data__seq_len=str(args.seq_len))
+    modes = {"reweight": "speed", "equal": "equal"}
+    got: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="slow-pp-") as tmp:
+        for rnd in range(args.rounds):
+            for mode, quotas in modes.items():
+                out = Path(tmp) / f"{mode}-{rnd}"
+                result = launch(make_config(**base, quotas=quotas, out=str(out)), title="slow pp")
+                if not result.ok:
+                    raise SystemExit(f"run failed: {result.error} (see {out})")
+                m = measure(read_events(out / "events.jsonl"))
+                got[mode].append(m)
+                print(f"round {rnd + 1} {mode:>8} (--run.quotas={quotas}): scheduler chose {m['decision']} at "
+                      f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; "
+                      f"{m['wall']:.0f} committed tokens/s wall clock, {m['device']:.0f} per device-time "
+                      f"critical-path second", flush=True)
+    wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
+    device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
+    print(f"2 groups x PP 2, group 1's last stage {args.factor:g}x slow from step {FROM}, M={args.microbatches}, "
+          f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1}; drop not measured "
+          f"(not executable by the runtime); wall {time.time() - t0:.0f} s")
+    print("per round, reweight/equal wall clock: " + ", ".join(
+        f"{a['wall'] / b['wall']:.3f}" for a, b in zip(got["reweight"], got["equal"])))
+    print(f"committed tokens/s (median over rounds): wall clock reweight {wall['reweight']:.0f}, equal "
+          f"{wall['equal']:.0f}; device-time critical path reweight {device['reweight']:.0f}, equal "
+          f"{device['equal']:.0f} (leaves out all-reduce, commit, optimizer and core contention)")
+    print(f"ratio reweight_over_equal_device_time {device['reweight'] / device['equal']:.3f}")
+    print(f"ratio reweight_over_equal {wall['reweight'] / wall['equal']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Re-planning in the coordinator: the scheduler's decision for a replica group whose fail-slow verdict
+turns Slow, or Healthy again after Slow, logged as a `group_plan` event, and the quota weight it leaves.
+
+Owns: what the coordinator knows of a group's plan (`GroupShape`, from the config), the cost-model
+`Setting` it calibrates from the detector's predictor (or the step's measured times), calling
+`policy.scheduling.decide` and `restrict` with the options this runtime cannot execute and why, the
+`group_plan` event, and which groups' quotas follow their speed afterwards (`weight_of`). Does not own:
+the decision or its cost model (policy/), the detector or publishing weights (slowness.py).
+
+What the runtime executes: keep (equal quotas) and reweight (the group's quota weight is its measured
+speed: what --run.quotas=speed always did). Quotas come from `workload.assign` either way, so every step
+still reduces exactly its M microbatches. Not executed, and said so in each event:
+  drop         a live group leaves a run only when declared dead (fenced, it exits): nothing parks a
+               healthy-but-slow group off the step and probes it until it is fast again
+  shrink, grow, repartition
+               a group's plan is fixed when its torchrun job starts: torchrun restarts the whole group on
+               any rank's death, so its ranks cannot re-form with other degrees or another layer split
+The runtime's detector times whole groups (the group's slowest stage, trainer.py): it cannot say which
+rank is slow, so the decision is given every rank of the group at the group's measured speed.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from unbroken.config import Config
+from unbroken.events import EventLog
+from unbroken.policy import scheduling, stepcost
+from unbroken.policy.detection import VerdictChange, Verdict
+from unbroken.policy.plans import Plan, full_plan
+from unbroken.policy.predictor import MicrobatchTiming, Predictor
+from unbroken.topology import Topology
+
+REFUSED = {
+    "drop": "the runtime takes a live group out only by declaring it dead (fenced, its torchrun job exits): "
+            "it cannot park a slow group off the step and probe it back",
+    "repartition": "a group's layer split is fixed when its torchrun job starts",
+    "shrink": "torchrun restarts the whole group on any rank's death: survivors cannot re-form a smaller plan",
+    "grow": "a group's plan is fixed when its torchrun job starts (it runs its full plan or is out)",
+}
+EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused too under that setting
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What the coordinator knows of every replica group's plan and model, from the run's config."""
+    group_size: int  # ranks per group
+    tp: int  # tensor-parallel degree inside a group
+    pp: int  # pipeline stages inside a group
+    layers: int  # transformer blocks (config model.n_layer)
+    width: int  # model.n_embd: a block holds ~12 width^2 parameters
+    microbatches: int  # M, per step
+    steps: int  # the run's steps: the horizon a slow episode's plan is spread over (its end is unknown)
+
+
+def group_shape(cfg: Config) -> GroupShape:
+    """The run's groups as the coordinator needs them (launch.py passes its fields as --plan)."""
+    p = cfg.parallel
+    return GroupShape(p.group_size, p.tp, p.pp, cfg.model.n_layer, cfg.model.n_embd, cfg.run.microbatches,
+                      cfg.run.steps)
+
+
+def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, follow_speed: bool) -> GroupPlanner | None:
+    """A planner for groups the scheduler covers (TP x PP groups, one-rank groups included), else None:
+    groups sharded with FSDP (dp_shard > 1) or no shape given (quota weights then follow speed as before)."""
+    if shape is None:
+        return None
+    topology = Topology(replicas, shape.group_size, shape.group_size, tp=shape.tp, pp=shape.pp)
+    if topology.dp_shard != 1 or shape.layers < shape.pp:
+        return None
+    return GroupPlanner(shape, full_plan(topology, shape.layers), log, follow_speed)
+
+
+class GroupPlanner:
+    """Call `on_verdicts(changes, timings, predictor, members)` with each committed step's verdict changes;
+    `weight_of(group, speed)` for the quota weight a group's measured speed becomes."""
+
+    def __init__(self, shape: GroupShape, full: Plan, log: EventLog, follow_speed: bool):
+        self.shape, self.full, self.log = shape, full, log
+        self.refused = dict(REFUSED) if follow_speed else {**REFUSED, "reweight": EQUAL}
+        self.reweighted: dict[int, float] = {}  # group -> its speed when its applied option was reweight
+
+    def weight_of(self, group: int, speed: float) -> float:
+        """`speed` while the group's last applied option is reweight, else 1.0 (keep: equal quotas)."""
+        return speed if group in self.reweighted else 1.0
+
+    def resume(self, published: Mapping[int, float]) -> None:
+        """A coordinator taking over: the groups whose published weight is below 1 were reweighted by the
+        leader before (its decisions are in the event log already; they are not made again)."""
+        self.reweighted = {g: w for g, w in published.items() if w < 1.0}
+
+    def forget(self, group: int) -> None:
+        """A group declared dead comes back with a fresh detector record and its full plan."""
+        self.reweighted.pop(group, None)
+
+    def on_verdicts(self, changes: Sequence[VerdictChange], timings: Mapping[int, Sequence[MicrobatchTiming]],
+                    predictor: Predictor, members: Sequence[int]) -> None:
+        """Decide for each group entering Slow or leaving it; log one `group_plan` event each."""
+        for c in changes:
+            if (c.new is Verdict.SLOW) == (c.old is Verdict.SLOW):
+                continue  # Healthy <-> Suspect: nothing to decide
+            setting, source, seconds = self._setting(timings, predictor)
+            if setting is None:
+                self.log.emit("group_plan_skipped", step=c.step, replica=c.replica, why=source)
+                continue
+            slow = c.new is Verdict.SLOW
+            speed = c.speed if slow else 1.0
+            # others keep the quota weight in force; every rank of a group at its group's speed (not located)
+            plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != c.replica}
+            plans[c.replica] = self.full
+            speeds = {g: {k: v for k in self.full.ranks} for g, v in self.reweighted.items() if g in plans}
+            speeds[c.replica] = {k: speed for k in self.full.ranks} if speed < 1.0 else {}
+            horizon = max(1.0, float(self.shape.steps - c.step))
+            d = scheduling.decide(c.replica, plans, self.full, self.full.ranks, speeds, setting, horizon,
+                                  peers=len(plans) > 1)
+            r = scheduling.restrict(d, self.refused)
+            if r.applied.kind == "reweight":
+                self.reweighted[c.replica] = speed
+            else:
+                self.reweighted.pop(c.replica, None)
+            self.log.emit("group_plan", step=c.step, replica=c.replica, why="slow" if slow else "healthy again",
+                          speed=round(speed, 4), located=False,
+                          per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+
+    def _setting(self, timings: Mapping[int, Sequence[MicrobatchTiming]], predictor: Predictor
+                 ) -> tuple[stepcost.Setting | None, str, float]:
+        """The cost model calibrated to a healthy group's microbatch: the predictor's for the step's mean
+        microbatch when it is fitted, else the median measured microbatch of the step."""
+        mbs = [m for ms in timings.values() for m in ms]
+        if not mbs:
+            return None, "no timings for the step", 0.0
+        tokens = statistics.fmean(m.tokens for m in mbs)
+        sumsq = statistics.fmean(m.sumsq for m in mbs)
+        if predictor.ready():
+            seconds, source = predictor.predict(tokens, sumsq), "predictor"
+        else:
+            seconds, source = statistics.median(m.seconds for m in mbs), "measured median"
+        w = self.shape.width
+        # fp32 weights, gradient and two Adam moments: 16 B per parameter; the activation a stage boundary
+        # sends is width float32s per token. Hardware: stepcost's stated H100 defaults, not this machine's:
+        # they price only the options not executed here (keep and reweight move nothing).
+        model = stepcost.ModelShape(self.shape.layers, 12 * w * w * 16.0, 4.0 * w)
+        try:
+            return stepcost.calibrate(seconds, self.full, model, stepcost.Hardware(), max(1, round(tokens)),
+                                      self.shape.microbatches), source, seconds
+        except ValueError as e:
+            return None, str(e), seconds
