@@ -2,8 +2,9 @@
 
 One real run through unbroken's launcher: R groups of G ranks, each group a torchrun job with
 `--max-restarts=1` (`--run.restarts=1`); `kill:replica=1,rank=G-1,step=S` SIGKILLs one rank of group 1.
-torchrun tears the group down and restarts it; the coordinator declares the old group dead (heartbeat
-timeout: torchrun's agent does not exit, so no launcher report), the survivors redo its microbatches and
+torchrun tears the group down and restarts it; the coordinator declares the old group dead (at once when
+the group's surviving rank saw its process group break and reported it, else after the heartbeat timeout:
+torchrun's agent does not exit, so no launcher report), the survivors redo its microbatches and
 go on; the restarted group asks to join, is admitted in a new epoch at a step boundary, each of its
 ranks takes the state of the donor's rank of the same index, and it takes quotas again.
 
