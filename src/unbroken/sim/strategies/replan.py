@@ -142,12 +142,7 @@ class Replan(LiveDetect):
             return
         self.returns[r] = self.out.pop(r)[0]
         self.plans[r] = plan
-        self.sync_weights()
-        if self.seg is None:
-            if t >= self.busy_until:
-                self.start(t)
-        else:
-            self.replan(t, self.costs.reform_seconds, "replan")
+        self._regroup(t, "replan")
 
     def _on_back(self, t: float, replica: int) -> None:
         if replica in self.returns:  # a shrunk group's replaced ranks are usable: grow back
@@ -205,12 +200,17 @@ class Replan(LiveDetect):
         self.detector.forget(r)  # a fresh record: the probe's calm steps are not the detector's
         d = self.decide(t, r, {}, self.horizon, "healthy again")
         self.plans[r] = d.chosen.plan or self.plans[r]
+        self._regroup(t, "rejoin")
+
+    def _regroup(self, t: float, why: str) -> None:
+        """A group came back into the run with a new plan: new quota weights, then the next step starts
+        (idle) or the step in flight pays one re-form and is re-planned (`why` names it in the log)."""
         self.sync_weights()
         if self.seg is None:
             if t >= self.busy_until:
                 self.start(t)
         else:
-            self.replan(t, self.costs.reform_seconds, "rejoin")
+            self.replan(t, self.costs.reform_seconds, why)
 
     def believed(self, r: int) -> dict[int, float]:
         """What the runtime would know of group r's ranks: while its verdict is Slow, the detector's speed
