@@ -89,7 +89,8 @@ def test_resume_after_the_coordinator_was_killed_continues_from_memory_on_the_tr
     assert len(resumed) == 1 and resumed[0]["source"] == "memory"
     # both trainers restored the same step from memory: a snapshot taken before the kill, at most the last
     got = [e for e in events[len(before):] if e["event"] == "restored"]
-    assert len(got) == 2 and {e["source"] for e in got} == {"memory"}, got
+    why = [e for e in events if e["event"] in ("restore_failed", "snapshot_skipped", "shard_rejected")]
+    assert len(got) == 2 and {e["source"] for e in got} == {"memory"}, (got, why)
     n = got[0]["step"]
     assert {e["step"] for e in got} == {n} and n in snapped and 0 <= n <= last
     ref_digest = {e["step"]: e["param_digest"] for e in read_events(ref) if e["event"] == "step"}

@@ -59,3 +59,37 @@ def test_agents_outlive_killed_trainers_and_new_processes_restore(agents_factory
     outs = [p.communicate(timeout=40)[0].strip() for p in new]
     assert outs == ["RESTORED 3 OK", "RESTORED 3 OK"], agents.logs()
     assert [p.returncode for p in new] == [0, 0]
+
+
+def test_a_skipped_save_keeps_a_step_every_rank_holds(agents_factory):
+    """Rank 0's agent falls two copies behind (SIGSTOPped: a real stalled process), so rank 0 skips its
+    save of step 4 while rank 1 saves it. At step 5 rank 1 must overwrite step 4 (never held by all)
+    and keep step 3, so the agents still hold two steps in common; overwriting step 3, the older, left
+    only step 5, and a resume limited to the log's step 4 found nothing to load (CI, etcd resume)."""
+    agents = agents_factory(Topology(2, 1, "none"))
+    c = [SnapshotClient(agents.store, run_id=agents.run_id, rank=r, world=2, shm_dir=agents.shm(r))
+         for r in range(2)]
+    for r in range(2):
+        c[r].save(1, state(1), {"step": 1})
+        c[r].wait_committed(1)
+    os.kill(agents.procs[0].pid, signal.SIGSTOP)
+    try:
+        saved = []
+        for s in (2, 3, 4):
+            saved.append(c[0].save_async(s, state(s), {"step": s}, skip_if_busy=True))
+            c[0].wait()
+    finally:
+        os.kill(agents.procs[0].pid, signal.SIGCONT)
+    assert saved == [True, True, False]  # 2 and 3 copied (not committed), 4 skipped
+    assert agents.store.check([c[0].keys.skipped(4)])
+    for s in (2, 3, 4):
+        c[1].save(s, state(s), {"step": s})
+        c[1].wait_committed(s)
+    c[0].wait_committed(3)
+    for r in range(2):
+        c[r].save(5, state(5), {"step": 5})
+        c[r].wait_committed(5)
+    held = {r: sorted(s.get("step") for s in (SlotFile.open(data_path(agents.shm(r), agents.run_id, r, b))
+                                                for b in (0, 1))) for r in range(2)}
+    assert held == {0: [3, 5], 1: [3, 5]}, held
+    assert c[1].committed_steps() == [3, 5]

@@ -59,7 +59,7 @@ class Chaos:
         for f in [f for f in self.pending if f.kind == "corrupt" and f.step <= last_committed]:
             self.pending.remove(f)
             self.log.emit("fault", kind="corrupt", replica=f.replica, step=f.step,
-                          corrupted_step=self._corrupt(f.replica))
+                          corrupted_step=self._corrupt(f.replica, last_committed))
 
     def _slots(self, replica: int, family: int = 0) -> list[SlotFile]:
         """The replica's data slot files of shard index `family` that exist on its node (the caller
@@ -78,10 +78,10 @@ class Chaos:
                         self.log.emit("torn", replica=r, step=s.get("step"), **({"rank": j} if j else {}))
                     s.close()
 
-    def _restore_step(self, timeout_s: float = 5.0) -> int | None:
-        """The step a memory restore will read (SnapshotClient.latest_committed's rule: the newest
-        every replica holds committed, with its whole-state digest; in replica groups the oldest of
-        those over the shard indices, as the restore agrees), once the agents have committed what the
+    def _restore_step(self, limit: int, timeout_s: float = 5.0) -> int | None:
+        """The step a memory restore will read (Persistence's rule: the newest every replica holds
+        committed, with its whole-state digest, at most `limit`, the log's last record; in replica
+        groups the oldest of those over the shard indices, as the restore agrees), once the agents have committed what the
         dead trainers finished copying (no slot left COPIED), or after timeout_s."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
@@ -101,13 +101,13 @@ class Chaos:
             for n in range(self.cfg.snapshot.nodes):
                 held.update(get_json(store, keys.held(n), {}))
             common = set.intersection(*(set(held.get(str(r), [])) for r in range(self.cfg.run.replicas)))
-            newest.append(max((s for s in common if store.check([keys.digest(s)])), default=None))
+            newest.append(max((s for s in common if s <= limit and store.check([keys.digest(s)])), default=None))
         return None if None in newest else min(newest)
 
-    def _corrupt(self, replica: int) -> int | None:
+    def _corrupt(self, replica: int, limit: int) -> int | None:
         """Flip 64 payload bytes of the replica's committed slot of the step a restore will read;
         returns that step (None: no such slot, nothing flipped)."""
-        target = self._restore_step()
+        target = self._restore_step(limit)
         slots = self._slots(replica)
         done = [s for s in slots if s.get("state") == State.COMMITTED and s.get("step") == target]
         if not done:

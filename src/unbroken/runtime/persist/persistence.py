@@ -120,33 +120,34 @@ class Persistence:
                         limit: int | None = None) -> int | None:
         """Every replica agrees on each decision, so nobody is left alone in a collective: the newest
         step all hold (MIN), then whether every replica's own shard verifies (a corrupt shard is
-        repaired from parity by the agents first); if not, all try the snapshot before it together."""
+        repaired from parity by the agents first); if not, all try the step held before it together."""
         client = self._client(self.me)
         try:
-            newest = client.latest_committed()
+            held = client.committed_steps()
         except StateLoadError as e:
             self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
-            newest = None
-        if newest is not None and limit is not None:
-            newest = min(newest, limit)  # no step whose record the log lacks (the launcher's `recorded`)
-        step = _agree(group, -1 if newest is None else newest)
-        for s in (step, step - self.cfg.snapshot.every):
-            if s < 0:
+            held = []
+        if limit is not None:
+            held = [s for s in held if s <= limit]  # no step whose record the log lacks (the launcher's `recorded`)
+        step = _agree(group, max(held, default=-1))
+        for _ in range(2):  # the agents hold two steps
+            if step < 0:
                 break
             try:
-                client._verified_shard(self.me, s)  # checksum, and rebuild from parity if it fails
+                client._verified_shard(self.me, step)  # checksum, and rebuild from parity if it fails
                 ok = 1
             except StateLoadError as e:
-                self.log.emit("restore_failed", replica=self.me, source="memory", step=s, error=str(e))
+                self.log.emit("restore_failed", replica=self.me, source="memory", step=step, error=str(e))
                 ok = 0
             for _, bad in client.rejected:  # the shard read failed its checksum: repaired, or refused
                 self.log.emit("shard_rejected", replica=self.me, step=bad, rebuilt=bool(ok))
             client.rejected.clear()
             if _agree(group, ok):
                 try:
-                    return client.restore(step=s, group=group, out=tensors).step
+                    return client.restore(step=step, group=group, out=tensors).step
                 except StateLoadError as e:  # whole-state digest: every rank sees the same result
-                    self.log.emit("restore_failed", replica=self.me, source="memory", step=s, error=str(e))
+                    self.log.emit("restore_failed", replica=self.me, source="memory", step=step, error=str(e))
+            step = _agree(group, max((s for s in held if s < step), default=-1))
         return None
 
     def _latest_checkpoint(self) -> int | None:

@@ -89,6 +89,9 @@ class SnapshotClient:
         lo, hi = shard_bounds(layout.total, self.world, self.rank)
         slot = self._pick_slot(hi - lo, wait=not skip_if_busy)
         if slot is None:
+            # said before this rank lets the next step commit: the other ranks' next save reads it and
+            # keeps their older slot rather than this step's (`_pick_slot`), so one step stays common
+            self.store.set(self.keys.skipped(step), str(self.rank))
             return False
         slot.set(state=int(State.WRITING))  # from here on the slot is torn until COPIED
         slot.set(gen=slot.get("gen") + 1, step=step, length=hi - lo, checksum=0)
@@ -169,11 +172,14 @@ class SnapshotClient:
             b = 1 - newest
             # Overwrite the older slot only once the newer one's parity is complete: then at every
             # moment one held step can be rebuilt, even if a node dies in the middle of encoding. A
-            # newer step that some rank skipped (no whole-state digest) never gets parity: overwrite
-            # that one instead, and keep the older.
-            if len(live) == 2 and st[newest][0] == State.COMMITTED and not self._whole(st[newest][1]):
+            # newer step that some rank skipped is never held by all (nor gets parity): overwrite that
+            # one instead, and keep the older, which every rank holds. (Asking instead whether the
+            # newer was whole yet raced: a peer whose agent lagged sealed it a moment later, both had
+            # dropped the older, and a resume limited to the log's last record found no common step.)
+            skipped = len(live) == 2 and self._skipped(st[newest][1])
+            if skipped and st[newest][0] == State.COMMITTED:
                 return slots[newest]
-            if st[b][0] != State.COPIED and (not live or self._released(st[newest])):
+            if not skipped and st[b][0] != State.COPIED and (not live or self._released(st[newest])):
                 return slots[b]
             if not wait:
                 return None
@@ -181,9 +187,9 @@ class SnapshotClient:
                 raise TimeoutError(f"snapshot agent of node {self.node} is two snapshots behind")
             time.sleep(0.002)
 
-    def _whole(self, step: int) -> bool:
-        """Every rank committed `step` (the last to commit records the whole-state digest)."""
-        return self._topology().parity == "none" or self.store.check([self.keys.digest(step)])
+    def _skipped(self, step: int) -> bool:
+        """Some rank skipped its save of `step` (its agent was behind): one store round trip."""
+        return self.store.check([self.keys.skipped(step)])
 
     def _released(self, st: tuple[int, int]) -> bool:
         # True once the step in this slot has its parity (the agent announces pdone = last step it
@@ -199,6 +205,11 @@ class SnapshotClient:
     # -- restore ----------------------------------------------------------------------------
     def latest_committed(self) -> int | None:
         """Newest step committed by every rank and still held in the agents' slots, else None."""
+        return max(self.committed_steps(), default=None)
+
+    def committed_steps(self) -> list[int]:
+        """The steps committed by every rank (sealed: whole-state digest written) and still held in
+        the agents' slots, ascending; at most two. Reads the store: call before a restore, not per step."""
         topo = self._topology()
         common: set[int] | None = None
         for n in range(topo.nodes):
@@ -206,8 +217,7 @@ class SnapshotClient:
             for r in topo.ranks_of(n):
                 steps = set(held.get(str(r), []))
                 common = steps if common is None else common & steps
-        ok = [s for s in (common or ()) if self.store.check([self.keys.digest(s)])]
-        return max(ok, default=None)
+        return sorted(s for s in (common or ()) if self.store.check([self.keys.digest(s)]))
 
     def restore(self, step: int | None = None, *, group: dist.ProcessGroup | None = None,
                 out: Mapping[str, torch.Tensor] | None = None) -> Restored:

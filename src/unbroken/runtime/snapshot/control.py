@@ -9,7 +9,9 @@ Keys live under `unbroken/snap/<run_id>/`. Commands are appended by anyone (`cmd
 answers `cmd/<i>/done/<node>` with "ok <step>" or "error <Type> <message>". An agent's record
 `agent/<node>` names the first command it serves (`since`: a replacement skips older ones), and an
 agent whose command fails sets `cmd/<i>/abandoned/<group's first node>`: either tells the group's
-peers waiting on that command to give it up at once rather than after their timeout.
+peers waiting on that command to give it up at once rather than after their timeout. A trainer that
+skips its save of a step (its agent two copies behind) sets `skipped/<step>` before the next step can
+commit; the other ranks' next save then overwrites that step rather than the older one all still hold.
 """
 
 from __future__ import annotations
