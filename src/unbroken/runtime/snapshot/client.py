@@ -173,11 +173,13 @@ class SnapshotClient:
             # Overwrite the older slot only once the newer one's parity is complete: then at every
             # moment one held step can be rebuilt, even if a node dies in the middle of encoding. A
             # newer step that some rank skipped is never held by all (nor gets parity): overwrite that
-            # one instead, and keep the older, which every rank holds. (Asking instead whether the
-            # newer was whole yet raced: a peer whose agent lagged sealed it a moment later, both had
-            # dropped the older, and a resume limited to the log's last record found no common step.)
+            # one instead, and keep the older, which every rank holds. With parity, a newer step not yet
+            # whole is overwritten too (were a node lost now, it has no parity to be rebuilt from).
+            # Without parity, that test raced: a peer whose agent lagged sealed the step a moment later,
+            # both had dropped the older, and a resume limited to the log's last record found no common
+            # step (the skip mark is what says a step will never be whole).
             skipped = len(live) == 2 and self._skipped(st[newest][1])
-            if skipped and st[newest][0] == State.COMMITTED:
+            if len(live) == 2 and st[newest][0] == State.COMMITTED and (skipped or not self._whole(st[newest][1])):
                 return slots[newest]
             if not skipped and st[b][0] != State.COPIED and (not live or self._released(st[newest])):
                 return slots[b]
@@ -186,6 +188,11 @@ class SnapshotClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"snapshot agent of node {self.node} is two snapshots behind")
             time.sleep(0.002)
+
+    def _whole(self, step: int) -> bool:
+        """Every rank committed `step` (the last to commit records the whole-state digest), or, without
+        parity, no matter (nothing to encode)."""
+        return self._topology().parity == "none" or self.store.check([self.keys.digest(step)])
 
     def _skipped(self, step: int) -> bool:
         """Some rank skipped its save of `step` (its agent was behind): one store round trip."""
