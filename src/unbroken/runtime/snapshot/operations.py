@@ -3,7 +3,8 @@
 Owns the agent side of each command: gathering its inputs from slot files and the store, a ready
 barrier (so one member's missing input fails the command everywhere instead of hanging the others
 in a collective), a fresh gloo group per command on its own store prefix (`Rendezvous`: given up as
-soon as the command is), and writing results into slot files. Does not own the stripe math (parity.py) or the queue (control.py, agent.py).
+soon as the command is), and writing results into slot files. Does not own the stripe math
+(parity.py) or the queue (control.py, agent.py).
 """
 
 from __future__ import annotations
