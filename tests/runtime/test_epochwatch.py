@@ -102,3 +102,36 @@ def test_decision_watch_pushes_decisions_and_epoch_changes_without_polling():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["decided", "decided", "commit", "1", "True", "moved", "moved", "((1,", "(0,)),)",
                                 "retry", "next", "decided", "commit", "0", "(0,)", "timeout", "True"]
+
+
+SPURIOUS = r'''
+import os, time
+import unbroken.runtime.control.epochwatch as ew
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.store import connect, last_committed
+from torch.distributed import TCPStore
+srv = TCPStore("127.0.0.1", 0, 1, True, use_libuv=True)
+address = f"127.0.0.1:{srv.port}"
+srv.set("epoch", "1"); srv.set("members/1", "[0]"); srv.set(keys.last_commit(), "2")
+watch = ew.EpochWatch(connect(address))
+decisions = ew.DecisionWatch(connect(address), watch.cond)
+decisions.watch(3, 1)
+time.sleep(0.3)  # the watch's thread waits on decision/3/1 now
+# the launcher's verdict on a lost replica reads the decisions of the step in flight, still missing:
+# a compare-and-set that wakes our wait although no decision was written
+print("last", last_committed(connect(address)), flush=True)
+time.sleep(0.3)
+print("spurious", decisions.outcome(3, 1), flush=True)
+srv.set(keys.decision(3, 1), "retry:0")
+print("real", watch.wait_until(lambda: decisions.outcome(3, 1) is not None, 5.0), decisions.outcome(3, 1), flush=True)
+os._exit(0)
+'''
+
+
+def test_decision_watch_waits_again_when_a_read_of_the_missing_key_wakes_it():
+    """A compare-and-set of a missing key (store.read, as the launcher's last_committed does) wakes the
+    key's waiters on the TCPStore server: the watch must not take that for a decision (it once handed
+    "\\x00" to Decision.loads, and the survivors of a lost replica failed under restart-memory)."""
+    r = subprocess.run([sys.executable, "-c", SPURIOUS], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["last", "2", "spurious", "None", "real", "True", "retry:0"]

@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import unbroken
 from unbroken.config import Config
-from unbroken.events import read_events, steps
+from unbroken.events import read_events, step_copies, steps
 from unbroken.model.data import DataSource, mix
 from unbroken.model.gpt import GPT
 
@@ -258,6 +258,43 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
         assert rejected == [(1, step, True)], why
     else:  # the rebuild could not be had (parity still encoding): refused, and the step before loaded
         assert corrupt["corrupted_step"] > step and (1, corrupt["corrupted_step"], False) in rejected, why
+
+
+@pytest.mark.timeout(120)
+def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parity(tmp_path, groups_reference):
+    """Node 1 (group 1's two ranks, its agent and its memory) lost as step 3 begins, while the agents may
+    still be encoding step 2's parity: the survivors stop, every trainer restarts, node 1's shards of
+    each shard index are rebuilt from parity at one common step and every rank restores it from memory.
+    Where the shard indices hold no common step with parity (one skipped a snapshot: control.py), memory
+    is given up, the restart says so and starts over. Either way every step record, of each generation,
+    is the failure-free run's. Once failed 1 in 5: the survivors read a decision that a read had only
+    woken them for (epochwatch.DecisionWatch), or an encode left hanging by the lost node held the
+    rebuild for the agents' 15 s timeout (operations.Rendezvous)."""
+    out, events = run_faults(tmp_path, "node:node=1,step=3", *SNAPSHOTS, "--run.recovery=restart-memory")
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    assert (fault["kind"], fault["node"], fault["replicas"]) == ("node", 1, [1]), fault
+    assert not [e for e in events if e["event"] == "worker_error"]
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["reason"].startswith("1 of 3 replicas lost at step"), restart
+    (mended,) = [e for e in events if e["event"] in ("rebuilt", "rebuild_failed")]
+    assert mended["nodes"] == [1] and mended["t"] - fault["t"] < 12, (fault, mended)  # no 15 s hang
+    restored = [e for e in events if e["event"] == "restored"]
+    assert sorted((e["replica"], e["rank"]) for e in restored) == [(g, j) for g in range(3) for j in range(2)]
+    if mended["event"] == "rebuilt":
+        assert restart["source"] == "memory" and {e["source"] for e in restored} == {"memory"}, restored
+        (step,) = {e["step"] for e in restored}
+        assert step == mended["step"] <= 2, (mended, restored)
+        shard = {j: {e["param_digest"] for e in restored if e["rank"] == j} for j in range(2)}
+        assert all(len(d) == 1 for d in shard.values()), shard
+        combined = hashlib.sha256("".join(next(iter(shard[j])) for j in range(2)).encode()).hexdigest()
+        assert combined == digests(groups_reference)[step]
+    else:  # memory given up, and why: no checkpoints in this run, so the restart starts over
+        assert "parity" in mended["error"], mended
+        assert restart["source"] == "scratch" and {e["source"] for e in restored} == {"scratch"}, restored
+    want = digests(groups_reference)
+    copies = step_copies(events)
+    assert sorted(copies) == sorted(want)
+    assert all(r["param_digest"] == want[s] for s, rs in copies.items() for r in rs)
 
 
 def test_every_group_lost_names_the_last_committed_step(tmp_path):

@@ -138,3 +138,23 @@ def test_commands_queued_for_a_dead_node_cost_one_timeout_not_one_each(agents_fa
     assert "replaced after command" in agents.logs()
     got = restore_all(clients(agents, 3), agents.store)
     assert all(r.step == 1 and same(r.tensors, state(1)) for r in got.values())
+
+
+def test_a_node_lost_between_the_ready_barrier_and_the_rendezvous_costs_no_timeout(agents_factory):
+    """Node 1 said ready for a parity command, then was lost before its gloo rendezvous (its node fault
+    fired as the encode began): the survivors, waiting in the rendezvous, give the command up as soon
+    as node 1's replacement is up, so its rebuild does not wait out the agents' 15 s timeout."""
+    agents = agents_factory(Topology(3, 1, "xor", 2, 1))
+    cs = clients(agents, 3)
+    save_steps(cs, [1], agents)
+    agents.kill_node(1)
+    i = post_command(agents.store, agents.run_id, {"op": "parity", "step": 1})
+    agents.store.set(snapshot_keys(agents.run_id).cmd(i, "ready", 1), "ok")  # what node 1 said before it died
+    time.sleep(1.0)  # the survivors are past the barrier, in the rendezvous, waiting for node 1
+    t0 = time.monotonic()
+    agents.start(1)
+    assert request_rebuild(agents.store, agents.run_id, [1], timeout_s=30) == 1
+    assert time.monotonic() - t0 < 8, agents.logs()
+    assert f"command {i} parity (step 1): error Unrecoverable node 1's agent was replaced" in agents.logs()
+    got = restore_all(clients(agents, 3), agents.store)
+    assert all(r.step == 1 and same(r.tensors, state(1)) for r in got.values())

@@ -34,6 +34,7 @@ from torch.distributed import DistStoreError, Store
 from unbroken.runtime.control import keys
 
 _WAIT = datetime.timedelta(days=1)
+_ABSENT = "\x00"  # no decision's value: what a compare-and-set of a missing decision key returns
 
 
 class CounterWatch:
@@ -134,10 +135,16 @@ class DecisionWatch:
             while True:
                 try:
                     self._store.wait([key], _WAIT)
-                    # the key exists: a compare-and-set that cannot match returns its value (one round
-                    # trip, where `get` is two)
-                    value = self._store.compare_set(key, "\x00", "\x00").decode()
-                    break
+                    # a compare-and-set that cannot match returns the key's value (one round trip, where
+                    # `get` is two), or our "\x00" itself when the key is missing
+                    value = self._store.compare_set(key, _ABSENT, _ABSENT).decode()
+                    if value != _ABSENT:
+                        break
+                    # Woken with no decision: the TCPStore server (libuv, torch 2.13) wakes a key's
+                    # waiters on a compare-and-set that finds the key missing, i.e. on every `read` of
+                    # it (store.read): the launcher's `last_committed` reads decision/{s}/{e} of the
+                    # step in flight when it judges a lost replica under restart-memory, while the
+                    # survivors wait for exactly that key. A wake is a hint, not the key: wait again.
                 except DistStoreError:  # a day without the decision: wait again on a fresh client
                     if self._reconnect is not None:
                         self._store = self._reconnect()

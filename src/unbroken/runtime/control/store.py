@@ -36,7 +36,10 @@ def connect(address: str | None = None, timeout_s: float = 60.0) -> Store:
 def read(store: Store, key: str) -> bytes | None:
     """The value of `key`, or None when it is missing: one round trip, where check-then-get is two.
     A compare_set against a value no key of ours holds returns that value when the key is missing
-    (and writes nothing), the stored value otherwise."""
+    (and writes nothing), the stored value otherwise. It also wakes whoever waits on a missing key
+    (torch's libuv TCPStore server wakes a key's waiters on every compare_set of it), so a `wait`
+    returning is no proof that the key exists: a waiter that may meet a reader checks what it read
+    (epochwatch.DecisionWatch)."""
     value = store.compare_set(key, _MISSING, _MISSING)
     return None if value == _MISSING.encode() else value
 

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -55,8 +56,10 @@ class SnapshotAgent:
     """Call `serve()` (blocks) or `poll()` repeatedly. One per (run, node)."""
 
     def __init__(self, store: dist.Store, run_id: str, node: int, topo: Topology, shm_dir: str,
-                 timeout_s: float = 60.0, nonce: str = "") -> None:
+                 reconnect: Callable[[], dist.Store], timeout_s: float = 60.0, nonce: str = "") -> None:
         self.store, self.run_id, self.node, self.topo = store, run_id, node, topo
+        # commands' gloo groups form on clients of their own, from `reconnect` (operations.Rendezvous)
+        self.rendezvous = operations.Rendezvous(reconnect)
         self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, snapshot_keys(run_id)
         self.ranks = topo.ranks_of(node)
         self.data = {r: [self._adopt(data_path(shm_dir, run_id, r, b), r) for b in (0, 1)]
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
     # One SnapshotAgent per shard index, each with its own store client and thread: an agent blocks in
     # collectives with its peers (parity, rebuild), and shard j's peers must never wait for shard i's.
-    agents = [SnapshotAgent(connect(a.store), run_id, a.node, topo, a.shm_dir, a.timeout, a.nonce)
+    agents = [SnapshotAgent(connect(a.store), run_id, a.node, topo, a.shm_dir, lambda: connect(a.store),
+                            a.timeout, a.nonce)
               for run_id in shard_run_ids(a.run_id, a.shards)]
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: [agent.stop() for agent in agents])

@@ -2,19 +2,22 @@
 
 Owns the agent side of each command: gathering its inputs from slot files and the store, a ready
 barrier (so one member's missing input fails the command everywhere instead of hanging the others
-in a collective), a fresh gloo group per command on its own store prefix, and writing results into
-slot files. Does not own the stripe math (parity.py) or the queue (control.py, agent.py).
+in a collective), a fresh gloo group per command on its own store prefix (`Rendezvous`: given up as
+soon as the command is), and writing results into slot files. Does not own the stripe math
+(parity.py) or the queue (control.py, agent.py).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from . import errors
 from .checksum import checksum
@@ -39,6 +42,7 @@ class SnapshotAgent(Protocol):
     ranks: list[int]
     data: dict[int, list[SlotFile | None]]
     parity: dict[int, list[SlotFile | None]]
+    rendezvous: Rendezvous
 
     def find(self, slots: list[SlotFile | None], step: int) -> SlotFile | None: ...
 
@@ -48,6 +52,56 @@ class SnapshotAgent(Protocol):
     def publish(self) -> None: ...
 
 BARRIER_POLL_S = 0.02  # store round trips while waiting for peer agents (commands take 0.1-1 s)
+
+
+class Rendezvous:
+    """Forms each command's gloo group on a thread and a store client of its own, while the agent's
+    thread watches whether the command was given up (`_given_up`), and leaves at once if so.
+
+    Why: the ready barrier proves that every member was up a moment ago, not that it reaches the
+    rendezvous. A node lost in between (a `node` fault fires on the very step record whose snapshot
+    the agents are then encoding: the barrier's last poller is killed after its peers saw it ready)
+    held its peers in gloo's rendezvous and connectFullMesh, in C++ and deaf to `abandoned` or to the
+    node's replacement, for the whole collective timeout, and the rebuild of that node waited behind
+    it. Leaving the formation to end on its own timeout is harmless: it writes no slot, and its store
+    client is not the agent's (a client blocked in a wait would hold the agent's own calls)."""
+
+    def __init__(self, connect: Callable[[], dist.Store]) -> None:
+        self._connect = connect
+        self._store: dist.Store | None = None  # reused while formations finish (an etcd client is never freed)
+
+    def form(self, prefix: str, rank: int, size: int, timeout_s: float,
+             given_up: Callable[[], str | None]) -> dist.ProcessGroup:
+        """The gloo group of `size` members on `prefix`; raises errors.Unrecoverable once `given_up()`
+        says why the command can no longer complete, or what gloo raised (its timeout: `timeout_s`)."""
+        store = self._store or self._connect()
+        self._store = None  # an abandoned formation may block in it: the next command takes a new one
+        got: list[dist.ProcessGroup | Exception] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                got.append(gloo_group(store, prefix, rank, size, timeout_s))
+            except Exception as e:  # noqa: BLE001 - raised by the agent's thread below
+                got.append(e)
+            done.set()
+
+        threading.Thread(target=run, name="agent-rendezvous", daemon=True).start()
+        while not done.wait(BARRIER_POLL_S):
+            why = given_up()
+            if why is not None:
+                raise errors.Unrecoverable(why)
+        self._store = store
+        if isinstance(got[0], Exception):
+            raise got[0]
+        return got[0]
+
+
+def _group(a: SnapshotAgent, i: int, members: list[int], j: int, size: int) -> dist.ProcessGroup:
+    """Command i's gloo group (member j of `size`), given up once a peer's agent was replaced after i
+    was posted or a member abandoned i: any peer may be the one that never arrives."""
+    peers = [n for n in members if n != a.node]
+    return a.rendezvous.form(a.keys.cmd(i, "pg"), j, size, a.timeout_s, lambda: _given_up(a, i, members, peers))
 
 
 def run(agent: SnapshotAgent, i: int, cmd: dict) -> int:
@@ -134,7 +188,7 @@ def _parity(a: SnapshotAgent, i: int, step: int) -> int:
         err = e
     _ready(a, i, members, err)
     c = manifest["c"]
-    pg = gloo_group(a.store, a.keys.cmd(i, "pg"), j, plan.size, a.timeout_s)
+    pg = _group(a, i, members, j, plan.size)
     for layer in range(P):
         ps = a.writable(a.parity[layer], lambda b, l=layer: parity_path(a.shm_dir, a.run_id, l, b),
                         plan.m * c, layer, Kind.PARITY)
@@ -175,7 +229,7 @@ def _rebuild(a: SnapshotAgent, i: int, lost: list[int], step: int | None) -> int
     _ready(a, i, members, err)
     manifest = json.loads(a.store.get(a.keys.cmd(i, "manifest")))
     c = manifest["c"]
-    pg = gloo_group(a.store, a.keys.cmd(i, "pg"), j, plan.size, a.timeout_s)
+    pg = _group(a, i, members, j, plan.size)
     failures = []
     for layer, rank in enumerate(a.ranks):
         if me_lost:
