@@ -140,17 +140,19 @@ def test_a_tensor_parallel_rank_killed_mid_step_takes_its_group_out_on_the_same_
     assert digests(out) == digests(tensor_reference)
 
 
-@pytest.mark.parametrize("layout, slow", [("pp", 6), ("tp", 3)])
-def test_a_group_restarted_by_torchrun_rejoins_healed_rank_by_rank(tmp_path, layout, slow):
+@pytest.mark.parametrize("layout, slow, n", [("pp", 6, 60), ("tp", 3, 24)])
+def test_a_group_restarted_by_torchrun_rejoins_healed_rank_by_rank(tmp_path, layout, slow, n):
     """run.restarts=1: rank 1 of group 1 is killed in step 2, torchrun restarts the group, it is admitted
     at a step boundary and each of its ranks takes its stage (or slices) and optimizer state from the
     donor's rank of the same index; the run ends with both groups, every step on the failure-free
     trajectory: the oracle's for PP, a failure-free TP run's for TP. The survivor's rank 0 sleeps through
-    `slow` x its compute (wall time only: its quotas and digests do not move), so 60 steps outlast the
-    restart (measured at factor 3: a PP group healed at step 43, a TP group, whose steps cost more, at 9)."""
+    `slow` x its compute (wall time only: its quotas and digests do not move), so `n` steps outlast the
+    restart (measured at factor 3: a PP group healed at step 43, a TP group, whose steps cost more, at 9
+    and at 3; at factor 6 a PP group at 17). TP runs 24 steps, not 60: the failure-free TP reference it
+    needs is a second torchrun run, and 36 more steps of both cost ~18 s of the suite."""
     base = PIPELINE if layout == "pp" else TENSOR
     at = base.index("--steps") + 1
-    args = [*base[:at], "60", *base[at + 1:]]
+    args = [*base[:at], str(n), *base[at + 1:]]
     out = tmp_path / "run"
     r = unbroken("train", *args, "--run.restarts=1", "--out", str(out),
                  "--faults", f"kill:replica=1,rank=1,step=2,phase=compute;slow:replica=0,from=0,factor={slow}")
@@ -163,12 +165,12 @@ def test_a_group_restarted_by_torchrun_rejoins_healed_rank_by_rank(tmp_path, lay
     assert sorted((e["side"], e["rank"]) for e in heals) == [("donor", 0), ("donor", 1), ("joiner", 0), ("joiner", 1)]
     record = steps(events)
     healed = heals[0]["step"]
-    assert record[2]["members"] == [0] and record[healed + 1]["members"] == record[59]["members"] == [0, 1]
+    assert record[2]["members"] == [0] and record[healed + 1]["members"] == record[n - 1]["members"] == [0, 1]
     assert record[healed + 1]["owners"]["1"] == [2]  # its quota back
     cfg = Config.from_json((out / "config.json").read_text())
     if layout == "pp":
         want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
-        assert [digests(out)[s] for s in range(60)] == want
+        assert [digests(out)[s] for s in range(n)] == want
     else:
         reference = tmp_path / "reference"
         r = unbroken("train", *args, "--out", str(reference))

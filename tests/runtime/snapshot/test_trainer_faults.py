@@ -81,7 +81,7 @@ def test_a_skipped_save_keeps_a_step_every_rank_holds(agents_factory):
     finally:
         os.kill(agents.procs[0].pid, signal.SIGCONT)
     assert saved == [True, True, False]  # 2 and 3 copied (not committed), 4 skipped
-    assert agents.store.check([c[0].keys.skipped(4)])
+    assert agents.store.check([c[0].keys.incomplete(4)])
     for s in (2, 3, 4):
         c[1].save(s, state(s), {"step": s})
         c[1].wait_committed(s)

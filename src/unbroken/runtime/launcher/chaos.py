@@ -134,8 +134,8 @@ class Chaos:
         keys, store = snapshot_keys(self.families[0]), self.agents.store
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            if int(get_json(store, keys.pdone(node), -1)) >= step:
-                return
+            if int(get_json(store, keys.pdone(node), -1)) >= step or store.check([keys.incomplete(step)]):
+                return  # encoded, or never will be (an encode failed)
             if time.monotonic() - t0 > 2 and not store.check([keys.digest(step)]):
                 return
             time.sleep(0.02)

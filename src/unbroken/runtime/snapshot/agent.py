@@ -222,8 +222,14 @@ class SnapshotAgent:
             if answer.startswith("error") or took > SLOW_COMMAND_S:
                 print(f"[agent {self.node}] command {i} {cmd['op']} (step {cmd.get('step')}): "
                       f"{answer} after {took:.2f} s", file=sys.stderr, flush=True)
-            if cmd["op"] == "parity":  # trainers may now overwrite the older slots (see client.py)
-                self.store.set(self.keys.pdone(self.node), str(cmd["step"]))
+            if cmd["op"] == "parity" and answer.startswith("ok"):  # trainers may now overwrite the older
+                self.store.set(self.keys.pdone(self.node), str(cmd["step"]))  # slots (see client.py)
+            elif cmd["op"] == "parity":
+                # the step has no parity here and never will (a peer node lost mid-encode, a rank's shard
+                # missing): trainers overwrite it rather than the older step, which has its parity. (Saying
+                # pdone here instead let them overwrite the older, and a node lost now had nothing to be
+                # rebuilt from: "no step has data and parity on every survivor".)
+                self.store.set(self.keys.incomplete(cmd["step"]), f"parity failed on node {self.node}")
             self.store.set(self.keys.cmd(i, "done", self.node), answer)
 
 

@@ -91,7 +91,7 @@ class SnapshotClient:
         if slot is None:
             # said before this rank lets the next step commit: the other ranks' next save reads it and
             # keeps their older slot rather than this step's (`_pick_slot`), so one step stays common
-            self.store.set(self.keys.skipped(step), str(self.rank))
+            self.store.set(self.keys.incomplete(step), f"skipped by rank {self.rank}")
             return False
         slot.set(state=int(State.WRITING))  # from here on the slot is torn until COPIED
         slot.set(gen=slot.get("gen") + 1, step=step, length=hi - lo, checksum=0)
@@ -172,13 +172,14 @@ class SnapshotClient:
             b = 1 - newest
             # Overwrite the older slot only once the newer one's parity is complete: then at every
             # moment one held step can be rebuilt, even if a node dies in the middle of encoding. A
-            # newer step that some rank skipped is never held by all (nor gets parity): overwrite that
-            # one instead, and keep the older, which every rank holds. With parity, a newer step not yet
+            # newer step that some rank skipped, or whose parity encode failed (a node lost in it), is
+            # never held by all with parity: overwrite that one instead, and keep the older, which every
+            # rank holds (with its parity: what a rebuild needs). With parity, a newer step not yet
             # whole is overwritten too (were a node lost now, it has no parity to be rebuilt from).
             # Without parity, that test raced: a peer whose agent lagged sealed the step a moment later,
             # both had dropped the older, and a resume limited to the log's last record found no common
             # step (the skip mark is what says a step will never be whole).
-            skipped = len(live) == 2 and self._skipped(st[newest][1])
+            skipped = len(live) == 2 and self._incomplete(st[newest][1])
             if len(live) == 2 and st[newest][0] == State.COMMITTED and (skipped or not self._whole(st[newest][1])):
                 return slots[newest]
             if not skipped and st[b][0] != State.COPIED and (not live or self._released(st[newest])):
@@ -194,9 +195,10 @@ class SnapshotClient:
         parity, no matter (nothing to encode)."""
         return self._topology().parity == "none" or self.store.check([self.keys.digest(step)])
 
-    def _skipped(self, step: int) -> bool:
-        """Some rank skipped its save of `step` (its agent was behind): one store round trip."""
-        return self.store.check([self.keys.skipped(step)])
+    def _incomplete(self, step: int) -> bool:
+        """Some rank skipped its save of `step` (its agent was behind), or an agent's parity encode of
+        it failed: `step` will never be a whole snapshot with parity. One store round trip."""
+        return self.store.check([self.keys.incomplete(step)])
 
     def _released(self, st: tuple[int, int]) -> bool:
         # True once the step in this slot has its parity (the agent announces pdone = last step it

@@ -10,8 +10,9 @@ answers `cmd/<i>/done/<node>` with "ok <step>" or "error <Type> <message>". An a
 `agent/<node>` names the first command it serves (`since`: a replacement skips older ones), and an
 agent whose command fails sets `cmd/<i>/abandoned/<group's first node>`: either tells the group's
 peers waiting on that command to give it up at once rather than after their timeout. A trainer that
-skips its save of a step (its agent two copies behind) sets `skipped/<step>` before the next step can
-commit; the other ranks' next save then overwrites that step rather than the older one all still hold.
+skips its save of a step (its agent two copies behind) sets `incomplete/<step>` before the next step can
+commit, and so does an agent whose parity encode of the step failed; the ranks' next save then
+overwrites that step rather than the older one all still hold with its parity.
 """
 
 from __future__ import annotations
