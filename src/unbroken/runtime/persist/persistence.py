@@ -122,14 +122,11 @@ class Persistence:
         step all hold (MIN), then whether every replica's own shard verifies (a corrupt shard is
         repaired from parity by the agents first); if not, all try the step held before it together."""
         client = self._client(self.me)
-        try:
-            held = client.committed_steps()
-        except StateLoadError as e:
-            self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
-            held = []
-        if limit is not None:
-            held = [s for s in held if s <= limit]  # no step whose record the log lacks (the launcher's `recorded`)
+        held, everything = self._held(client, limit)
         step = _agree(group, max(held, default=-1))
+        if step < 0:  # say why memory gave nothing: what the agents hold, against the log's last record
+            self.log.emit("restore_failed", replica=self.me, source="memory",
+                          error=f"no step held by every rank at or below {limit}: held {everything}")
         for _ in range(2):  # the agents hold two steps
             if step < 0:
                 break
@@ -149,6 +146,25 @@ class Persistence:
                     self.log.emit("restore_failed", replica=self.me, source="memory", step=step, error=str(e))
             step = _agree(group, max((s for s in held if s < step), default=-1))
         return None
+
+    def _held(self, client, limit: int | None, patience_s: float = 3.0) -> tuple[list[int], list[int]]:
+        """(the steps every rank holds at or below `limit`, all it holds). None at the first read is read
+        again for up to `patience_s`: the agents of a resumed run republish what they adopted as they
+        start, and a store that has just lost a member may answer a read late (CI once restored a resumed
+        etcd run from scratch with no refusal logged: nothing held was seen)."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                everything = client.committed_steps()
+            except StateLoadError as e:
+                self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
+                return [], []
+            # no step whose record the log lacks (the launcher's `recorded`)
+            held = [s for s in everything if limit is None or s <= limit]
+            if held or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        return held, everything
 
     def _latest_checkpoint(self) -> int | None:
         if self.ckpt is None or not self.ckpt_dir.is_dir():

@@ -202,14 +202,16 @@ class SnapshotClient:
 
     def _released(self, st: tuple[int, int]) -> bool:
         # True once the step in this slot has its parity (the agent announces pdone = last step it
-        # encoded), or will never get any (not committed by every rank, or no parity in this run).
+        # encoded), or will never get any (not committed by every rank, its encode failed, or no parity
+        # in this run). Without the failed encode here, a lone slot whose encode a node loss cut short
+        # (pdone never reaches it) held every later save back: all skipped, to the end of the run.
         state, step = st
         if state != State.COMMITTED or self._topology().parity == "none" or step <= self._pdone:
             return True
         if not self.store.check([self.keys.digest(step)]):
             return True
         self._pdone = int(get_json(self.store, self.keys.pdone(self.node), -1))
-        return step <= self._pdone
+        return step <= self._pdone or self._incomplete(step)
 
     # -- restore ----------------------------------------------------------------------------
     def latest_committed(self) -> int | None:
