@@ -93,3 +93,26 @@ def test_a_skipped_save_keeps_a_step_every_rank_holds(agents_factory):
                                                 for b in (0, 1))) for r in range(2)}
     assert held == {0: [3, 5], 1: [3, 5]}, held
     assert c[1].committed_steps() == [3, 5]
+
+
+def test_a_replaced_agent_seals_a_step_whose_count_its_predecessor_never_made(agents_factory):
+    """The agent is SIGKILLed after writing the last commit record of step 1 but before counting it
+    (rebuilt here by removing the digest and the count's effect from the store; the launcher kills
+    agents first when the coordinator is lost, so a kill can land there). The agent started in its
+    place adopts the slots and must seal step 1 from the records alone, or a resume finds no sealed
+    step and starts over (CI: `ncommit/5` at 1, both records written)."""
+    agents = agents_factory(Topology(1, 2, "none"))
+    c = [SnapshotClient(agents.store, run_id=agents.run_id, rank=r, world=2, shm_dir=agents.shm(0))
+         for r in range(2)]
+    for r in range(2):
+        c[r].save(1, state(1), {"step": 1})
+    for r in range(2):
+        c[r].wait_committed(1)
+    digest = agents.store.get(c[0].keys.digest(1))
+    agents.procs[0].kill()
+    agents.procs.pop(0).wait()
+    agents.store.delete_key(c[0].keys.digest(1))  # ... as if the kill came before the count sealed it
+    assert c[0].committed_steps() == []
+    agents.start(0)  # adopts the slot files of the killed one
+    assert agents.store.get(c[0].keys.digest(1)) == digest
+    assert c[0].committed_steps() == [1]

@@ -170,12 +170,21 @@ class SnapshotAgent:
         slots adopted from it, so a restore can find and verify them. The checksums are the ones
         computed at commit time (headers). Parity is not re-encoded: the parity slots adopted with
         them hold what was encoded before (publish() reports it); a peer agent may not be up yet to
-        take a command. A store that has the records already (an agent replaced mid-run) is left as is."""
+        take a command. A store that has the records already (an agent replaced mid-run) is left as is,
+        but a step whose records are all there without its digest is sealed here: the agent that wrote
+        the last record was killed before it counted it (the launcher kills the agents first when the
+        coordinator is lost; CI found `ncommit/5` at 1 with both records of step 5 written, and the
+        resumed run held no sealed step at or below the log's last record, so it started over)."""
         for rank, slots in self.data.items():
             for slot in slots:
-                if slot is not None and slot.get("state") == State.COMMITTED \
-                        and not self.store.check([self.keys.commit(slot.get("step"), rank)]):
+                if slot is None or slot.get("state") != State.COMMITTED:
+                    continue
+                step = slot.get("step")
+                if not self.store.check([self.keys.commit(step, rank)]):
                     self._record(rank, slot, publish=False, encode=False)
+                if not self.store.check([self.keys.digest(step)]) and self.store.check(
+                        [self.keys.commit(step, r) for r in range(self.topo.world)]):
+                    self._all_committed(step, slot.doc()["total"], encode=False)  # the same digest: idempotent
 
     def _all_committed(self, step: int, total: int, encode: bool = True) -> None:
         # The last rank to commit seals the step: whole-state digest, then parity across nodes.
