@@ -149,9 +149,9 @@ class Persistence:
 
     def _held(self, client, limit: int | None, patience_s: float = 3.0) -> tuple[list[int], list[int]]:
         """(the steps every rank holds at or below `limit`, all it holds). None at the first read is read
-        again for up to `patience_s`: the agents of a resumed run republish what they adopted as they
-        start, and a store that has just lost a member may answer a read late (CI once restored a resumed
-        etcd run from scratch with no refusal logged: nothing held was seen)."""
+        again for up to `patience_s`, in case agents are still sealing what they adopted. (This was added
+        while chasing a CI failure whose cause turned out to be an unsealed step, fixed in the agent's
+        `_republish`; it costs a restart that has nothing in memory those seconds, and nothing otherwise.)"""
         deadline = time.monotonic() + patience_s
         while True:
             try:
