@@ -147,24 +147,16 @@ class Persistence:
             step = _agree(group, max((s for s in held if s < step), default=-1))
         return None
 
-    def _held(self, client, limit: int | None, patience_s: float = 3.0) -> tuple[list[int], list[int]]:
-        """(the steps every rank holds at or below `limit`, all it holds). None at the first read is read
-        again for up to `patience_s`, in case agents are still sealing what they adopted. (This was added
-        while chasing a CI failure whose cause turned out to be an unsealed step, fixed in the agent's
-        `_republish`; it costs a restart that has nothing in memory those seconds, and nothing otherwise.)"""
-        deadline = time.monotonic() + patience_s
-        while True:
-            try:
-                everything = client.committed_steps()
-            except StateLoadError as e:
-                self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
-                return [], []
-            # no step whose record the log lacks (the launcher's `recorded`)
-            held = [s for s in everything if limit is None or s <= limit]
-            if held or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
-        return held, everything
+    def _held(self, client, limit: int | None) -> tuple[list[int], list[int]]:
+        """(the steps every rank holds at or below `limit`, all it holds); ([], []) when the agents
+        cannot say (logged)."""
+        try:
+            everything = client.committed_steps()
+        except StateLoadError as e:
+            self.log.emit("restore_failed", replica=self.me, source="memory", error=str(e))
+            return [], []
+        # no step whose record the log lacks (the launcher's `recorded`)
+        return [s for s in everything if limit is None or s <= limit], everything
 
     def _latest_checkpoint(self) -> int | None:
         if self.ckpt is None or not self.ckpt_dir.is_dir():
