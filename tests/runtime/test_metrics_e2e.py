@@ -1,5 +1,5 @@
-"""A real 3-replica run that loses replica 1 (SIGKILL mid-all-reduce at step 20) while a test scrapes the
-coordinator's /metrics, asks `unbroken status HOST:PORT`, and afterwards reads the TensorBoard files back.
+"""A real 3-replica run of 100 steps that loses replica 1 (SIGKILL mid-all-reduce at step 20) while a test
+scrapes the coordinator's /metrics, asks `unbroken status HOST:PORT`, and afterwards reads the TensorBoard files back.
 
 What must hold: the counters move across the loss (epoch 0 -> 1, live groups 3 -> 2, a recovery by cause
 `exit`, microbatches redone), every exposed name parses with prometheus_client's own parser and follows its
@@ -30,7 +30,9 @@ from unbroken.api import make_config  # noqa: E402
 from unbroken.events import read_events, steps  # noqa: E402
 from unbroken.runtime.launcher.launch import launch  # noqa: E402
 
-STEPS, KILL_AT = 40, 20
+# Steps take ~30 ms here and the exporter folds the log every 0.5 s: 80 steps after the loss keep the job
+# alive ~2.5 s with the new epoch showing, so the scrapes and `status` see it (20 steps after it did not).
+STEPS, KILL_AT = 100, 20
 
 
 def _free_port() -> int:
