@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,14 @@ def unbroken(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "unbroken.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subprocess.CompletedProcess]:
+    """Run independent CLI invocations at once, results in order. For bad-input checks: each is a fresh
+    process that imports torch (~1.5 CPU-s) and some wait out a connect timeout, so one after another
+    they took 14-19 s a test; side by side the waits overlap."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: run(), runs))
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import side_by_side
 from tests.runtime.test_cluster import env, local_reference, one_line_exit_2, readme_lines
 from tests.runtime.test_standby_e2e import TTL, leads, took_over
 from unbroken.events import read_events, steps
@@ -105,23 +106,26 @@ def test_bad_etcd_input_to_the_coordinator_and_the_worker_is_one_line_and_writes
         return subprocess.run(list(args), capture_output=True, text=True, timeout=60,
                               env={**env(), "UNBROKEN_CONNECT_TIMEOUT": "2"})
 
-    one_line_exit_2(run(*cli, "--out", str(out), "--coord.store=etcd://127.0.0.1:9/x"),
-                    r"^unbroken: error: coord.store='etcd://127.0.0.1:9/x': no etcd member answers$")
     other = f"{etcd}/other-{uuid.uuid4().hex[:8]}"
     EtcdStore(other).set(keys.run_id(), "run-someone")  # a `unbroken train` run's namespace
-    one_line_exit_2(run(*cli, "--out", str(out), f"--coord.store={other}"),
-                    r"holds 1 keys of run 'run-someone'; use another namespace .*etcdctl del --prefix")
     claimed = f"{etcd}/claimed-{uuid.uuid4().hex[:8]}"
     store = EtcdStore(claimed)
     store.set(keys.config(), "{}")  # a coordinator of another config has the namespace
     store.set(keys.run_id(), "run-other")
-    one_line_exit_2(run(*cli, "--out", str(out), f"--coord.store={claimed}"),
-                    r"holds 2 keys of run 'run-other' \(another config\)")
+    cases = [  # (argv, the one line it must print)
+        ([*cli, "--out", str(out), "--coord.store=etcd://127.0.0.1:9/x"],
+         r"^unbroken: error: coord.store='etcd://127.0.0.1:9/x': no etcd member answers$"),
+        ([*cli, "--out", str(out), f"--coord.store={other}"],
+         r"holds 1 keys of run 'run-someone'; use another namespace .*etcdctl del --prefix"),
+        ([*cli, "--out", str(out), f"--coord.store={claimed}"], r"holds 2 keys of run 'run-other' \(another config\)"),
+        ([*cli, "--out", str(out), "--port", "29400", f"--coord.store={etcd}/x"],
+         r"^unbroken: error: --port: with coord.store=.* the coordinator binds nothing"),
+        ([*worker, "etcd://127.0.0.1:9/x"],
+         r"^unbroken: error: --coordinator 'etcd://127.0.0.1:9/x': no etcd member answers$"),
+        ([*worker, "etcd://h:1:2/x"], r"--coordinator 'etcd://h:1:2/x': bad member 'h:1:2'"),
+        ([*worker, f"{etcd}/empty-{uuid.uuid4().hex[:8]}"], r"serves no unbroken run"),
+    ]
+    for (_, pattern), r in zip(cases, side_by_side(*(lambda argv=argv: run(*argv) for argv, _ in cases))):
+        one_line_exit_2(r, pattern)
     assert store.num_keys() == 2 and EtcdStore(other).num_keys() == 1  # nothing written into etcd
-    one_line_exit_2(run(*cli, "--out", str(out), "--port", "29400", f"--coord.store={etcd}/x"),
-                    r"^unbroken: error: --port: with coord.store=.* the coordinator binds nothing")
     assert not out.exists()  # nor into the run directory
-    one_line_exit_2(run(*worker, "etcd://127.0.0.1:9/x"),
-                    r"^unbroken: error: --coordinator 'etcd://127.0.0.1:9/x': no etcd member answers$")
-    one_line_exit_2(run(*worker, "etcd://h:1:2/x"), r"--coordinator 'etcd://h:1:2/x': bad member 'h:1:2'")
-    one_line_exit_2(run(*worker, f"{etcd}/empty-{uuid.uuid4().hex[:8]}"), r"serves no unbroken run")

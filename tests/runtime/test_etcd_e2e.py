@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import unbroken
+from tests.conftest import side_by_side, unbroken
 from unbroken.events import read_events
 from unbroken.report import audit, compare
 from unbroken.runtime.control import keys
@@ -96,21 +96,22 @@ def test_one_etcd_member_killed_mid_run_the_run_goes_on(tcp_reference, tmp_path)
 @pytest.mark.timeout(60)
 def test_bad_store_input_is_one_line_and_writes_nothing(etcd, tmp_path):
     out = tmp_path / "never"
-    r = unbroken("train", *SMALL, "--coord.store=etcd://127.0.0.1:9/x", "--out", str(out))
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "unbroken: error: coord.store='etcd://127.0.0.1:9/x': no etcd member answers"], r.stderr
-    assert not out.exists()
-    st = unbroken("status", "etcd://127.0.0.1:9/x")
-    assert st.returncode == 2 and len(st.stderr.strip().splitlines()) == 1 and "no etcd member answers" in st.stderr
     url = f"{etcd}/other-{uuid.uuid4().hex[:8]}"
     EtcdStore(url).set(keys.run_id(), "run-someone")
-    r = unbroken("train", *SMALL, f"--coord.store={url}", "--out", str(out))
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "holds 1 keys of run 'run-someone'" in r.stderr and "etcdctl del --prefix" in r.stderr
-    assert not out.exists()
-    r = unbroken("train", *SMALL, "--coord.store=etcd://h1:2379:9", "--out", str(out))
+    r, st, taken, bad = side_by_side(
+        lambda: unbroken("train", *SMALL, "--coord.store=etcd://127.0.0.1:9/x", "--out", str(out)),
+        lambda: unbroken("status", "etcd://127.0.0.1:9/x"),
+        lambda: unbroken("train", *SMALL, f"--coord.store={url}", "--out", str(out)),
+        lambda: unbroken("train", *SMALL, "--coord.store=etcd://h1:2379:9", "--out", str(out)))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "unbroken: error: coord.store='etcd://h1:2379:9': bad member 'h1:2379:9' (host:port)"], r.stderr
+        "unbroken: error: coord.store='etcd://127.0.0.1:9/x': no etcd member answers"], r.stderr
+    assert st.returncode == 2 and len(st.stderr.strip().splitlines()) == 1 and "no etcd member answers" in st.stderr
+    assert taken.returncode == 2 and len(taken.stderr.strip().splitlines()) == 1, taken.stderr
+    assert "holds 1 keys of run 'run-someone'" in taken.stderr and "etcdctl del --prefix" in taken.stderr
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "unbroken: error: coord.store='etcd://h1:2379:9': bad member 'h1:2379:9' (host:port)"], bad.stderr
+    assert not out.exists()
+    assert EtcdStore(url).num_keys() == 1  # nothing written into the namespace it refused
 
 
 @pytest.mark.timeout(150)
