@@ -127,7 +127,7 @@ def test_collective_timeout_on_a_live_straggler_reforms_the_epoch(reference, tmp
     beats, and progress_timeout is long): the waiting members ask for the same members in a new epoch
     and the step goes on when it arrives, instead of every member waiting for an epoch change that
     never comes and the run failing."""
-    r, out = run_with(tmp_path, "slow:replica=1,from=3,to=4,factor=400", "--coord.collective_timeout=2",
+    r, out = run_with(tmp_path, "slow:replica=1,from=3,to=4,factor=150", "--coord.collective_timeout=2",
                       "--coord.progress_timeout=120")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=0)
