@@ -81,8 +81,10 @@ class RunConfig:
     progress: bool = True  # live progress with rich
     # how the local launcher starts a replica group: "torchrun" runs the cluster's own command (one
     # torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
-    # torchrun's agent process per group (its start-up and one more process per group on the host)
-    launcher: str = "direct"
+    # torchrun's agent process per group (its start-up and one more process per group on the host);
+    # "fork" (one-rank groups; groups of several ranks are torchrun's) forks it from a process that
+    # imported torch once (launcher/zygote.py): ~2 CPU-s less per trainer start and restart
+    launcher: str = "fork"
     # torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running job,
     # healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun line)
     restarts: int = 0
@@ -217,7 +219,8 @@ def validate(cfg: Config) -> None:
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
         (r.quotas in ("speed", "equal"), f"run.quotas={r.quotas!r}: expected 'speed' or 'equal'"),
         (r.step_ahead in ("auto", "on", "off"), f"run.step_ahead={r.step_ahead!r}: expected 'auto', 'on' or 'off'"),
-        (r.launcher in ("direct", "torchrun"), f"run.launcher={r.launcher!r}: expected 'direct' or 'torchrun'"),
+        (r.launcher in ("fork", "direct", "torchrun"),
+         f"run.launcher={r.launcher!r}: expected 'fork', 'direct' or 'torchrun'"),
         (r.restarts >= 0, f"run.restarts={r.restarts}: must be >= 0"),
         (r.restarts == 0 or r.launcher == "torchrun" or cfg.parallel.group_size > 1,
          f"run.restarts={r.restarts} needs --run.launcher=torchrun (torchrun restarts a group)"),

@@ -79,7 +79,9 @@ def test_kill_in_each_phase(reference, tmp_path, first, second, step_ahead):
 
 
 def test_two_kills_in_one_step(reference, tmp_path):
-    r, out = run_with(tmp_path, "kill:replica=1,step=5,phase=allreduce; kill:replica=2,step=5,phase=compute")
+    # trainers as fresh interpreters (--run.launcher=direct) here; the other tests fork them (the default)
+    r, out = run_with(tmp_path, "kill:replica=1,step=5,phase=allreduce; kill:replica=2,step=5,phase=compute",
+                      "--run.launcher=direct")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=2)
     assert_killed(events, (1, 5, "allreduce"), (2, 5, "compute"))

@@ -36,6 +36,7 @@ from unbroken.runtime.launcher.processes import kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
+from unbroken.runtime.launcher.zygote import Forked, Zygote
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
 from unbroken.runtime.control.store import preflight as store_preflight
@@ -84,8 +85,9 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
                  exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
                  run_id=run_id, group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | Forked] = []
     agents: AgentSet | None = None
+    zygote = _fork_server(cfg) if worker_cmd is None else None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
     error: str | None = "launcher failed"
     restore_sigterm = _sigterm_interrupts()
@@ -118,7 +120,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                      resumed=True)
         while True:
             workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
-                                        source, run_id, watch.last_step) for r in range(cfg.run.replicas)}
+                                        source, run_id, watch.last_step, zygote) for r in range(cfg.run.replicas)}
             procs.extend(workers.values())
             outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
             if outcome == "lost":  # the store went with the coordinator: nothing to tell anyone, end
@@ -152,6 +154,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             agents.close(keep_memory=lost)
         for p in procs:
             kill_tree(p)
+        if zygote is not None:
+            zygote.close()
     return _finish(cfg, run_dir, log, t0, error)
 
 
@@ -215,8 +219,19 @@ def _start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subproce
     return p, address
 
 
+def _fork_server(cfg: Config) -> Zygote | None:
+    """The fork server for this run's trainers (zygote.py), started now so it imports while the coordinator
+    starts; None where trainers are not forked (`--run.launcher` direct or torchrun, groups of several
+    ranks: torchrun starts those)."""
+    if cfg.run.launcher != "fork" or cfg.parallel.group_size > 1:
+        return None
+    return Zygote.start(DEFAULT_WORKER[2], {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads),
+                                            "PYTHONUNBUFFERED": "1"})
+
+
 def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
-                  resume: str, run_id: str, recorded: int = -1) -> subprocess.Popen:
+                  resume: str, run_id: str, recorded: int = -1,
+                  zygote: Zygote | None = None) -> subprocess.Popen | Forked:
     env = {**os.environ, "UNBROKEN_STORE": address, "UNBROKEN_REPLICA": str(r), "UNBROKEN_RUN_DIR": str(run_dir),
            "UNBROKEN_GENERATION": str(generation), "UNBROKEN_RESUME": resume, "UNBROKEN_RUN_ID": run_id,
            # a restart restores no step past the last one with a record in the log: a snapshot can be
@@ -226,19 +241,23 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-    if cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1:  # the cluster's command: a torchrun
+    torchrun = cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1
+    if torchrun:  # the cluster's command: a torchrun
         # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
         # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
-    out = open(run_dir / "logs" / f"replica{r}.log", "ab")
-    pin = None
+    mine = None
     if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
         cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
-        mine = {cores[(r * G + j) % len(cores)] for j in range(G)}
-        pin = lambda: os.sched_setaffinity(0, mine)  # noqa: E731 - runs in the child before exec
-    p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         preexec_fn=pin)
+        mine = sorted({cores[(r * G + j) % len(cores)] for j in range(G)})
+    log = run_dir / "logs" / f"replica{r}.log"
+    if zygote is not None and not torchrun and cmd == DEFAULT_WORKER and zygote.usable():
+        p = zygote.spawn(cmd[3:], env, str(log), mine)
+    else:
+        pin = (lambda: os.sched_setaffinity(0, mine)) if mine else None  # runs in the child before exec
+        p = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, preexec_fn=pin)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p
 

@@ -1,0 +1,215 @@
+"""The local launcher's fork server: one process that has imported torch once, forking each trainer.
+
+Owns: the fork server's process (`python -m unbroken.runtime.launcher.zygote MODULE`: it imports MODULE and
+what a trainer's first step imports, then forks one child per request, each calling MODULE's `main(argv)`
+with the environment and log file it was given), its pipe protocol, and `Forked`, the launcher's handle
+on a forked trainer (the part of `subprocess.Popen` the launcher uses: pid, poll, wait, returncode).
+Does not own: what a trainer does (the worker), when trainers start or stop (launch.py).
+
+Why: a trainer's interpreter spends ~2 CPU-s importing torch, DTensor and dynamo (AdamW's first step
+imports torch._dynamo) before its first microbatch. With 4 trainers on 2 cores, that was most of a short
+run's start-up and of every whole-job restart. Forked from a process that did it once, a trainer starts in
+milliseconds. The children are ordinary processes: their own pids, killed with real signals, exit codes
+reported as Popen's (negative: the signal). torchrun's workers (replica groups of several ranks, or
+`--run.launcher=torchrun`) are torchrun's own and start as on a cluster; so do `--run.launcher=direct`.
+
+Forking after `import torch` is safe where no thread has started: the server checks it has one thread
+(it never runs an op, so no intra-op pool exists) and refuses to serve otherwise, and the launcher then
+starts each trainer as a fresh interpreter. Python's `random` reseeds in each child (os.register_at_fork);
+torch's generator does not, and needs not: a trainer seeds it from (seed, step, microbatch).
+
+Protocol (JSON lines): the launcher writes {"argv", "env", "log", "cores"}; the server answers {"pid"} for
+each, in order, and {"exit": pid, "code": c} whenever a child ends.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+READY = "ready"
+
+
+class Forked:
+    """A trainer forked by the server. `poll()` and `wait()` read the server's exit reports; the process is
+    the server's child, so only it can reap it."""
+
+    def __init__(self, server: Zygote, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid, timeout=0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid, timeout=timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"forked trainer {self.pid}", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    """The launcher's end. `start(module, env)` once per run, early (the server imports while the launcher
+    starts the coordinator); `usable()` before the first `spawn()`; `spawn()` per trainer; `close()` at the
+    end, after the trainers were killed. Where `usable()` is False (the server did not come up, or found
+    threads running), the launcher execs each trainer instead."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lock = threading.Lock()
+        self.exits: dict[int, int] = {}
+        self.buffer = b""
+        self.ready: bool | None = None  # unknown until the server's first line
+
+    @classmethod
+    def start(cls, module: str, env: dict[str, str]) -> Zygote:
+        """Start the server for `module` with `env` (what every child inherits until its request's env
+        replaces it: the import-time settings, OMP_NUM_THREADS among them). Does not wait."""
+        proc = subprocess.Popen([sys.executable, "-m", __name__, module], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return cls(proc)
+
+    def usable(self, timeout_s: float = 60.0) -> bool:
+        """Whether the server forks trainers: waits (once) up to `timeout_s` for it to finish importing."""
+        if self.ready is None:
+            with self.lock:
+                self.ready = self._line(timeout_s) == {"status": READY}
+            if not self.ready:
+                self.close()
+        return self.ready
+
+    def spawn(self, argv: list[str], env: dict[str, str], log: str, cores: list[int] | None = None) -> Forked:
+        """Fork one child running the server's module with `argv`, `env` (whole: it replaces the server's),
+        stdout and stderr appended to `log`, pinned to `cores` if given. Raises OSError if the server died."""
+        with self.lock:
+            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": log, "cores": cores}).encode() + b"\n")
+            self.proc.stdin.flush()
+            while True:
+                msg = self._line(30.0)
+                if msg is None:
+                    raise OSError("the fork server stopped answering")
+                if "pid" in msg:
+                    return Forked(self, msg["pid"])
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit code once the server reported it, waiting up to `timeout` s (None: forever).
+        A server gone is taken as every child gone with it (killed: -9)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.exits:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if self._line(left) is None:
+                    if self.proc.poll() is not None:
+                        return self.exits.setdefault(pid, -9)
+                    return None
+            return self.exits[pid]
+
+    def _line(self, timeout: float | None) -> dict | None:
+        """The next message (exit reports are filed as they come), or None after `timeout` s or at EOF."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        msg = json.loads(line)
+        if "exit" in msg:
+            self.exits[msg["exit"]] = msg["code"]
+        return msg
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _child(request: dict, module: str, inherited: list[int]) -> None:
+    """In the forked child: become the trainer the request describes; never returns. It stays in the
+    launcher's process group, as a Popen child would (a terminal's Ctrl-C reaches it)."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a trainer not
+        out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # over the server's request pipe
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        for fd in {out, null, *inherited} - {0, 1, 2}:  # and its other children's pidfds
+            os.close(fd)
+        if request.get("cores"):
+            os.sched_setaffinity(0, request["cores"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [module, *request["argv"]]
+        importlib.import_module(module).main(request["argv"])  # imported by the server already
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(module: str) -> None:
+    """The server's loop: fork on each request, report each child's exit; ends when the launcher's end
+    of the pipe closes (the launcher ended), leaving its children to end on their own as exec'd ones do."""
+    importlib.import_module(module)
+    import torch._dynamo  # noqa: F401 - what AdamW's first step imports (~0.8 CPU-s), done once here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the launcher, which closes the pipe: ends here
+    out = sys.stdout.buffer
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        out.write(json.dumps({"status": "threads running"}).encode() + b"\n")  # forking would be unsafe
+        out.flush()
+        return
+    out.write(json.dumps({"status": READY}).encode() + b"\n")
+    out.flush()
+    requests, buffer, children = sys.stdin.buffer.fileno(), b"", {}
+    while True:
+        ready, _, _ = select.select([requests, *children], [], [])
+        for fd in ready:
+            if fd == requests:
+                chunk = os.read(requests, 65536)
+                if not chunk:
+                    return
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    pid = os.fork()
+                    if pid == 0:
+                        _child(json.loads(line), module, [requests, *children])
+                    children[os.pidfd_open(pid)] = pid
+                    out.write(json.dumps({"pid": pid}).encode() + b"\n")
+                    out.flush()
+            else:
+                pid = children.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                out.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,54 @@
+"""The local launcher's fork server (launcher/zygote.py) on its own: real forked processes, their exit
+codes as Popen gives them (negative: killed by that signal), each with its own argv, environment and log,
+none reading the server's request pipe; and a server that finds threads running refuses to fork."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken.runtime.launcher.zygote import Zygote
+
+pytestmark = pytest.mark.timeout(90)
+# OMP_NUM_THREADS=1, as the launcher sets it: with more, importing torch starts OpenMP's pool (a thread)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path]), "OMP_NUM_THREADS": "1"}
+
+
+def test_children_get_their_own_argv_env_and_log_and_exit_codes_come_back(tmp_path):
+    server = Zygote.start("tests.runtime._forked_child", ENV)
+    try:
+        assert server.usable()
+        logs = [tmp_path / f"child{n}.log" for n in range(3)]
+        kids = [server.spawn([code], {**ENV, "FORKED_TEST": f"child{n}"}, str(log))
+                for n, (code, log) in enumerate(zip(["0", "3", "wait"], logs))]
+        assert len({k.pid for k in kids} | {server.proc.pid}) == 4  # processes of their own
+        assert kids[0].wait(30) == 0 and kids[1].wait(30) == 3
+        with pytest.raises(subprocess.TimeoutExpired):
+            kids[2].wait(0.5)
+        assert kids[2].poll() is None
+        deadline = time.monotonic() + 30
+        while "argv=['wait']" not in logs[2].read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(kids[2].pid, signal.SIGKILL)  # a real signal, as chaos sends one
+        assert kids[2].wait(30) == -signal.SIGKILL
+        for n, (log, argv) in enumerate(zip(logs, ["0", "3", "wait"])):
+            text = log.read_text()
+            assert f"argv=['{argv}'] env=child{n} stdin=''" in text, text  # stdin: /dev/null, not the pipe
+            assert f"pid={kids[n].pid}" in text
+    finally:
+        server.close()
+    assert server.proc.poll() is not None
+
+
+def test_a_server_with_threads_running_does_not_fork(tmp_path):
+    module = tmp_path / "threaded_child.py"
+    module.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                      "def main(argv):\n    pass\n")
+    server = Zygote.start("threaded_child", {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"})
+    assert not server.usable()
+    assert server.proc.poll() is not None  # closed: the launcher execs each trainer instead
