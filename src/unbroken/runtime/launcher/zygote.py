@@ -56,13 +56,6 @@ class Forked:
             raise subprocess.TimeoutExpired(f"forked trainer {self.pid}", timeout)
         return self.returncode
 
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
 
 class Zygote:
     """The launcher's end. `start(module, env)` once per run, early (the server imports while the launcher
