@@ -13,7 +13,7 @@ import pytest
 
 from conftest import same, state
 from unbroken.runtime.snapshot.client import SnapshotClient
-from unbroken.runtime.snapshot.control import Topology
+from unbroken.runtime.snapshot.control import Topology, snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,12 +63,13 @@ def test_agents_outlive_killed_trainers_and_new_processes_restore(agents_factory
 
 def test_a_skipped_save_keeps_a_step_every_rank_holds(agents_factory):
     """Rank 0's agent falls two copies behind (SIGSTOPped: a real stalled process), so rank 0 skips its
-    save of step 4 while rank 1 saves it. At step 5 rank 1 must overwrite step 4 (never held by all)
+    save of step 4 while rank 1 saves it, and marks step 4 incomplete in its own family and its sibling's. At step 5 rank 1 must overwrite step 4 (never held by all)
     and keep step 3, so the agents still hold two steps in common; overwriting step 3, the older, left
     only step 5, and a resume limited to the log's step 4 found nothing to load (CI, etcd resume)."""
     agents = agents_factory(Topology(2, 1, "none"))
-    c = [SnapshotClient(agents.store, run_id=agents.run_id, rank=r, world=2, shm_dir=agents.shm(r))
-         for r in range(2)]
+    sibling = f"{agents.run_id}.s1"  # another shard index's family, as a replica group's rank 1 has
+    c = [SnapshotClient(agents.store, run_id=agents.run_id, rank=r, world=2, shm_dir=agents.shm(r),
+                        siblings=(sibling,)) for r in range(2)]
     for r in range(2):
         c[r].save(1, state(1), {"step": 1})
         c[r].wait_committed(1)
@@ -82,6 +83,9 @@ def test_a_skipped_save_keeps_a_step_every_rank_holds(agents_factory):
         os.kill(agents.procs[0].pid, signal.SIGCONT)
     assert saved == [True, True, False]  # 2 and 3 copied (not committed), 4 skipped
     assert agents.store.check([c[0].keys.incomplete(4)])
+    # and in the sibling family's keys: its ranks then keep step 3 too, one step common to every shard index
+    assert agents.store.check([snapshot_keys(sibling).incomplete(4)])
+    assert not agents.store.check([snapshot_keys(sibling).incomplete(3)])
     for s in (2, 3, 4):
         c[1].save(s, state(s), {"step": s})
         c[1].wait_committed(s)

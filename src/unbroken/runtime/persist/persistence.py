@@ -27,7 +27,7 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
 from unbroken.runtime.gradients import param_digest, unique_parameters
 from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
-from unbroken.runtime.snapshot.control import node_dir, shard_run_id
+from unbroken.runtime.snapshot.control import node_dir, shard_run_id, shard_run_ids
 from unbroken.runtime.persist.state import load_rng, local_state, materialize, training_state
 
 
@@ -51,9 +51,11 @@ class Persistence:
 
     def _client(self, share: int) -> SnapshotClient:
         if share not in self.clients:
-            run_id = shard_run_id(self.run_id, self.rank, self.cfg.parallel.group_size)
+            G = self.cfg.parallel.group_size
+            run_id, others = shard_run_id(self.run_id, self.rank, G), shard_run_ids(self.run_id, G)
+            shm_dir = node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(share))
             self.clients[share] = SnapshotClient(self.store, run_id=run_id, rank=share, world=self.world,
-                                                 shm_dir=node_dir(self.cfg.snapshot.shm_dir, self.cfg.topology().node_of(share)))
+                                                 shm_dir=shm_dir, siblings=tuple(r for r in others if r != run_id))
         return self.clients[share]
 
     def before_optimizer(self) -> None:

@@ -56,8 +56,11 @@ class SnapshotAgent:
     """Call `serve()` (blocks) or `poll()` repeatedly. One per (run, node)."""
 
     def __init__(self, store: dist.Store, run_id: str, node: int, topo: Topology, shm_dir: str,
-                 reconnect: Callable[[], dist.Store], timeout_s: float = 60.0, nonce: str = "") -> None:
+                 reconnect: Callable[[], dist.Store], timeout_s: float = 60.0, nonce: str = "",
+                 siblings: tuple[str, ...] = ()) -> None:
         self.store, self.run_id, self.node, self.topo = store, run_id, node, topo
+        # the other shard indices' run ids: a failed encode marks the step incomplete in theirs too
+        self.marks = (snapshot_keys(run_id), *map(snapshot_keys, siblings))
         # commands' gloo groups form on clients of their own, from `reconnect` (operations.Rendezvous)
         self.rendezvous = operations.Rendezvous(reconnect)
         self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, snapshot_keys(run_id)
@@ -238,7 +241,8 @@ class SnapshotAgent:
                 # missing): trainers overwrite it rather than the older step, which has its parity. (Saying
                 # pdone here instead let them overwrite the older, and a node lost now had nothing to be
                 # rebuilt from: "no step has data and parity on every survivor".)
-                self.store.set(self.keys.incomplete(cmd["step"]), f"parity failed on node {self.node}")
+                for keys in self.marks:
+                    self.store.set(keys.incomplete(cmd["step"]), f"parity failed on node {self.node}")
             self.store.set(self.keys.cmd(i, "done", self.node), answer)
 
 
@@ -262,9 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
     # One SnapshotAgent per shard index, each with its own store client and thread: an agent blocks in
     # collectives with its peers (parity, rebuild), and shard j's peers must never wait for shard i's.
+    families = shard_run_ids(a.run_id, a.shards)
     agents = [SnapshotAgent(connect(a.store), run_id, a.node, topo, a.shm_dir, lambda: connect(a.store),
-                            a.timeout, a.nonce)
-              for run_id in shard_run_ids(a.run_id, a.shards)]
+                            a.timeout, a.nonce, tuple(f for f in families if f != run_id))
+              for run_id in families]
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: [agent.stop() for agent in agents])
     threads = [threading.Thread(target=agent.serve, name=f"agent-{agent.run_id}", daemon=True)

@@ -46,9 +46,13 @@ class SnapshotClient:
     r // ranks_per_node."""
 
     def __init__(self, store: dist.Store, *, run_id: str, rank: int, world: int,
-                 shm_dir: str = DEFAULT_SHM_DIR, timeout_s: float = 60.0) -> None:
+                 shm_dir: str = DEFAULT_SHM_DIR, timeout_s: float = 60.0, siblings: tuple[str, ...] = ()) -> None:
         self.store, self.run_id, self.rank, self.world = store, check_run_id(run_id), rank, world
         self.shm_dir, self.timeout_s, self.keys = shm_dir, timeout_s, snapshot_keys(run_id)
+        # the other shard indices' run ids (replica groups of several ranks): a step this rank skips is
+        # marked incomplete in theirs too, so every shard index keeps the same older step and a restore
+        # or rebuild finds one step that all of them hold (control.shard_run_id)
+        self.marks = (self.keys, *map(snapshot_keys, siblings))
         self.topo: Topology | None = None
         self._slots: list[SlotFile] | None = None
         # Read mappings of slot files, kept open between restores: mapping (MAP_POPULATE) and
@@ -91,7 +95,8 @@ class SnapshotClient:
         if slot is None:
             # said before this rank lets the next step commit: the other ranks' next save reads it and
             # keeps their older slot rather than this step's (`_pick_slot`), so one step stays common
-            self.store.set(self.keys.incomplete(step), f"skipped by rank {self.rank}")
+            for keys in self.marks:
+                self.store.set(keys.incomplete(step), f"skipped by rank {self.rank} of {self.run_id}")
             return False
         slot.set(state=int(State.WRITING))  # from here on the slot is torn until COPIED
         slot.set(gen=slot.get("gen") + 1, step=step, length=hi - lo, checksum=0)

@@ -12,7 +12,9 @@ agent whose command fails sets `cmd/<i>/abandoned/<group's first node>`: either 
 peers waiting on that command to give it up at once rather than after their timeout. A trainer that
 skips its save of a step (its agent two copies behind) sets `incomplete/<step>` before the next step can
 commit, and so does an agent whose parity encode of the step failed; the ranks' next save then
-overwrites that step rather than the older one all still hold with its parity.
+overwrites that step rather than the older one all still hold with its parity. With replica groups of
+several ranks the mark goes into every shard index's family (`shard_run_id`), so all of them keep the same
+older step: a restore or a rebuild after a node loss needs one step that every shard index holds.
 """
 
 from __future__ import annotations
