@@ -252,7 +252,7 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
         cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
         mine = sorted({cores[(r * G + j) % len(cores)] for j in range(G)})
     log = run_dir / "logs" / f"replica{r}.log"
-    if zygote is not None and not torchrun and cmd == DEFAULT_WORKER and zygote.usable():
+    if zygote is not None and zygote.usable():  # only for the default worker in one-rank groups (_fork_server)
         p = zygote.spawn(cmd[3:], env, str(log), mine)
     else:
         pin = (lambda: os.sched_setaffinity(0, mine)) if mine else None  # runs in the child before exec
