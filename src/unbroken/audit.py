@@ -81,7 +81,8 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int, ranks: ra
         if kind == "restart":
             gen += 1
         elif kind == "compute":
-            computed[gen, r["step"], r["replica"], r.get("rank", 0)].add(r["microbatch"])
+            for rank in r.get("shards", [r.get("rank", 0)]):  # a shrunk group's rank computes every shard's
+                computed[gen, r["step"], r["replica"], rank].add(r["microbatch"])
         elif kind == "reduce" and r.get("ok"):
             reduced.add((gen, r["step"], r["epoch"], r["replica"], r.get("rank", 0)))
         elif kind == "applied":

@@ -120,6 +120,13 @@ class ParallelConfig:
     pp: int = 1
     # tensor-parallel degree inside a group (attention heads and MLP units split; group_size = tp, so far)
     tp: int = 1
+    # what a group that loses a rank does: drop (the whole group leaves until torchrun brings it back) or
+    # replan (the scheduler of policy/scheduling.py chooses; "shrink" runs the group on its survivor,
+    # healed from a peer group). replan starts one torchrun agent per rank, as a group spanning hosts.
+    on_rank_loss: str = "drop"
+    # the re-plan cost model's one-off cost of re-forming a group after a plan change, s (stated, not
+    # measured: stepcost.Hardware's H100 figure; a shrink here re-forms in ~0.1-0.5 s on CPU gloo)
+    reform_seconds: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -292,6 +299,14 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (pp * tp == 1 or not cfg.snapshot.enabled,
          f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with snapshot.enabled=true: in-memory snapshots of "
          f"pipeline or tensor-parallel groups are not tested yet (those of FSDP2 groups are)"),
+        (p.reform_seconds >= 0, f"parallel.reform_seconds={p.reform_seconds}: must be >= 0"),
+        (p.on_rank_loss in ("drop", "replan"), f"parallel.on_rank_loss={p.on_rank_loss!r}: expected drop or replan"),
+        (p.on_rank_loss == "drop" or (pp == g == 2 and tp == 1),
+         f"parallel.on_rank_loss=replan with parallel.group_size={g}, pp={pp}, tp={tp}: re-planning at run time "
+         f"is built for groups of 2 pipeline stages (a lost stage's survivor runs the whole model)"),
+        (p.on_rank_loss == "drop" or not cfg.coord.store,
+         "parallel.on_rank_loss=replan with coord.store set: the groups' torchrun rendezvous is hosted on the "
+         "coordinator's TCPStore, which an etcd store replaces"),
         (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
          f"(each FSDP rank of a group takes an equal share of every microbatch's sequences)"),

@@ -53,6 +53,7 @@ from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
 from unbroken.runtime.parallel.parallelize import reduced_shards
 from unbroken.runtime.parallel.pipeline import Stages
+from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.persist.healing import Forming, donate
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
@@ -70,6 +71,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
     stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
+    standin: StandIn | None = None  # a shrunk group's one rank holding every stage (standin.py)
 
 
 class Trainer:
@@ -80,7 +82,10 @@ class Trainer:
         self.cfg, self.who, self.me, self.coord, self.log = cfg, who, who.group, coord, log
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
-        self.stages = parts.stages
+        self.stages, self.standin = parts.stages, parts.standin
+        # the shard indices this rank reduces, digests and heals: its own; all of them when it stands in
+        # for a shrunk group (standin.py)
+        self.holds = tuple(range(self.standin.stages)) if self.standin else (who.rank,)
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
@@ -90,6 +95,8 @@ class Trainer:
         self.fsdp = self.group is not None and self.shares > 1  # FSDP2 inside: rows split, reduce-scatter
         self.counts_loss = tp_index == 0  # tensor-parallel ranks see the same loss: one counts it
         self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
+        if self.standin:
+            self.tag["shards"] = list(self.holds)
         self.params = unique_parameters(self.model)
         self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
         dtype = torch.float64 if cfg.run.exact else torch.float32
@@ -97,18 +104,24 @@ class Trainer:
         # it to float32 in .grad): summed over a step's batches, rounded once, as one-rank groups do.
         # A pipeline stage hands over each microbatch's gradients itself (pipeline.py says why).
         hooked = self.stages is not None or (self.fsdp and cfg.run.exact)
-        self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
+        if self.standin:
+            self.accs = (self.standin.accumulator(dtype, self.params), self.standin.accumulator(dtype, self.params))
+            self.standin.attach(self.params, lambda p, grad: self.acc.add_shard(p, grad))
+        else:
+            self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
         self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
         if self.stages is not None:
             self.stages.sink = lambda p, grad: self.acc.add_shard(p, grad)
         elif hooked:
             reduced_shards(self.model, lambda p, shard: self.acc.add_shard(p, shard))
-        self.groups: dict[tuple[int, tuple[int, ...]], EpochGroup] = {}  # (epoch, members) -> its group
-        self.reduced: torch.Tensor | None = None  # the last all-reduce's result (`scratch`)
-        self.scratch: torch.Tensor | None = None  # reused as the all-reduce's copy until one is abandoned
+        self.groups: dict[tuple[int, tuple[int, ...], int], EpochGroup] = {}  # (epoch, members, shard) -> group
+        self.reduced: torch.Tensor | list[torch.Tensor] | None = None  # the last all-reduce's result(s)
+        self.scratch: dict[int, torch.Tensor] = {}  # shard -> the all-reduce's copy, until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
-        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.params), self.ranks, self.wait_s)
+        mine = self.standin.shards[0] if self.standin else self.params
+        also = [(j, lambda j=j: param_digest(self.standin.shards[j])) for j in self.holds[1:]]
+        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(mine), self.ranks, self.wait_s, also)
         # Snapshots and checkpoints of a step start once it is known committed; pipelined, that comes
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
         # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).
@@ -226,7 +239,8 @@ class Trainer:
             case rec.Publish(step, epoch, held):
                 self.before_publish(step, epoch)
                 self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
-                return rec.Published(epoch, self.coord.publish(step, epoch, held, work.timings_of(held)))
+                return rec.Published(epoch, self.coord.publish(step, epoch, held, work.timings_of(held),
+                                                               count=len(self.holds)))
             case rec.Propose(step, epoch, outcome):
                 plan = self.coord.proposal(self.sidecar.weights) if outcome == "commit" else None
                 return self.decided(work, step, epoch, self.coord.propose(step, epoch, outcome, plan))
@@ -298,6 +312,8 @@ class Trainer:
             mb = part(self.data.microbatch(step, i), self.share, self.shares)  # this rank's sequences
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
+            if self.standin:
+                self.standin.seed = mix(self.cfg.run.seed, step, i)  # and per stage, as a pipeline seeds it
             loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, work.tokens)
             loss.backward()
             work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the record sums ranks' shares
@@ -351,9 +367,6 @@ class Trainer:
         self.hb.at(step, "allreduce", epoch=epoch)
         if self.coord.epoch() > epoch:
             return rec.EpochChanged(self.coord.chain_after(epoch))
-        if (epoch, members) not in self.groups:
-            self.groups[epoch, members] = EpochGroup(self.coord.group_store(), epoch, members, self.me,
-                                                     self.cfg.coord.collective_timeout, shard=self.who.rank)
         held = work.held()
 
         def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
@@ -362,22 +375,32 @@ class Trainer:
             self.pipeline.save_early()
             self.sidecar.digest_now()  # the step record we write of the step before (sidecar.py)
 
-        buffer = work.acc.buffer
-        if self.scratch is None or self.scratch.dtype != buffer.dtype:
-            self.scratch = torch.empty_like(buffer)
-        try:
-            result = self.groups[epoch, members].allreduce(buffer, lambda: self.coord.epoch() > epoch, on_issued=issued,
-                                                  into=self.scratch)
-        except EpochMoved:
-            self.scratch = None  # the abandoned collective may still write it
-            return rec.EpochChanged(self.coord.chain_after(epoch))
-        except CollectiveError as e:
-            self.scratch = None
-            self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e), **self.tag)
-            return rec.ReduceFailed(epoch, str(e))
-        self.reduced = result.tensor
-        self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True, seconds=round(result.seconds, 6),
-                      **self.tag)
+        buffers = [a.buffer for a in work.acc.parts] if self.standin else [work.acc.buffer]
+        results = []
+        for shard, buffer in zip(self.holds, buffers):  # a stand-in reduces each shard index in its family
+            key = (epoch, members, shard)
+            if key not in self.groups:
+                self.groups[key] = EpochGroup(self.coord.group_store(), epoch, members, self.me,
+                                              self.cfg.coord.collective_timeout, shard=shard)
+            into = self.scratch.get(shard)
+            if into is None or into.dtype != buffer.dtype:
+                into = self.scratch[shard] = torch.empty_like(buffer)
+            tag = {**self.tag, "rank": shard} if self.standin else self.tag
+            tag.pop("shards", None)
+            try:
+                result = self.groups[key].allreduce(buffer, lambda: self.coord.epoch() > epoch,
+                                                    on_issued=issued if not results else None, into=into)
+            except EpochMoved:
+                self.scratch = {}  # the abandoned collective may still write them
+                return rec.EpochChanged(self.coord.chain_after(epoch))
+            except CollectiveError as e:
+                self.scratch = {}
+                self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e), **tag)
+                return rec.ReduceFailed(epoch, str(e))
+            results.append(result.tensor)
+            self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True,
+                          seconds=round(result.seconds, 6), **tag)
+        self.reduced = results if self.standin else results[0]
         return rec.Reduced(epoch)
 
     def step_optimizer(self, work: StepWork) -> float:
@@ -404,8 +427,11 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
-        self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
-                      state_digest=quick_param_digest(self.params), waited=round(work.waited, 6), **self.tag)
+        for shard, params in zip(self.holds, self.standin.shards if self.standin else [self.params]):
+            tag = {**self.tag, "rank": shard} if self.standin else self.tag
+            tag.pop("shards", None)
+            self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
+                          state_digest=quick_param_digest(params), waited=round(work.waited, 6), **tag)
         members = work.members
         if self.persist:
             self.persist.after_commit(step, members, lambda: self.faults.at(step, "snapshot"))
@@ -427,16 +453,20 @@ class Trainer:
             t = time.perf_counter()
             if self.who.rank == 0:
                 self.coord.offer_heal(g, admitted, step, plan)
-            try:
-                forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, self.who.rank),
-                                  0, self.cfg.coord.collective_timeout)
-                sent, seconds, transfer = donate(forming, self.model, self.optimizer)
-            except RuntimeError as e:
-                self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **self.tag)
-                continue
-            self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
-                          transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),
-                          **self.tag)
+            for shard in self.holds:  # a stand-in sends each shard index to the joiner's rank of that index
+                tag = {**self.tag, "rank": shard} if self.standin else self.tag
+                tag.pop("shards", None)
+                try:
+                    forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, shard),
+                                      0, self.cfg.coord.collective_timeout)
+                    sent, seconds, transfer = donate(forming, self.model, self.optimizer,
+                                                     self.standin.shards[shard] if self.standin else None)
+                except RuntimeError as e:
+                    self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **tag)
+                    break
+                self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
+                              transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),
+                              **tag)
 
     def fence(self, step: int, reason: str) -> None:
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)

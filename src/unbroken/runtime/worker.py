@@ -46,13 +46,14 @@ from unbroken.runtime.control.coordination import Coordination
 from unbroken.runtime.control.store import answering, connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
-from unbroken.runtime.control.heartbeat import Heartbeat
+from unbroken.runtime.control.heartbeat import Beats, Heartbeat
 from unbroken.policy.membership import donor
 from unbroken.runtime.persist.healing import Forming, receive
 from unbroken.runtime.persist.state import materialize
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
+from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.trainer import Parts, Trainer
 from unbroken.topology import Identity, TopologyError
 
@@ -178,14 +179,23 @@ def run(factories: Factories) -> int:
     except (ConfigError, TopologyError) as e:
         print(f"unbroken: error: {e}", file=sys.stderr)
         return 2
+    log = EventLog(where.run_dir / "events.jsonl", who=f"replica{who.group}")
+    if who.rank == 0:  # the group's process to `kill -9` (under torchrun the launcher only knows the agent's)
+        (where.run_dir / "logs").mkdir(exist_ok=True)
+        (where.run_dir / "logs" / f"replica{who.group}.pid").write_text(str(os.getpid()))
+    log.emit("worker_start", replica=who.group, rank=who.rank, group_size=who.group_size, node=who.node,
+             pid=os.getpid(), torchrun="TORCHELASTIC_RUN_ID" in os.environ,
+             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    return _serve(where, who, log, factories)
+
+
+def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories, lost_from: int = -1) -> int:
+    """Train as `who` until the last step; the exit code of `run`. `lost_from` >= 0: this process is the
+    survivor (then rank `lost_from`) of a group that lost a rank, going on as its whole group shrunk onto
+    one rank (standin.py) if the coordinator's scheduler admits it (parallel.on_rank_loss=replan)."""
     address, run_dir, cfg, generation = where.address, where.run_dir, where.cfg, where.generation
     resume, run_id, me = where.resume, where.run_id, who.group
-    log = EventLog(run_dir / "events.jsonl", who=f"replica{me}")
-    if who.rank == 0:  # the group's process to `kill -9` (under torchrun the launcher only knows the agent's)
-        (run_dir / "logs").mkdir(exist_ok=True)
-        (run_dir / "logs" / f"replica{me}.pid").write_text(str(os.getpid()))
-    log.emit("worker_start", replica=me, rank=who.rank, group_size=who.group_size, node=who.node, pid=os.getpid(),
-             torchrun="TORCHELASTIC_RUN_ID" in os.environ, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    shrinking = lost_from >= 0
     raw = connect(address)
 
     def client() -> PrefixStore:  # a client of its own for each thread (and each epoch's group)
@@ -195,19 +205,22 @@ def run(factories: Factories) -> int:
     coord = Coordination(PrefixStore(keys.generation_prefix(generation), raw), me, watch, reconnect=client,
                          decisions=DecisionWatch(client(), watch.cond, reconnect=client), rank=who.rank)
     tag = {"rank": who.rank} if who.group_size > 1 else {}
-    heartbeat = Heartbeat(address, me, cfg.coord.heartbeat_interval,
-                          on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
-                          prefix=keys.generation_prefix(generation), rank=who.rank)
+    holds = range(cfg.parallel.pp) if shrinking else (who.rank,)  # the rank indices it beats for
+    beats = [Heartbeat(address, me, cfg.coord.heartbeat_interval,
+                       on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
+                       prefix=keys.generation_prefix(generation), rank=j) for j in holds]
+    heartbeat = Beats(beats) if shrinking else beats[0]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    joining = restart > 0 or coord.is_dead()  # restarted by torchrun, or a new process for a lost group
+    # restarted by torchrun, a new process for a lost group, or a lost rank's survivor going on shrunk
+    joining = shrinking or restart > 0 or coord.is_dead()
     if not joining:
         heartbeat.start()
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     injector = Injector(faults, me, log, raw, rank=who.rank)
     try:
-        parts = build(cfg, factories, who)
+        parts = build_standin(cfg, factories) if shrinking else build(cfg, factories, who)
         mine = signature(cfg, parts)
-        if who.rank == 0 and coord.claim_signature(mine) != mine:
+        if who.rank == 0 and not shrinking and coord.claim_signature(mine) != mine:
             raise ConfigError(f"replica group {me}'s config or model differs from the run's (signature "
                               f"{mine[:12]}...): refused, nothing loaded")
         persist = None
@@ -220,7 +233,9 @@ def run(factories: Factories) -> int:
             if resume and trainer.persist else 0
         plan = None
         if joining:
-            first, plan = join(cfg, who, coord, heartbeat, parts, log, restart)
+            first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, [lost_from] if shrinking else None)
+            if first < 0:  # the scheduler chose to drop the group: the survivor leaves (exit 4, as before)
+                return 4
         trainer.fit(first, plan)
         if trainer.persist:
             trainer.persist.close()
@@ -231,15 +246,29 @@ def run(factories: Factories) -> int:
         return 2
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
-        if who.group_size > 1 and peer_lost(e):  # a rank of our group died: the group is out, not the run
-            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
+        if who.group_size > 1 and not shrinking and peer_lost(e):  # a rank of our group died: the group is
+            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)  # out, not the run
+            heartbeat.stop()  # before the coordinator's fence mark could end this process
             coord.leave(4)  # the coordinator learns now, not after a heartbeat timeout
+            if cfg.parallel.on_rank_loss == "replan":
+                return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)
             return 4
         log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
         return 1
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0
+
+
+def build_standin(cfg: Config, factories: Factories) -> Parts:
+    """A shrunk pipeline group's one rank: the whole model (its state comes from a peer group's ranks by
+    healing, so the seed matters only for determinism), every stage's shard index held (standin.py)."""
+    import torch
+
+    torch.manual_seed(cfg.run.seed)
+    model = factories.model(cfg)
+    standin = StandIn(model, cfg.parallel.pp)
+    return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
 
 
 def signature(cfg: Config, parts: Parts) -> str:
@@ -251,32 +280,42 @@ def signature(cfg: Config, parts: Parts) -> str:
     return h.hexdigest()
 
 
-def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat, parts: Parts, log: EventLog,
-         restart: int) -> tuple[int, object]:
+def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat | Beats, parts: Parts, log: EventLog,
+         restart: int, alive: list[int] | None = None) -> tuple[int, object]:
     """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
-    step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1).
-    Call once, after `build`, before training. The admission waits for the old incarnation to be declared
-    dead (a heartbeat timeout) and for a step boundary: up to the start-up timeout."""
+    step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1),
+    or (-1, None) when the coordinator refused a shrunk group (`alive`: the survivor's rank before; it
+    takes every shard index from the donor's ranks, one heal each). Call once, after `build`, before
+    training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
+    at once after a `leave`) and for a step boundary: up to the start-up timeout."""
     nonce = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'direct')}-{restart}-{who.group}"
+    if alive is not None:
+        nonce = f"shrink-{os.getpid()}-{who.group}"
     if who.rank == 0:
-        coord.ask_to_join(nonce, restart)
+        coord.ask_to_join(nonce, restart, alive)
     wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
     materialize(parts.model, parts.optimizer)  # the optimizer's state tensors to load into, off the donor's path
     admitted = coord.admitted(nonce, wait)
+    if admitted < 0:
+        log.emit("shrink_refused", replica=who.group, alive=alive)
+        return -1, None
     heartbeat.start()
+    shards = list(enumerate(parts.standin.shards)) if parts.standin else [(who.rank, None)]
 
-    def forming(d: int) -> Forming:
-        return Forming(coord.group_store(), keys.heal_prefix(who.group, admitted, d, who.rank), 1, timeout)
+    def forming(d: int, shard: int) -> Forming:
+        return Forming(coord.group_store(), keys.heal_prefix(who.group, admitted, d, shard), 1, timeout)
 
     # the donor of the step boundary ahead, as the members will pick it if nobody dies meanwhile
     likely = donor([m for m in coord.members(admitted) if m != who.group], who.group)
-    early = forming(likely)
+    early = [forming(likely, j) for j, _ in shards]
     step, chosen, plan = coord.heal_offer(admitted, wait)
     heartbeat.at(step, "heal")
-    got, seconds, transfer = receive(early if chosen == likely else forming(chosen), parts.model, parts.optimizer)
-    log.emit("heal", replica=who.group, donor=chosen, step=step, bytes=got, seconds=round(seconds, 6),
-             transfer=round(transfer, 6), side="joiner",
-             **({"rank": who.rank} if who.group_size > 1 else {}))
+    for (j, params), ready in zip(shards, early):
+        got, seconds, transfer = receive(ready if chosen == likely else forming(chosen, j), parts.model,
+                                         parts.optimizer, params)
+        log.emit("heal", replica=who.group, donor=chosen, step=step, bytes=got, seconds=round(seconds, 6),
+                 transfer=round(transfer, 6), side="joiner",
+                 **({"rank": j} if who.group_size > 1 else {}), **({"shrunk": True} if params else {}))
     return step + 1, plan
 
 

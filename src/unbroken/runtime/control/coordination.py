@@ -141,14 +141,15 @@ class Coordination:
         self._staged = (step, epoch, tuple(held))
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]],
-                staged: bool | None = None) -> int:
-        """Say the all-reduce of (step, epoch) succeeded here (for this rank's shard); returns how many
-        publishes the epoch has had: one per rank of each member group.
+                staged: bool | None = None, count: int = 1) -> int:
+        """Say the all-reduce of (step, epoch) succeeded here (for this rank's shard, or for the `count`
+        shard indices a shrunk group's rank reduced); returns how many publishes the epoch has had: one
+        per shard index of each member group.
         The done record is written first unless `stage` already wrote this very one (`staged`; None:
         as this view knows, while another view, e.g. the sidecar's, is told by its caller)."""
         if not (self.staged(step, epoch, held) if staged is None else staged):
             self.stage(step, epoch, held, timings)
-        return self.store.add(keys.done_count(step, epoch), 1)
+        return self.store.add(keys.done_count(step, epoch), count)
 
     def staged(self, step: int, epoch: int, held: tuple[int, ...]) -> bool:
         """Whether `stage` wrote this very done record last: no round trip."""
@@ -230,10 +231,12 @@ class Coordination:
         itself. Idempotent; a request for an epoch already past is ignored."""
         self.store.set(keys.reform(epoch), json.dumps({"replica": self.me, "reason": reason}))
 
-    def post_shard(self, step: int, digest: str, loss: float) -> None:
+    def post_shard(self, step: int, digest: str, loss: float, rank: int | None = None) -> None:
         """Rank j > 0 of a group: the sha256 of its shard of the parameters after `step` and its share of
-        the step's loss (its shard's loss slot, reduced across groups), for the group's record."""
-        self.store.set(keys.shard_digest(step, self.me, self.rank), json.dumps([digest, loss]))
+        the step's loss (its shard's loss slot, reduced across groups), for the group's record. `rank`:
+        the shard index posted for, when a shrunk group's one rank holds several (default: this rank's)."""
+        self.store.set(keys.shard_digest(step, self.me, self.rank if rank is None else rank),
+                       json.dumps([digest, loss]))
 
     def shards(self, step: int, group_size: int, timeout_s: float) -> list[tuple[str, float]]:
         """Rank 0 of a group: (shard digest, loss share) that its ranks 1..G-1 posted after `step`, in rank
@@ -243,9 +246,12 @@ class Coordination:
         return [tuple(json.loads(v)) for v in self.store.multi_get(names)]
 
     # joining ----------------------------------------------------------------------------------------
-    def ask_to_join(self, nonce: str, restart: int) -> None:
-        """A restarted or new group's rank 0: ask the coordinator for admission (`admitted` says when)."""
-        self.store.set(keys.join(self.me), json.dumps({"nonce": nonce, "restart": restart}))
+    def ask_to_join(self, nonce: str, restart: int, alive: list[int] | None = None) -> None:
+        """A restarted or new group's rank 0: ask the coordinator for admission (`admitted` says when).
+        `alive`: the ranks of a group that lost others and asks to go on shrunk (the coordinator's
+        scheduler may refuse: `admitted` then returns -1)."""
+        request = {"nonce": nonce, "restart": restart, **({"alive": alive} if alive is not None else {})}
+        self.store.set(keys.join(self.me), json.dumps(request))
 
     def admitted(self, nonce: str, timeout_s: float) -> int:
         """Wait until the request `nonce` of this group is admitted; returns the epoch that admitted it.

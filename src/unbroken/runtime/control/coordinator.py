@@ -137,6 +137,13 @@ class Coordinator:
         for g in range(self.replicas):
             if g not in self.membership.members and self.store.check([keys.join(g)]):
                 requests[g] = json.loads(self.store.get(keys.join(g)))
+        for g, request in sorted(requests.items()):
+            # survivors of a group that lost ranks (parallel.on_rank_loss=replan): the scheduler decides
+            if "alive" in request and self.slowness.rank_lost(g, request["alive"], list(self.membership.members)) \
+                    != "shrink":
+                self.store.set(keys.admitted(g, request["nonce"]), "-1")  # refused: the survivor leaves
+                self.store.delete_key(keys.join(g))
+                del requests[g]
         if not requests:
             return
         new = self.membership.admit(requests)
@@ -148,7 +155,8 @@ class Coordinator:
                 self.beats.pop((g, j), None)
             self.store.set(keys.joined(g), str(new.epoch))
             self.store.set(keys.admitted(g, request["nonce"]), str(new.epoch))
-            self.log.emit("join", replica=g, epoch=new.epoch, restart=request.get("restart", 0))
+            self.log.emit("join", replica=g, epoch=new.epoch, restart=request.get("restart", 0),
+                          **({"shrunk": True, "alive": request["alive"]} if "alive" in request else {}))
         self._begin(new, admitted=sorted(requests))
 
     def _reform(self) -> None:
@@ -242,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress-timeout", type=float, default=20.0)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
-    ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS of every group: re-plan "
+    ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS,REFORM_S of every group: re-plan "
                     "groups turning Slow with the scheduler (empty: quotas follow speed without it)")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-ttl", type=int, default=5, help="s: with etcd, a standby leads this long after a death")
     a = ap.parse_args(argv)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-    shape = GroupShape(a.group_size, *map(int, a.plan.split(","))) if a.plan else None
+    shape = GroupShape(a.group_size, *(float(v) if "." in v else int(v) for v in a.plan.split(","))) \
+        if a.plan else None
     if a.store:  # several coordinators may serve the run: the one holding the lease leads, the rest wait
         store, address = connect(a.store), a.store
         from unbroken.runtime.control.election import lead

@@ -86,10 +86,11 @@ def heartbeat(group: int, rank: int = 0) -> str:
     return f"hb/{group}" if rank == 0 else f"hb/{group}.{rank}"
 
 
-def attempt_prefix(restart: int) -> str:
-    """The prefix of a replica group's own rendezvous in torchrun's agent store (not the coordinator's),
-    per restart attempt: a restarted group must not meet the keys of the attempt before."""
-    return f"unbroken/attempt{restart}"
+def attempt_prefix(restart: int, job: str = "") -> str:
+    """The prefix of a replica group's own rendezvous in torchrun's agent store, per restart attempt: a
+    restarted group must not meet the keys of the attempt before. `job` (torchrun's rendezvous id) keeps
+    groups apart where their agents share one store (a c10d rendezvous on the coordinator's store)."""
+    return f"unbroken/{job}/attempt{restart}" if job else f"unbroken/attempt{restart}"
 
 
 def shard_digest(step: int, group: int, rank: int) -> str:

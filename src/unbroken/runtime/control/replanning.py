@@ -39,6 +39,14 @@ REFUSED = {
     "shrink": "torchrun restarts the whole group on any rank's death: survivors cannot re-form a smaller plan",
     "grow": "a group's plan is fixed when its torchrun job starts (it runs its full plan or is out)",
 }
+# A group that lost a rank (parallel.on_rank_loss=replan): dropping it and shrinking it onto its one
+# survivor (the whole model, every shard index: runtime/parallel/standin.py) are executed; nothing else.
+LOST_REFUSED = {
+    "repartition": "a group's survivors run the whole model on one rank or leave: other layer splits are not built",
+    "grow": "a lost rank comes back by its group's restart (torchrun), which rejoins at the full plan",
+    "keep": "the group lost a rank",
+    "reweight": "the group lost a rank",
+}
 EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused too under that setting
 
 
@@ -52,13 +60,14 @@ class GroupShape:
     width: int  # model.n_embd: a block holds ~12 width^2 parameters
     microbatches: int  # M, per step
     steps: int  # the run's steps: the horizon a slow episode's plan is spread over (its end is unknown)
+    reform_seconds: float = 2.0  # config parallel.reform_seconds: the cost model's one-off re-form time
 
 
 def group_shape(cfg: Config) -> GroupShape:
     """The run's groups as the coordinator needs them (launch.py passes its fields as --plan)."""
     p = cfg.parallel
     return GroupShape(p.group_size, p.tp, p.pp, cfg.model.n_layer, cfg.model.n_embd, cfg.run.microbatches,
-                      cfg.run.steps)
+                      cfg.run.steps, float(p.reform_seconds))
 
 
 def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, follow_speed: bool) -> GroupPlanner | None:
@@ -80,10 +89,15 @@ class GroupPlanner:
         self.shape, self.full, self.log = shape, full, log
         self.refused = dict(REFUSED) if follow_speed else {**REFUSED, "reweight": EQUAL}
         self.reweighted: dict[int, float] = {}  # group -> its speed when its applied option was reweight
+        self.shrunk: dict[int, Plan] = {}  # group -> the plan it runs after losing a rank (shrink applied)
+        self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
 
     def weight_of(self, group: int, speed: float) -> float:
-        """`speed` while the group's last applied option is reweight, else 1.0 (keep: equal quotas)."""
-        return speed if group in self.reweighted else 1.0
+        """`speed` while the group's last applied option is reweight; a shrunk group's plan weight (the
+        cost model's predicted speed of its smaller plan); else 1.0 (keep: equal quotas)."""
+        if group in self.reweighted:
+            return speed
+        return self.shrunk[group].weight if group in self.shrunk else 1.0
 
     def resume(self, published: Mapping[int, float]) -> None:
         """A coordinator taking over: the groups whose published weight is below 1 were reweighted by the
@@ -93,10 +107,39 @@ class GroupPlanner:
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
         self.reweighted.pop(group, None)
+        self.shrunk.pop(group, None)
+
+    def on_rank_lost(self, group: int, alive: Sequence[int], step: int, members: Sequence[int],
+                     predictor: Predictor) -> scheduling.Restricted | None:
+        """A group lost ranks (its survivors, `alive`, ask to go on without them): the scheduler's choice
+        between dropping it and shrinking it onto them, logged as a `group_plan` event. Returns the
+        restricted decision (its `applied.kind` is "shrink" or "drop"), or None when the cost model
+        cannot be set up (logged: the group is then dropped). Call once per request, after its old
+        incarnation was declared dead (`forget`), with the members that stay."""
+        setting, source, seconds = self._setting(self.timings, predictor)
+        if setting is None:
+            self.log.emit("group_plan_skipped", step=step, replica=group, why=source)
+            return None
+        plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != group}
+        plans.update({g: p for g, p in self.shrunk.items() if g in plans})
+        plans[group] = self.full
+        speeds = {g: {k: v for k in self.full.ranks} for g, v in self.reweighted.items() if g in plans}
+        horizon = max(1.0, float(self.shape.steps - step))
+        d = scheduling.decide(group, plans, self.full, frozenset(alive), speeds, setting, horizon,
+                              peers=len(plans) > 1)
+        refused = {k: why for k, why in LOST_REFUSED.items()}
+        r = scheduling.restrict(d, refused)
+        if r.applied.kind == "shrink":
+            self.shrunk[group] = r.applied.plan
+        self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
+                      per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+        return r
 
     def on_verdicts(self, changes: Sequence[VerdictChange], timings: Mapping[int, Sequence[MicrobatchTiming]],
                     predictor: Predictor, members: Sequence[int]) -> None:
-        """Decide for each group entering Slow or leaving it; log one `group_plan` event each."""
+        """Decide for each group entering Slow or leaving it; log one `group_plan` event each. Call with
+        every committed step (changes or not): its timings price a later rank loss too."""
+        self.timings = timings
         for c in changes:
             if (c.new is Verdict.SLOW) == (c.old is Verdict.SLOW):
                 continue  # Healthy <-> Suspect: nothing to decide
@@ -108,7 +151,8 @@ class GroupPlanner:
             speed = c.speed if slow else 1.0
             # others keep the quota weight in force; every rank of a group at its group's speed (not located)
             plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != c.replica}
-            plans[c.replica] = self.full
+            plans.update({g: p for g, p in self.shrunk.items() if g in plans})
+            plans[c.replica] = self.shrunk.get(c.replica, self.full)
             speeds = {g: {k: v for k in self.full.ranks} for g, v in self.reweighted.items() if g in plans}
             speeds[c.replica] = {k: speed for k in self.full.ranks} if speed < 1.0 else {}
             horizon = max(1.0, float(self.shape.steps - c.step))
@@ -141,8 +185,9 @@ class GroupPlanner:
         # sends is width float32s per token. Hardware: stepcost's stated H100 defaults, not this machine's:
         # they price only the options not executed here (keep and reweight move nothing).
         model = stepcost.ModelShape(self.shape.layers, 12 * w * w * 16.0, 4.0 * w)
+        hardware = stepcost.Hardware(reform_seconds=self.shape.reform_seconds)
         try:
-            return stepcost.calibrate(seconds, self.full, model, stepcost.Hardware(), max(1, round(tokens)),
+            return stepcost.calibrate(seconds, self.full, model, hardware, max(1, round(tokens)),
                                       self.shape.microbatches), source, seconds
         except ValueError as e:
             return None, str(e), seconds

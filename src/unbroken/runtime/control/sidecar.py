@@ -45,12 +45,15 @@ class Sidecar:
     """
 
     def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str], group_size: int = 1,
-                 wait_s: float = 60.0):
+                 wait_s: float = 60.0, also: list[tuple[int, Callable[[], str]]] | None = None):
         self.coord, self.log, self.own_digest = coord, log, digest
         # A group of G ranks: each holds a shard, so the record's digest (written by rank 0 of the
         # writer's group) is the sha256 of its ranks' shard digests in rank order, which ranks 1..G-1
         # post after every step (`coord.post_shard`); identical in every group (they hold the same state).
         self.group_size, self.wait_s = group_size, wait_s
+        # A shrunk group's one rank holds shard indices 1..G-1 as well (standin.py): their digests are its
+        # own to take, with loss share 0 (the whole loss sits in its own slot), where ranks would post them.
+        self.also = also or []
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
@@ -142,7 +145,9 @@ class Sidecar:
             return own, loss
         if self.group_size == 1:
             return own, loss
-        parts = [(own, loss), *self.coord.shards(step, self.group_size, self.wait_s)]
+        others = [(d(), 0.0) for _, d in self.also] if self.also else self.coord.shards(step, self.group_size,
+                                                                                         self.wait_s)
+        parts = [(own, loss), *others]
         return hashlib.sha256("".join(d for d, _ in parts).encode()).hexdigest(), sum(x for _, x in parts)
 
     def _record(self, digest: _Once | None, step: int, epoch: int, members: tuple[int, ...], writer: int,

@@ -77,6 +77,21 @@ class SlownessMonitor:
                     self.published = speeds
             self.next_step += 1
 
+    def rank_lost(self, group: int, alive: list[int], members: list[int]) -> str:
+        """A group whose survivors `alive` ask to go on without its lost ranks: "shrink" (the scheduler
+        chose it: the group's quota weight becomes its smaller plan's, published now) or "drop" (its
+        choice, or no planner). Call once per request, from the coordinator's admission round."""
+        if self.planner is None:
+            return "drop"
+        r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
+        if r is None or r.applied.kind != "shrink":
+            return "drop"
+        if self.follow_speed:
+            weights = {**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)}
+            publish_weights(self.store, json.dumps(weights))
+            self.published = weights
+        return "shrink"
+
     def forget(self, replica: int) -> None:
         self.detector.forget(replica)
         if self.planner is not None:

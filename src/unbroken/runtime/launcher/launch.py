@@ -32,7 +32,7 @@ from unbroken.faultspec import parse
 from unbroken.policy.snapshotting import needs_restart, restore_source
 from unbroken.progress import LiveView
 from unbroken.report import finish_run
-from unbroken.runtime.launcher.processes import kill_tree
+from unbroken.runtime.launcher.processes import AgentGroup, kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
@@ -241,6 +241,8 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
+    if cfg.parallel.on_rank_loss == "replan":  # a torchrun agent per rank, as a group spanning hosts
+        return _start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env)
     torchrun = cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1
     if torchrun:  # the cluster's command: a torchrun
         # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
@@ -260,6 +262,26 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
                              stdin=subprocess.DEVNULL, preexec_fn=pin)
     (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
     return p
+
+
+def _start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, job: str,
+                  env: dict[str, str]) -> AgentGroup:
+    """Group r as one torchrun agent per rank (`--nnodes=G --nproc-per-node=1`), rendezvousing (c10d) on the
+    coordinator's store, which outlives every trainer: where one agent per group (`--standalone`) stops
+    every rank when one dies, a rank here dies alone, and its group's survivor can go on shrunk
+    (parallel.on_rank_loss=replan). `job`, the rendezvous id, names run, generation and group; no restarts: a lost
+    rank is replaced by starting its agent again (which re-forms the group at its full plan)."""
+    G = cfg.parallel.group_size
+    procs = []
+    for j in range(G):
+        line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={address}", "--rdzv-conf=is_host=false",
+                f"--rdzv-id={job}", "--max-restarts=0", *cmd[1:]]
+        log = run_dir / "logs" / (f"replica{r}.log" if j == 0 else f"replica{r}.agent{j}.log")
+        procs.append(subprocess.Popen(line, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL))
+    (run_dir / "logs" / f"replica{r}.pid").write_text(str(procs[0].pid))
+    return AgentGroup(procs)
 
 
 def _cut_torn_line(events: Path) -> None:
@@ -404,6 +426,9 @@ class _Watch:
             if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
                 return "failed", self.worker_error
             finished, dead = self._read_store(store, workers)
+            for r in finished:
+                if isinstance(workers[r], AgentGroup):  # its agents may linger in torchrun's exit barrier
+                    workers[r].finished()
             lost = [r for r in workers if r not in finished and (r in dead
                                                                  or (r in reported and workers[r].returncode))]
             live = len(workers) - len(lost) - len(finished)

@@ -30,9 +30,43 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def signal_tree(p: subprocess.Popen, sig: int) -> None:
+class AgentGroup:
+    """One replica group started as one torchrun agent per rank (parallel.on_rank_loss=replan: as a group
+    spanning hosts, so a rank's death does not make torchrun stop its siblings), seen as one process.
+
+    Ended once every agent ended, or, after `finished()` (the group applied the last step), once every
+    agent still running has no worker left: such an agent waits in torchrun's exit barrier for a lost
+    rank's agent that will never come (300 s). Its code is 0 when any rank finished cleanly (a shrunk
+    group's survivor), else the first agent's non-zero code."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+        self.pid = procs[0].pid  # what the launcher's exit wait watches (the rest: its polling)
+        self._finished = False
+
+    def finished(self) -> None:
+        self._finished = True
+
+    def poll(self) -> int | None:
+        codes = [p.poll() for p in self.procs]
+        if any(c is None and not (self._finished and len(process_tree(p.pid)) == 1)
+               for p, c in zip(self.procs, codes)):
+            return None
+        ended = [c for c in codes if c is not None]
+        return 0 if 0 in ended or len(ended) < len(codes) else next(c for c in ended if c)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+
+def signal_tree(p: subprocess.Popen | AgentGroup, sig: int) -> None:
     """Send `sig` to `p` and every process under it (listed before any is signalled: a process whose parent
     died is re-parented and could no longer be found); does not reap. A no-op once `p` has ended."""
+    if isinstance(p, AgentGroup):
+        for q in p.procs:
+            signal_tree(q, sig)
+        return
     if p.poll() is not None:
         return
     for pid in process_tree(p.pid):  # the agent first, so it restarts nothing; its workers are listed already
@@ -42,9 +76,13 @@ def signal_tree(p: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def kill_tree(p: subprocess.Popen) -> None:
+def kill_tree(p: subprocess.Popen | AgentGroup) -> None:
     """SIGKILL `p` and every process under it, and reap `p`. A torchrun agent starts its workers in
     sessions of their own: killing the agent alone would leave them running, re-parented to init."""
+    if isinstance(p, AgentGroup):
+        for q in p.procs:
+            kill_tree(q)
+        return
     signal_tree(p, signal.SIGKILL)
     if p.poll() is None:
         p.wait()

@@ -52,7 +52,8 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
         raise TopologyError(f"group_size={group_size} needs torchrun's environment ({', '.join(missing)} unset)")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-    attempt = PrefixStore(keys.attempt_prefix(int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))), store)
+    attempt = PrefixStore(keys.attempt_prefix(int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                              env.get("TORCHELASTIC_RUN_ID", "")), store)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                             timeout=timeout)

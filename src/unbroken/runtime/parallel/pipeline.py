@@ -54,10 +54,7 @@ def split(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, Tied]:
     if missing or not isinstance(model.blocks, nn.ModuleDict):
         raise TopologyError(f"parallel.pp={stages} needs a GPT-like model (tok, pos, drop, blocks as a "
                             f"ModuleDict, ln_f, head); this one lacks {', '.join(missing) or 'a ModuleDict'}")
-    n = len(model.blocks)
-    if not 1 <= stages <= n:
-        raise TopologyError(f"parallel.pp={stages}: the model has {n} blocks")
-    bounds = [s * (n // stages) + min(s, n % stages) for s in range(stages + 1)]
+    bounds = _bounds(model, stages)
     by_tensor: dict[int, tuple[list[str], tuple[int, ...]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), ([], tuple(p.shape)))[0].append(name)
@@ -70,6 +67,39 @@ def split(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, Tied]:
     if stage < stages - 1:
         model.ln_f = model.head = None
     return model, tied
+
+
+def _bounds(model: nn.Module, stages: int) -> list[int]:
+    """Block index where each stage starts, then the number of blocks: contiguous runs, earlier stages
+    taking one more when they do not divide evenly."""
+    n = len(model.blocks)
+    if not 1 <= stages <= n:
+        raise TopologyError(f"parallel.pp={stages}: the model has {n} blocks")
+    return [s * (n // stages) + min(s, n % stages) for s in range(stages + 1)]
+
+
+def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:
+    """The parameter names `split(model, stage, stages)` would keep, in the order its `unique_parameters`
+    lists them (a tied weight under the name this stage holds it by), without pruning anything: what a
+    rank holding several stages (standin.py) reduces, digests and heals as shard index `stage`."""
+    bounds = _bounds(model, stages)
+
+    def kept(name: str) -> bool:
+        top, _, rest = name.partition(".")
+        if top == "blocks":
+            return bounds[stage] <= int(rest.partition(".")[0]) < bounds[stage + 1]
+        if top in ("tok", "pos", "drop"):
+            return stage == 0
+        if top in ("ln_f", "head"):
+            return stage == stages - 1
+        raise TopologyError(f"parallel.pp={stages}: parameter {name!r} belongs to no stage")
+
+    out, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad and kept(name) and id(p) not in seen:  # a stage holds a tied tensor once
+            seen.add(id(p))
+            out.append(name)
+    return out
 
 
 class Stages:

@@ -25,9 +25,8 @@ from unbroken.runtime.gradients import local, quick_param_digest, unique_paramet
 from unbroken.runtime.persist.state import materialize
 
 
-def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """This rank's parameters, then each parameter's optimizer state tensors (sorted keys), all local."""
-    params = unique_parameters(model)
+def _tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This shard's parameters, then each parameter's optimizer state tensors (sorted keys), all local."""
     out = [local(p.detach()) for p in params]
     for p in params:
         for _, v in sorted(optimizer.state.get(p, {}).items()):
@@ -64,16 +63,19 @@ class Forming:
         return self._pg
 
 
-def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float, float]:
+def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
+           params: list[torch.Tensor] | None = None) -> tuple[int, float, float]:
     """Send this rank's state to the joiner's rank over the heal group; returns (bytes, seconds in all,
-    seconds of the transfer alone: the group's rendezvous excluded). Call right
+    seconds of the transfer alone: the group's rendezvous excluded). `params`: the shard to send when this
+    rank holds several (standin.py), else all of `model`'s. Call right
     after the optimizer step of the step before the joiner's first. Raises on a joiner that never
     comes (timeout) or dies mid-transfer: the caller goes on, and the joiner is declared dead."""
     t0 = time.perf_counter()
     pg = forming.get()
-    tensors = _tensors(model, optimizer)
+    params = unique_parameters(model) if params is None else params
+    tensors = _tensors(params, optimizer)
     flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-    digest = torch.tensor(list(bytes.fromhex(quick_param_digest(unique_parameters(model)))), dtype=torch.uint8)
+    digest = torch.tensor(list(bytes.fromhex(quick_param_digest(params))), dtype=torch.uint8)
     pg.barrier().wait()  # the group formed on both sides: what follows is the transfer
     t1 = time.perf_counter()
     pg.broadcast(flat, 0).wait()
@@ -86,16 +88,18 @@ class HealMismatch(RuntimeError):
     """What the joiner loaded does not hash to the donor's digest."""
 
 
-def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float, float]:
-    """Load this rank's state from the donor's rank over the heal group; returns (bytes, seconds in all,
-    seconds of the transfer alone). Call once, before the first step (after `materialize`, which a fresh
+def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
+            params: list[torch.Tensor] | None = None) -> tuple[int, float, float]:
+    """Load this rank's state (or the shard `params` of it, as `donate`) from the donor's rank over the
+    heal group; returns (bytes, seconds in all, seconds of the transfer alone). Call once, before the first step (after `materialize`, which a fresh
     optimizer needs to have state tensors to load into: done before waiting, off the donor's path).
     Raises HealMismatch when the loaded parameters do not hash to the donor's
     digest, and gloo's error when the donor dies mid-transfer."""
     t0 = time.perf_counter()
     materialize(model, optimizer)  # a no-op when done already
     pg = forming.get()
-    tensors = _tensors(model, optimizer)
+    params = unique_parameters(model) if params is None else params
+    tensors = _tensors(params, optimizer)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
     digest = torch.empty(16, dtype=torch.uint8)
     pg.barrier().wait()
@@ -108,7 +112,7 @@ def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
             offset += t.numel()
-    want, got = bytes(digest.tolist()).hex(), quick_param_digest(unique_parameters(model))
+    want, got = bytes(digest.tolist()).hex(), quick_param_digest(params)
     if got != want:
         raise HealMismatch(f"healed parameters hash to {got}, the donor's to {want}")
     return flat.numel() * flat.element_size(), time.perf_counter() - t0, t2 - t1
