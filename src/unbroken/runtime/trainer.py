@@ -86,6 +86,7 @@ class Trainer:
         # the shard indices this rank reduces, digests and heals: its own; all of them when it stands in
         # for a shrunk group (standin.py)
         self.holds = tuple(range(self.standin.stages)) if self.standin else (who.rank,)
+        self.shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not self.standin
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
@@ -469,5 +470,21 @@ class Trainer:
                               **tag)
 
     def fence(self, step: int, reason: str) -> None:
+        """Leave the run (exit 3): declared dead, this process must write nothing into a later step.
+        Raises GroupLost instead where its group was declared dead for another rank and may go on
+        shrunk on this one (parallel.on_rank_loss=replan): the worker then asks the coordinator."""
+        dead = self.coord.dead_reason() if self.shrinkable else None
+        if dead is not None and lost_rank(dead) not in (None, self.who.rank):
+            raise GroupLost(dead)
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)
         os._exit(3)
+
+
+class GroupLost(RuntimeError):
+    """This rank's group was declared dead because another of its ranks went silent."""
+
+
+def lost_rank(reason: str) -> int | None:
+    """The rank a dead verdict names ("rank J: ..."), or None (the group as a whole: an exit)."""
+    head = reason.split(":", 1)[0]
+    return int(head[5:]) if head.startswith("rank ") and head[5:].isdigit() else None

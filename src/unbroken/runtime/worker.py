@@ -54,7 +54,7 @@ from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
 from unbroken.runtime.parallel.standin import StandIn
-from unbroken.runtime.trainer import Parts, Trainer
+from unbroken.runtime.trainer import GroupLost, Parts, Trainer, lost_rank
 from unbroken.topology import Identity, TopologyError
 
 
@@ -206,9 +206,13 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
                          decisions=DecisionWatch(client(), watch.cond, reconnect=client), rank=who.rank)
     tag = {"rank": who.rank} if who.group_size > 1 else {}
     holds = range(cfg.parallel.pp) if shrinking else (who.rank,)  # the rank indices it beats for
+    shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not shrinking
     beats = [Heartbeat(address, me, cfg.coord.heartbeat_interval,
                        on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
-                       prefix=keys.generation_prefix(generation), rank=j) for j in holds]
+                       prefix=keys.generation_prefix(generation), rank=j,
+                       # declared dead for another rank's silence: the trainer (fence) decides
+                       spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None)
+             for j in holds]
     heartbeat = Beats(beats) if shrinking else beats[0]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     # restarted by torchrun, a new process for a lost group, or a lost rank's survivor going on shrunk
@@ -240,6 +244,10 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         if trainer.persist:
             trainer.persist.close()
         coord.finish()
+    except GroupLost as e:  # another rank of the group went silent and the group was declared dead
+        log.emit("group_broken", replica=me, error=f"declared dead: {e}"[:300], **tag)
+        heartbeat.stop()
+        return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)
     except ConfigError as e:  # a joiner refused leaves the run as it was; at the start it is bad input
         print(f"unbroken: error: {e}", file=sys.stderr)
         log.emit("join_refused" if joining else "worker_error", replica=me, error=str(e)[:300], **tag)

@@ -223,6 +223,12 @@ class Coordination:
         except Exception:  # noqa: BLE001 - best effort: the group leaves either way
             pass
 
+    def dead_reason(self) -> str | None:
+        """Why this member was declared dead (the coordinator's verdict), or None while it is not."""
+        if not self.store.check([keys.dead(self.me)]):
+            return None
+        return json.loads(self.store.get(keys.dead(self.me)))["reason"]
+
     def request_reform(self, epoch: int, reason: str) -> None:
         """Ask the coordinator for a new epoch with the same members (a fresh collective group).
 

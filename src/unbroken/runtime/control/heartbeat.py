@@ -24,12 +24,15 @@ from unbroken.runtime.control.store import connect
 
 class Heartbeat:
     def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
-                 prefix: str = "", rank: int = 0):
+                 prefix: str = "", rank: int = 0, spared: Callable[[str], bool] | None = None):
         self.me, self.interval = me, interval_s
         self.key = keys.heartbeat(me, rank)  # every rank of a group beats: any one silent kills the group
         self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
         self._store = PrefixStore(prefix, connect(address)) if prefix else connect(address)
         self._on_fenced = on_fenced
+        # spared(reason): a fence this process survives (it stops beating, and its trainer takes over):
+        # a group declared dead for another rank's silence, whose survivor may go on shrunk
+        self._spared = spared
         self._stop = threading.Event()
         self._kick = threading.Event()  # beat now (see `at`)
         self._seq = 0
@@ -37,8 +40,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        if not self._beat():
-            self._fence()
+        if not self._beat() and not self._fence():
+            return
         self._thread.start()
 
     def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
@@ -66,8 +69,12 @@ class Heartbeat:
         self._last = value
         return True
 
-    def _fence(self) -> None:
+    def _fence(self) -> bool:
+        """Leave (exit 3), unless `spared`: then stop beating and return False."""
         reason = json.loads(self._store.get(keys.dead(self.me)))["reason"]
+        if self._spared is not None and self._spared(reason):
+            self._stop.set()
+            return False
         self._on_fenced(f"declared dead ({reason})")
         os._exit(3)
 
@@ -77,8 +84,8 @@ class Heartbeat:
             self._kick.clear()
             if self._stop.is_set():
                 return
-            if not self._beat():
-                self._fence()
+            if not self._beat() and not self._fence():
+                return
 
 
 class Beats:

@@ -1,0 +1,90 @@
+"""Re-planning at run time (`--parallel.on_rank_loss=replan`): 2 groups of 2 pipeline stages, each rank a
+real torchrun agent of its own, in `--exact`, dropout on. A rank of group 1 is SIGKILLed; its group
+leaves the step and the survivors redo its microbatches, as under drop; then the coordinator's scheduler
+(policy/scheduling.py) chooses between dropping the group and shrinking it onto its surviving rank.
+
+Under shrink the survivor goes on as the whole group (the whole model on one rank, every stage's shard
+index: standin.py), healed stage by stage from the matching ranks of group 0, and the run stays bitwise
+on the failure-free pipeline trajectory: the same digests at every step (each a sha256 of the two
+stages' sha256s), also through the steps the shrunk group computes. Dropout is on (0.1): the stand-in
+re-seeds each microbatch at the stage boundary, as the second stage does. With nothing committed yet to
+price the options with, the group is dropped: the survivor leaves, and the run goes on with group 0
+alone, still on the trajectory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unbroken
+from tests.runtime.test_groups import digests, run_faults
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+PIPELINE = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--steps", "8", "--microbatches", "4",
+            "--exact", "--run.progress=false", "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1",
+            "--coord.run_timeout=150"]
+# reform 0.1 s: what a shrink here costs (rebuild and heal, ~0.1 s measured on CPU gloo); the cost model's
+# default 2 s (an H100 cluster's re-form) would not pay off over the few steps left in an 8-step test
+REPLAN = [*PIPELINE, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline-reference")
+    r = unbroken("train", *PIPELINE, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def one(events: list[dict], event: str, **fields) -> dict:
+    # a rank-0 fault's event names no rank (one-rank groups' events never do)
+    found = [e for e in events if e["event"] == event
+             and all(e.get(k, 0 if k == "rank" else None) == v for k, v in fields.items())]
+    assert len(found) == 1, f"{len(found)} {event} events with {fields}"
+    return found[0]
+
+
+@pytest.mark.parametrize("phase,rank", [("compute", 1), ("allreduce", 0), ("commit", 1), ("optimizer", 0)])
+def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pipeline_reference, phase, rank):
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank={rank},step=3,phase={phase}", base=REPLAN)
+    fault = one(events, "fault", kind="kill", replica=1, rank=rank)
+    assert (fault["step"], fault["phase"]) == (3, phase)
+    survivor = 1 - rank
+    one(events, "group_broken", replica=1, rank=survivor)  # the survivor saw its pipeline peer die
+    dead = one(events, "member_dead", replica=1)
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    assert (plan["decision"], plan["applied"], plan["alive"], plan["plan"]) == ("shrink", "shrink", [survivor],
+                                                                               "tp1 pp1 [2]")
+    assert {o["kind"] for o in plan["options"]} == {"drop", "shrink"}
+    join = one(events, "join", replica=1, shrunk=True)
+    assert join["alive"] == [survivor] and join["epoch"] > dead["epoch"]
+    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e.get("shrunk")]
+    assert sorted(e["rank"] for e in heals) == [0, 1] and len({e["donor"] for e in heals}) == 1  # both stages
+    healed = heals[0]["step"]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    shrunk_steps = [s for s in range(healed + 1, 8) if "1" in records[s]["owners"]]
+    assert shrunk_steps, "the shrunk group computed no microbatch after it healed"
+    # the stand-in computed its microbatches as both stages (one process, the whole model) ...
+    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > healed]
+    assert stand_in and all(e.get("shards") == [0, 1] for e in stand_in)
+    assert sorted({e["microbatch"] for e in stand_in if e["step"] == shrunk_steps[0]}) == \
+        records[shrunk_steps[0]]["owners"]["1"]
+    # ... and the run never left the failure-free pipeline trajectory, through the loss and the shrink
+    assert digests(out) == digests(pipeline_reference)
+
+
+def test_a_rank_lost_before_any_step_committed_drops_its_group(tmp_path, pipeline_reference):
+    """With no committed step there are no measured timings to price the options with: the scheduler is
+    not asked (`group_plan_skipped`, naming why), the group is dropped as under `drop`, its survivor
+    leaves, and group 0 finishes alone on the same trajectory."""
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=0,phase=compute", base=REPLAN)
+    one(events, "fault", kind="kill", replica=1, rank=1)
+    skipped = one(events, "group_plan_skipped", replica=1)
+    assert "no timings" in skipped["why"]
+    assert not [e for e in events if e["event"] == "group_plan"]
+    one(events, "shrink_refused", replica=1)
+    assert not [e for e in events if e["event"] == "join"]
+    assert all(e["members"] == [0] for e in events if e["event"] == "step")
+    assert digests(out) == digests(pipeline_reference)
