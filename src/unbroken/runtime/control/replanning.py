@@ -7,14 +7,17 @@ Owns: what the coordinator knows of a group's plan (`GroupShape`, from the confi
 `group_plan` event, and which groups' quotas follow their speed afterwards (`weight_of`). Does not own:
 the decision or its cost model (policy/), the detector or publishing weights (slowness.py).
 
-What the runtime executes: keep (equal quotas) and reweight (the group's quota weight is its measured
-speed: what --run.quotas=speed always did). Quotas come from `workload.assign` either way, so every step
-still reduces exactly its M microbatches. Not executed, and said so in each event:
-  drop         a live group leaves a run only when declared dead (fenced, it exits): nothing parks a
+What the runtime executes. For a group turning Slow or Healthy: keep (equal quotas) and reweight (the
+group's quota weight is its measured speed: what --run.quotas=speed always did). For a group that lost a
+rank (parallel.on_rank_loss=replan, groups of 2 pipeline stages; `on_rank_lost`): drop (its survivor
+leaves) and shrink (its survivor runs the whole model: runtime/parallel/standin.py), the shrunk group's
+quota weight its smaller plan's. Quotas come from `workload.assign` either way, so every step still
+reduces exactly its M microbatches. Not executed, and said so in each event:
+  drop (slow)  a live group leaves a run only when declared dead (fenced, it exits): nothing parks a
                healthy-but-slow group off the step and probes it until it is fast again
-  shrink, grow, repartition
-               a group's plan is fixed when its torchrun job starts: torchrun restarts the whole group on
-               any rank's death, so its ranks cannot re-form with other degrees or another layer split
+  shrink (slow), grow, repartition
+               a live group's ranks keep their plan: only a lost rank's survivor re-forms (shrink), and a
+               lost rank's return re-forms the group at its full plan by its torchrun restart
 The runtime's detector times whole groups (the group's slowest stage, trainer.py): it cannot say which
 rank is slow, so the decision is given every rank of the group at the group's measured speed.
 """
@@ -36,7 +39,8 @@ REFUSED = {
     "drop": "the runtime takes a live group out only by declaring it dead (fenced, its torchrun job exits): "
             "it cannot park a slow group off the step and probe it back",
     "repartition": "a group's layer split is fixed when its torchrun job starts",
-    "shrink": "torchrun restarts the whole group on any rank's death: survivors cannot re-form a smaller plan",
+    "shrink": "a group re-forms a smaller plan only when it lost a rank (parallel.on_rank_loss=replan), "
+              "not around a slow one",
     "grow": "a group's plan is fixed when its torchrun job starts (it runs its full plan or is out)",
 }
 # A group that lost a rank (parallel.on_rank_loss=replan): dropping it and shrinking it onto its one

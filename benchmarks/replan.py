@@ -1,0 +1,103 @@
+"""Committed throughput after a rank is lost for good: a pipeline group shrunk onto its survivor against the
+group dropped.
+
+Owns: running 2 groups x PP 2 through unbroken's own launcher (gloo, --exact), rank 1 (the last stage) of
+group 1 SIGKILLed at step FROM and never replaced, under `--parallel.on_rank_loss=replan` (the coordinator's
+scheduler chooses; here it chooses shrink: group 1 goes on as its survivor running the whole model, healed
+from group 0, its quota weight the cost model's) and `--parallel.on_rank_loss=drop` (group 1 leaves for the
+rest of the run: torchrun stops its survivor, and nothing restarts it), alternating the two in every round,
+and reading each run's committed tokens per second over the episode from its event log.
+
+Episode: from the commit of step FROM - 1 (the last step before the loss) to the commit of the last step,
+so the loss, the redo of the lost group's microbatches and the shrink's re-form and heal all count.
+
+Two figures, both printed. Device time (the headline, `ratio shrink_over_drop`): per step the busiest
+group's device seconds (compute events: a pipeline group's slowest stage, a shrunk group's own thread CPU
+time), i.e. the step's compute critical path when every rank has a device of its own, as on a cluster.
+Wall clock (`ratio shrink_over_drop_wall`): on this 2-core host the ranks share the cores, so after the
+loss drop runs 2 processes on 2 cores and shrink 3 on the same 2: the survivor's "idle GPU" that shrink puts
+back to work is not idle capacity here, and the wall-clock ratio cannot show what the device-time one does.
+What both leave out: the all-reduce, commit and optimizer step (in the wall clock only); a replaced rank
+growing the group back (not built: the lost rank never returns here).
+Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 8]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from unbroken.api import make_config
+from unbroken.events import read_events
+from unbroken.runtime.launcher.launch import launch
+
+FROM = 3  # the step rank 1 of group 1 is killed in
+
+
+def measure(records: list[dict]) -> dict[str, float | str]:
+    """Committed tokens per wall-clock second and per device-time critical-path second over the episode."""
+    steps = {r["step"]: r for r in records if r["event"] == "step"}
+    last = max(steps)
+    episode = range(FROM, last + 1)
+    tokens = sum(steps[s]["tokens"] for s in episode)
+    wall = steps[last]["t"] - steps[FROM - 1]["t"]
+    busy: dict[tuple[int, int], float] = {}  # (step, group) -> device s, from rank 0's compute events (a
+    for r in records:  # pipeline's ranks each log the group's slowest-stage time; a stand-in is rank 0)
+        if r["event"] == "compute" and r["step"] >= FROM and r.get("rank", 0) == 0:
+            busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
+    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in episode)
+    plans = [r for r in records if r["event"] == "group_plan" and r.get("why") == "rank lost"]
+    return {"wall": tokens / wall, "device": tokens / path,
+            "applied": plans[0]["applied"] if plans else "none (drop)",
+            "weight": plans[0]["applied_weight"] if plans else 0.0,
+            "last_quotas": "/".join(f"{g}:{len(v)}" for g, v in sorted(steps[last]["owners"].items()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of shrink (replan) / drop")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
+    ap.add_argument("--seq-len", type=int, default=64, help="fixed tokens per sequence (= block size)")
+    args = ap.parse_args()
+    t0 = time.time()
+    base = dict(replicas=2, steps=args.steps, microbatches=args.microbatches, progress=False, exact=True,
+                faults=f"kill:replica=1,rank=1,step={FROM},phase=compute",
+                parallel__group_size=2, parallel__pp=2, model__n_layer=2, model__n_embd=args.n_embd,
+                model__block_size=args.seq_len, model__dropout=0.0, data__batch_size=args.batch_size,
+                data__seq_len=str(args.seq_len), coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+    # reform 0.5 s: this host's order of magnitude for a shrink (rebuild + heal, ~0.1-0.3 s measured), not
+    # the cost model's H100 default of 2 s, which over 20 steps of ~0.3 s would price shrink out
+    modes = {"shrink": dict(parallel__on_rank_loss="replan", parallel__reform_seconds=0.5),
+             "drop": dict(parallel__on_rank_loss="drop")}
+    got: dict[str, list[dict]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="replan-") as tmp:
+        for rnd in range(args.rounds):
+            for mode, extra in modes.items():
+                out = Path(tmp) / f"{mode}-{rnd}"
+                result = launch(make_config(**base, **extra, out=str(out)), title=f"replan {mode}")
+                if not result.ok:
+                    raise SystemExit(f"run failed: {result.error} (see {out})")
+                m = measure(read_events(out / "events.jsonl"))
+                got[mode].append(m)
+                print(f"round {rnd + 1} {mode:>6}: applied {m['applied']} (weight {m['weight']}), last quotas "
+                      f"{m['last_quotas']}; {m['wall']:.0f} committed tokens/s wall clock, {m['device']:.0f} per "
+                      f"device-time critical-path second", flush=True)
+    wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
+    device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
+    print(f"2 groups x PP 2, group 1's rank 1 killed at step {FROM} and never replaced, M={args.microbatches}, "
+          f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1} (the loss, redo, "
+          f"re-form and heal included); wall {time.time() - t0:.0f} s")
+    print(f"committed tokens/s (median over rounds): device-time critical path shrink {device['shrink']:.0f}, "
+          f"drop {device['drop']:.0f}; wall clock shrink {wall['shrink']:.0f}, drop {wall['drop']:.0f} (2 cores "
+          f"shared by every rank: see the docstring)")
+    print(f"ratio shrink_over_drop_wall {wall['shrink'] / wall['drop']:.3f}")
+    print(f"ratio shrink_over_drop {device['shrink'] / device['drop']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
