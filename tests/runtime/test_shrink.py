@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import unbroken
 from tests.runtime.test_groups import digests, run_faults
+from tests.runtime.test_pp_tp import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -32,10 +32,7 @@ REPLAN = [*PIPELINE, "--parallel.on_rank_loss=replan", "--parallel.reform_second
 
 @pytest.fixture(scope="module")
 def pipeline_reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pipeline-reference")
-    r = unbroken("train", *PIPELINE, "--out", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    return train(tmp_path_factory, "pipeline-reference", PIPELINE)
 
 
 def one(events: list[dict], event: str, **fields) -> dict:
