@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
-from unbroken.api import make_config
-from unbroken.events import read_events
-from unbroken.runtime.launcher.launch import launch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _alternate.py, from anywhere
+from _alternate import add_pipeline_args, alternate, pipeline_base  # noqa: E402
 
 FROM = 3  # the step rank 1 of group 1 is killed in
 
@@ -60,33 +59,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternations of shrink (replan) / drop")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
-    ap.add_argument("--seq-len", type=int, default=64, help="fixed tokens per sequence (= block size)")
+    add_pipeline_args(ap)
     args = ap.parse_args()
     t0 = time.time()
-    base = dict(replicas=2, steps=args.steps, microbatches=args.microbatches, progress=False, exact=True,
-                faults=f"kill:replica=1,rank=1,step={FROM},phase=compute",
-                parallel__group_size=2, parallel__pp=2, model__n_layer=2, model__n_embd=args.n_embd,
-                model__block_size=args.seq_len, model__dropout=0.0, data__batch_size=args.batch_size,
-                data__seq_len=str(args.seq_len), coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+    base = pipeline_base(args, f"kill:replica=1,rank=1,step={FROM},phase=compute", coord__heartbeat_timeout=2.0,
+                         coord__heartbeat_interval=0.1)
     # reform 0.5 s: this host's order of magnitude for a shrink (rebuild + heal, ~0.1-0.3 s measured), not
     # the cost model's H100 default of 2 s, which over 20 steps of ~0.3 s would price shrink out
     modes = {"shrink": dict(parallel__on_rank_loss="replan", parallel__reform_seconds=0.5),
              "drop": dict(parallel__on_rank_loss="drop")}
-    got: dict[str, list[dict]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="replan-") as tmp:
-        for rnd in range(args.rounds):
-            for mode, extra in modes.items():
-                out = Path(tmp) / f"{mode}-{rnd}"
-                result = launch(make_config(**base, **extra, out=str(out)), title=f"replan {mode}")
-                if not result.ok:
-                    raise SystemExit(f"run failed: {result.error} (see {out})")
-                m = measure(read_events(out / "events.jsonl"))
-                got[mode].append(m)
-                print(f"round {rnd + 1} {mode:>6}: applied {m['applied']} (weight {m['weight']}), last quotas "
-                      f"{m['last_quotas']}; {m['wall']:.0f} committed tokens/s wall clock, {m['device']:.0f} per "
-                      f"device-time critical-path second", flush=True)
+    got = alternate(args.rounds, modes, base, "replan", measure, lambda rnd, mode, m: (
+        f"round {rnd + 1} {mode:>6}: applied {m['applied']} (weight {m['weight']}), last quotas "
+        f"{m['last_quotas']}; {m['wall']:.0f} committed tokens/s wall clock, {m['device']:.0f} per "
+        f"device-time critical-path second"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
     print(f"2 groups x PP 2, group 1's rank 1 killed at step {FROM} and never replaced, M={args.microbatches}, "

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
-from unbroken.api import make_config
-from unbroken.events import read_events
-from unbroken.runtime.launcher.launch import launch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _alternate.py, from anywhere
+from _alternate import add_pipeline_args, alternate, pipeline_base  # noqa: E402
 
 FROM = 2  # the step the slowdown starts
 
@@ -60,31 +59,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--factor", type=float, default=3.0, help="slowdown of group 1's rank 1, from step 2")
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
-    ap.add_argument("--seq-len", type=int, default=64, help="fixed tokens per sequence (= block size)")
+    add_pipeline_args(ap)
     args = ap.parse_args()
     t0 = time.time()
-    base = dict(replicas=2, steps=args.steps, microbatches=args.microbatches, progress=False, exact=True,
-                faults=f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=spin",
-                parallel__group_size=2, parallel__pp=2, model__n_layer=2, model__n_embd=args.n_embd,
-                model__block_size=args.seq_len, model__dropout=0.0, data__batch_size=args.batch_size,
-                data__seq_len=str(args.seq_len))
-    modes = {"reweight": "speed", "equal": "equal"}
-    got: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="slow-pp-") as tmp:
-        for rnd in range(args.rounds):
-            for mode, quotas in modes.items():
-                out = Path(tmp) / f"{mode}-{rnd}"
-                result = launch(make_config(**base, quotas=quotas, out=str(out)), title="slow pp")
-                if not result.ok:
-                    raise SystemExit(f"run failed: {result.error} (see {out})")
-                m = measure(read_events(out / "events.jsonl"))
-                got[mode].append(m)
-                print(f"round {rnd + 1} {mode:>8} (--run.quotas={quotas}): scheduler chose {m['decision']} at "
-                      f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; "
-                      f"{m['wall']:.0f} committed tokens/s wall clock, {m['device']:.0f} per device-time "
-                      f"critical-path second", flush=True)
+    base = pipeline_base(args, f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=spin")
+    modes = {"reweight": {"quotas": "speed"}, "equal": {"quotas": "equal"}}
+    got = alternate(args.rounds, modes, base, "slow pp", measure, lambda rnd, mode, m: (
+        f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}): scheduler chose {m['decision']} at "
+        f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; {m['wall']:.0f} committed "
+        f"tokens/s wall clock, {m['device']:.0f} per device-time critical-path second"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
     print(f"2 groups x PP 2, group 1's last stage {args.factor:g}x slow from step {FROM}, M={args.microbatches}, "

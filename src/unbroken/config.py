@@ -127,6 +127,9 @@ class ParallelConfig:
     # the re-plan cost model's one-off cost of re-forming a group after a plan change, s (stated, not
     # measured: stepcost.Hardware's H100 figure; a shrink here re-forms in ~0.1-0.5 s on CPU gloo)
     reform_seconds: float = 2.0
+    # local launcher, on_rank_loss=replan: seconds after a rank's torchrun agent ended before a replacement
+    # agent starts for it (a spare host arriving: the group re-forms at its full plan); < 0: never
+    replace_after: float = -1.0
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,8 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
          f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with snapshot.enabled=true: in-memory snapshots of "
          f"pipeline or tensor-parallel groups are not tested yet (those of FSDP2 groups are)"),
         (p.reform_seconds >= 0, f"parallel.reform_seconds={p.reform_seconds}: must be >= 0"),
+        (p.replace_after < 0 or p.on_rank_loss == "replan",
+         f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
         (p.on_rank_loss in ("drop", "replan"), f"parallel.on_rank_loss={p.on_rank_loss!r}: expected drop or replan"),
         (p.on_rank_loss == "drop" or (pp == g == 2 and tp == 1),
          f"parallel.on_rank_loss=replan with parallel.group_size={g}, pp={pp}, tp={tp}: re-planning at run time "

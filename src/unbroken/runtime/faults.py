@@ -27,8 +27,12 @@ class Injector:
     into a step it already ran does not fire the same fault again."""
 
     def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog, store: Store | None = None,
-                 rank: int = 0):
+                 rank: int = 0, host: bool = False):
         self.me, self.log, self.store = me, log, store
+        # host: a kill takes this rank's torchrun agent (our parent) with it, as its host's loss would. A
+        # rank under an agent of its own (parallel.on_rank_loss=replan) needs it: an agent that sees its
+        # worker die, with no restarts left, closes the group's rendezvous, and no replacement could join
+        self.host = host
         self.index = {id(f): n for n, f in enumerate(faults)}
         ours = [f for f in faults if f.replica == me and f.rank == rank]  # this process: (group, rank)
         self.tag = {"rank": rank} if rank else {}
@@ -41,8 +45,11 @@ class Injector:
             self.pending.remove(f)
             if self.store is not None and self.store.add(keys.fired(self.index[id(f)]), 1) != 1:
                 continue  # fired in an earlier generation of this run
+            host = self.host and f.kind == "kill"
             self.log.emit("fault", kind=f.kind, replica=self.me, step=step, phase=phase,
-                          seconds=f.seconds or None, pid=os.getpid(), **self.tag)
+                          seconds=f.seconds or None, pid=os.getpid(), **self.tag, **({"host": True} if host else {}))
+            if host:
+                os.kill(os.getppid(), signal.SIGKILL)
             if f.kind in ("kill", "tear"):  # tear: while the snapshot copy thread is writing
                 os.kill(os.getpid(), signal.SIGKILL)
             else:

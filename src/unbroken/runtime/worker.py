@@ -216,11 +216,13 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     heartbeat = Beats(beats) if shrinking else beats[0]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     # restarted by torchrun, a new process for a lost group, or a lost rank's survivor going on shrunk
-    joining = shrinking or restart > 0 or coord.is_dead()
+    # (or a group admitted before in this generation: its replaced rank's agent re-formed it)
+    joining = shrinking or restart > 0 or coord.is_dead() or coord.was_admitted()
     if not joining:
         heartbeat.start()
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
-    injector = Injector(faults, me, log, raw, rank=who.rank)
+    injector = Injector(faults, me, log, raw, rank=who.rank,
+                        host=cfg.parallel.on_rank_loss == "replan" and "TORCHELASTIC_RUN_ID" in os.environ)
     try:
         parts = build_standin(cfg, factories) if shrinking else build(cfg, factories, who)
         mine = signature(cfg, parts)

@@ -265,6 +265,11 @@ class Coordination:
         self.store.wait([keys.admitted(self.me, nonce)], datetime.timedelta(seconds=timeout_s))
         return int(self.store.get(keys.admitted(self.me, nonce)))
 
+    def was_admitted(self) -> bool:
+        """Whether this group was admitted into the run before (it joined, or shrank): a fresh start of it
+        must rejoin, not train from step 0."""
+        return self.store.check([keys.joined(self.me)])
+
     def admission(self, group: int) -> int:
         """The epoch that admitted `group` last (a donor keys the heal by it)."""
         return int(self.store.get(keys.joined(group)))

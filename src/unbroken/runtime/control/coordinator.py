@@ -144,6 +144,8 @@ class Coordinator:
                 self.store.set(keys.admitted(g, request["nonce"]), "-1")  # refused: the survivor leaves
                 self.store.delete_key(keys.join(g))
                 del requests[g]
+            elif "alive" not in request:  # a whole group: one that ran shrunk is back at its full plan
+                self.slowness.ranks_back(g, list(self.membership.members))
         if not requests:
             return
         new = self.membership.admit(requests)

@@ -94,6 +94,7 @@ class GroupPlanner:
         self.refused = dict(REFUSED) if follow_speed else {**REFUSED, "reweight": EQUAL}
         self.reweighted: dict[int, float] = {}  # group -> its speed when its applied option was reweight
         self.shrunk: dict[int, Plan] = {}  # group -> the plan it runs after losing a rank (shrink applied)
+        self.was_shrunk: dict[int, Plan] = {}  # shrunk groups since declared dead (their ranks may be back)
         self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
 
     def weight_of(self, group: int, speed: float) -> float:
@@ -111,7 +112,8 @@ class GroupPlanner:
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
         self.reweighted.pop(group, None)
-        self.shrunk.pop(group, None)
+        if group in self.shrunk:
+            self.was_shrunk[group] = self.shrunk.pop(group)
 
     def on_rank_lost(self, group: int, alive: Sequence[int], step: int, members: Sequence[int],
                      predictor: Predictor) -> scheduling.Restricted | None:
@@ -135,9 +137,29 @@ class GroupPlanner:
         r = scheduling.restrict(d, refused)
         if r.applied.kind == "shrink":
             self.shrunk[group] = r.applied.plan
+        # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
+        # every microbatch's gradients with the same kernels, so --exact stays bitwise; a drop changes nothing
         self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
-                      per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+                      per_microbatch_seconds=round(seconds, 6), cost_source=source,
+                      trajectory="bitwise (the same kernels per microbatch)", **r.record())
         return r
+
+    def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor) -> None:
+        """A group that ran shrunk rejoins with every rank (its replaced rank's agent re-formed it at its full
+        plan): the scheduler's view of that change, logged as a `group_plan` event (`why: "ranks back"`);
+        what it executed is the grow (the full group healed from a peer and admitted). Call at admission."""
+        before = self.was_shrunk.pop(group, None)
+        setting, source, seconds = self._setting(self.timings, predictor)
+        if before is None or setting is None:
+            return
+        plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != group}
+        plans.update({g: p for g, p in self.shrunk.items() if g in plans})
+        plans[group] = before
+        d = scheduling.decide(group, plans, self.full, self.full.ranks, {}, setting,
+                              max(1.0, float(self.shape.steps - step)), peers=len(plans) > 1)
+        r = scheduling.restrict(d, {k: why for k, why in LOST_REFUSED.items() if k != "grow"})
+        self.log.emit("group_plan", step=step, replica=group, why="ranks back", alive=sorted(self.full.ranks),
+                      per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
 
     def on_verdicts(self, changes: Sequence[VerdictChange], timings: Mapping[int, Sequence[MicrobatchTiming]],
                     predictor: Predictor, members: Sequence[int]) -> None:

@@ -92,6 +92,16 @@ class SlownessMonitor:
             self.published = weights
         return "shrink"
 
+    def ranks_back(self, group: int, members: list[int]) -> None:
+        """A group that ran shrunk is admitted at its full plan again: its quota weight back to equal (1.0,
+        published now), and the scheduler's view of it logged. Call from the admission round."""
+        if self.planner is None:
+            return
+        self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
+        if self.follow_speed and self.published.get(group, 1.0) != 1.0:
+            self.published = {**self.published, group: 1.0}
+            publish_weights(self.store, json.dumps(self.published))
+
     def forget(self, replica: int) -> None:
         self.detector.forget(replica)
         if self.planner is not None:

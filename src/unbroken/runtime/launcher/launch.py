@@ -270,18 +270,28 @@ def _start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
     coordinator's store, which outlives every trainer: where one agent per group (`--standalone`) stops
     every rank when one dies, a rank here dies alone, and its group's survivor can go on shrunk
     (parallel.on_rank_loss=replan). `job`, the rendezvous id, names run, generation and group; no restarts: a lost
-    rank is replaced by starting its agent again (which re-forms the group at its full plan)."""
+    rank is replaced by starting its agent again (which re-forms the group at its full plan). A lost
+    agent stays a participant of the rendezvous until its keep-alives lapse (3 x 1 s here; torch's
+    default 3 x 5 s): only then can a replacement's agent take its place."""
     G = cfg.parallel.group_size
-    procs = []
-    for j in range(G):
-        line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={address}", "--rdzv-conf=is_host=false",
-                f"--rdzv-id={job}", "--max-restarts=0", *cmd[1:]]
+    line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={address}", "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
+            f"--rdzv-id={job}", "--max-restarts=0", *cmd[1:]]
+
+    # torch 2.13's agents share the rendezvous store with their workers, publishing its address once per
+    # agent: after a membership change the new round's rank 0 may not publish it again, and the new agent
+    # waits forever (seen: a replacement rank hung in RendezvousStoreInfo.build). Unshared, rank 0 of every
+    # round publishes a fresh address, and the group's rank 0 serves its workers' store (intra_group).
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def start(j: int) -> subprocess.Popen:
         log = run_dir / "logs" / (f"replica{r}.log" if j == 0 else f"replica{r}.agent{j}.log")
-        procs.append(subprocess.Popen(line, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL))
-    (run_dir / "logs" / f"replica{r}.pid").write_text(str(procs[0].pid))
-    return AgentGroup(procs)
+        return subprocess.Popen(line, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+    group = AgentGroup([start(j) for j in range(G)], start)
+    (run_dir / "logs" / f"replica{r}.pid").write_text(str(group.pid))
+    return group
 
 
 def _cut_torn_line(events: Path) -> None:
@@ -426,9 +436,12 @@ class _Watch:
             if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
                 return "failed", self.worker_error
             finished, dead = self._read_store(store, workers)
-            for r in finished:
-                if isinstance(workers[r], AgentGroup):  # its agents may linger in torchrun's exit barrier
-                    workers[r].finished()
+            for r, p in workers.items():
+                if isinstance(p, AgentGroup):
+                    if r in finished:  # its agents may linger in torchrun's exit barrier
+                        p.finished()
+                    for j in p.replace_lost(self.cfg.parallel.replace_after):
+                        self.log.emit("agent_replaced", replica=r, slot=j)
             lost = [r for r in workers if r not in finished and (r in dead
                                                                  or (r in reported and workers[r].returncode))]
             live = len(workers) - len(lost) - len(finished)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -39,13 +41,31 @@ class AgentGroup:
     rank's agent that will never come (300 s). Its code is 0 when any rank finished cleanly (a shrunk
     group's survivor), else the first agent's non-zero code."""
 
-    def __init__(self, procs: list[subprocess.Popen]):
+    def __init__(self, procs: list[subprocess.Popen], start: Callable[[int], subprocess.Popen] | None = None):
         self.procs = procs
         self.pid = procs[0].pid  # what the launcher's exit wait watches (the rest: its polling)
         self._finished = False
+        self._start = start  # start(j): a new agent for rank slot j
+        self._ended: dict[int, float] = {}  # slot -> when its agent was first seen ended (monotonic s)
 
     def finished(self) -> None:
         self._finished = True
+
+    def replace_lost(self, after_s: float) -> list[int]:
+        """Start a new agent for each slot whose agent ended with an error `after_s` s ago or more (a spare
+        host arriving: it joins the rendezvous, and the group re-forms at its full plan). Call every
+        launcher round; returns the slots replaced now. A finished group, or `after_s` < 0: none."""
+        if after_s < 0 or self._finished or self._start is None:
+            return []
+        now, replaced = time.monotonic(), []
+        for j, p in enumerate(self.procs):
+            if p.poll() in (None, 0):
+                continue
+            if now - self._ended.setdefault(j, now) >= after_s:
+                self.procs[j] = self._start(j)
+                self._ended.pop(j)
+                replaced.append(j)
+        return replaced
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]

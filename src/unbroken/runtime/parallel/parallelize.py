@@ -43,7 +43,9 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
 
     Each torchrun restart attempt rendezvouses under its own prefix (`attempt{TORCHELASTIC_RESTART_COUNT}`):
     torchrun keeps its agent's store across restarts, and a restarted group that reused the keys of the
-    attempt before hung in init_process_group (5 of 6 tries, REFERENCE.md)."""
+    attempt before hung in init_process_group (5 of 6 tries, REFERENCE.md). A membership change (a
+    replaced rank's agent joining, parallel.on_rank_loss=replan) restarts workers without counting an
+    attempt: those agents do not share their store, so each round's rank 0 serves a fresh one."""
     if group_size == 1:
         return None
     env = dict(os.environ if env is None else env)
@@ -51,7 +53,10 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     if missing:
         raise TopologyError(f"group_size={group_size} needs torchrun's environment ({', '.join(missing)} unset)")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    # torchrun's agent serves the workers' store unless told not to share it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
+    # set for per-rank agents: launch.py says why); then rank 0 serves it, as env:// would
+    serve = env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and env["RANK"] == "0"
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=serve, timeout=timeout)
     attempt = PrefixStore(keys.attempt_prefix(int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                               env.get("TORCHELASTIC_RUN_ID", "")), store)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
