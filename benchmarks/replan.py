@@ -19,7 +19,7 @@ loss drop runs 2 processes on 2 cores and shrink 3 on the same 2: the survivor's
 back to work is not idle capacity here, and the wall-clock ratio cannot show what the device-time one does.
 What both leave out: the all-reduce, commit and optimizer step (in the wall clock only); a replaced rank
 growing the group back (not built: the lost rank never returns here).
-Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 8]
+Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 12]
 """
 from __future__ import annotations
 
@@ -35,30 +35,39 @@ from _alternate import add_pipeline_args, alternate, pipeline_base  # noqa: E402
 FROM = 3  # the step rank 1 of group 1 is killed in
 
 
-def measure(records: list[dict]) -> dict[str, float | str]:
-    """Committed tokens per wall-clock second and per device-time critical-path second over the episode."""
+def measure(records: list[dict]) -> dict:
+    """Committed tokens per wall-clock second and per device-time critical-path second over the episode, and
+    per device-time second over the steady state: the steps after the shrunk group's heal (`steady_from`,
+    the first of them; a drop run has none of its own: main() takes the shrink run's)."""
     steps = {r["step"]: r for r in records if r["event"] == "step"}
     last = max(steps)
-    episode = range(FROM, last + 1)
-    tokens = sum(steps[s]["tokens"] for s in episode)
-    wall = steps[last]["t"] - steps[FROM - 1]["t"]
     busy: dict[tuple[int, int], float] = {}  # (step, group) -> device s, from rank 0's compute events (a
     for r in records:  # pipeline's ranks each log the group's slowest-stage time; a stand-in is rank 0)
         if r["event"] == "compute" and r["step"] >= FROM and r.get("rank", 0) == 0:
             busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
-    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in episode)
+    path = {step: max(v for (s, _), v in busy.items() if s == step) for step in range(FROM, last + 1)}
+    tokens = {step: steps[step]["tokens"] for step in path}
     plans = [r for r in records if r["event"] == "group_plan" and r.get("why") == "rank lost"]
-    return {"wall": tokens / wall, "device": tokens / path,
+    heals = [r["step"] for r in records if r["event"] == "heal" and r.get("shrunk")]
+    return {"wall": sum(tokens.values()) / (steps[last]["t"] - steps[FROM - 1]["t"]),
+            "device": sum(tokens.values()) / sum(path.values()), "path": path, "tokens": tokens,
+            "steady_from": max(heals) + 1 if heals else None,
             "applied": plans[0]["applied"] if plans else "none (drop)",
             "weight": plans[0]["applied_weight"] if plans else 0.0,
             "last_quotas": "/".join(f"{g}:{len(v)}" for g, v in sorted(steps[last]["owners"].items()))}
+
+
+def steady(m: dict, first: int) -> float:
+    """Committed tokens per device-time critical-path second over steps `first`.. of one run."""
+    window = [s for s in m["path"] if s >= first]
+    return sum(m["tokens"][s] for s in window) / sum(m["path"][s] for s in window)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1, help="alternations of shrink (replan) / drop")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=12)
     add_pipeline_args(ap)
     args = ap.parse_args()
     t0 = time.time()
@@ -80,6 +89,11 @@ def main() -> None:
     print(f"committed tokens/s (median over rounds): device-time critical path shrink {device['shrink']:.0f}, "
           f"drop {device['drop']:.0f}; wall clock shrink {wall['shrink']:.0f}, drop {wall['drop']:.0f} (2 cores "
           f"shared by every rank: see the docstring)")
+    first = max(r["steady_from"] for r in got["shrink"])
+    calm = {m: statistics.median(steady(r, first) for r in got[m]) for m in modes}
+    print(f"steady state (steps {first}..{args.steps - 1}, after the shrunk group's heal): device-time critical "
+          f"path shrink {calm['shrink']:.0f}, drop {calm['drop']:.0f}, ratio {calm['shrink'] / calm['drop']:.3f} "
+          f"(1.5, 3 of 4 ranks busy, would need the stand-in's whole-model microbatch to cost exactly two of the pipeline's and M to split 2:1)")
     print(f"ratio shrink_over_drop_wall {wall['shrink'] / wall['drop']:.3f}")
     print(f"ratio shrink_over_drop {device['shrink'] / device['drop']:.3f}")
 
