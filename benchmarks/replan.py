@@ -93,7 +93,8 @@ def main() -> None:
     calm = {m: statistics.median(steady(r, first) for r in got[m]) for m in modes}
     print(f"steady state (steps {first}..{args.steps - 1}, after the shrunk group's heal): device-time critical "
           f"path shrink {calm['shrink']:.0f}, drop {calm['drop']:.0f}, ratio {calm['shrink'] / calm['drop']:.3f} "
-          f"(1.5, 3 of 4 ranks busy, would need the stand-in's whole-model microbatch to cost exactly two of the pipeline's and M to split 2:1)")
+          f"(1.5, 3 of 4 ranks busy, would need the stand-in's whole-model microbatch to cost exactly two of "
+          f"the pipeline's and M to split 2:1)")
     print(f"ratio shrink_over_drop_wall {wall['shrink'] / wall['drop']:.3f}")
     print(f"ratio shrink_over_drop {device['shrink'] / device['drop']:.3f}")
 

@@ -9,7 +9,7 @@ on the failure-free pipeline trajectory: the same digests at every step (each a 
 stages' sha256s), also through the steps the shrunk group computes. Dropout is on (0.1): the stand-in
 re-seeds each microbatch at the stage boundary, as the second stage does. With nothing committed yet to
 price the options with, the group is dropped: the survivor leaves, and the run goes on with group 0
-alone, still on the trajectory.
+alone, still on the trajectory. And a replaced rank grows a shrunk group back to its full plan.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import digests, run_faults
-from tests.runtime.test_pp_tp import train
+from tests.runtime.test_groups import digests, plain_loop, run_faults
+from tests.runtime.test_pp_tp import staged, train
+from unbroken.config import Config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -103,14 +104,10 @@ STRETCH = "slow:replica=0,from=4,factor=20,how=sleep"
 
 def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     """Rank 1 of group 1 dies at step 3 with its torchrun agent (its host lost); group 1 goes on shrunk on
-    rank 0 with the quota weight of its smaller plan; 0.2 s after the lost agent ended, the launcher starts a replacement agent for it (a spare
-    host), whose rendezvous makes torchrun restart the survivor's worker: group 1 is declared dead once
-    more, re-forms with both ranks at its full plan, is healed stage by stage from group 0 and takes equal
-    quotas again. Every step's digest is the plain one-process loop's (no unbroken code) in stage layout."""
-    from tests.runtime.test_groups import plain_loop
-    from tests.runtime.test_pp_tp import staged
-    from unbroken.config import Config
-
+    rank 0 with the quota weight of its smaller plan; 0.2 s after the lost agent ended, the launcher starts
+    a replacement agent for it (a spare host), whose rendezvous makes torchrun restart the survivor's
+    worker: group 1 is declared dead once more, re-forms with both ranks at its full plan, is healed stage
+    by stage from group 0 and takes equal quotas again. Every step's digest is the plain one-process loop's (no unbroken code) in stage layout."""
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=GROW)
     one(events, "fault", kind="kill", replica=1, rank=1)
     shrink = one(events, "group_plan", replica=1, why="rank lost")
