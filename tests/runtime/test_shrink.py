@@ -107,7 +107,8 @@ def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     rank 0 with the quota weight of its smaller plan; 0.2 s after the lost agent ended, the launcher starts
     a replacement agent for it (a spare host), whose rendezvous makes torchrun restart the survivor's
     worker: group 1 is declared dead once more, re-forms with both ranks at its full plan, is healed stage
-    by stage from group 0 and takes equal quotas again. Every step's digest is the plain one-process loop's (no unbroken code) in stage layout."""
+    by stage from group 0 and takes equal quotas again. Every step's digest is the plain one-process loop's
+    (no unbroken code) in stage layout."""
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=GROW)
     one(events, "fault", kind="kill", replica=1, rank=1)
     shrink = one(events, "group_plan", replica=1, why="rank lost")
