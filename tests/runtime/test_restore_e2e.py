@@ -79,7 +79,9 @@ def test_two_nodes_lost_rebuilt_from_reed_solomon(reference, tmp_path):
                       "--snapshot.k=2", "--snapshot.m=2")
     on_trajectory(reference, out)
     rebuilt = [e for e in events if e["event"] == "rebuilt"]
-    assert rebuilt and rebuilt[0]["nodes"] == [1, 2] and rebuilt[0]["parity"] == "rs"
+    # (once in a CI run, no `rebuilt` at all, on the trajectory: the message says what happened instead)
+    assert rebuilt and rebuilt[0]["nodes"] == [1, 2] and rebuilt[0]["parity"] == "rs", (
+        f"{[e for e in events if e['event'] in ('rebuild_failed', 'restart')]}; {why_not_restored(events, out)}")
     assert len(restored(events, "memory", reference, out)) >= 4
 
 

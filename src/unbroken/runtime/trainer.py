@@ -85,7 +85,7 @@ class Trainer:
         self.stages, self.standin = parts.stages, parts.standin
         # the shard indices this rank reduces, digests and heals: its own; all of them when it stands in
         # for a shrunk group (standin.py)
-        self.holds = tuple(range(self.standin.stages)) if self.standin else (who.rank,)
+        self.holds = tuple(range(self.standin.count)) if self.standin else (who.rank,)
         self.shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not self.standin
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
@@ -120,9 +120,9 @@ class Trainer:
         self.scratch: dict[int, torch.Tensor] = {}  # shard -> the all-reduce's copy, until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
-        mine = self.standin.shards[0] if self.standin else self.params
-        also = [(j, lambda j=j: param_digest(self.standin.shards[j])) for j in self.holds[1:]]
-        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(mine), self.ranks, self.wait_s, also)
+        also = [(j, lambda j=j: param_digest(self.standin.parameters(j))) for j in self.holds[1:]]
+        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.shard_parameters(self.holds[0])),
+                               self.ranks, self.wait_s, also)
         # Snapshots and checkpoints of a step start once it is known committed; pipelined, that comes
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
         # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).
@@ -428,7 +428,8 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
-        for shard, params in zip(self.holds, self.standin.shards if self.standin else [self.params]):
+        for shard in self.holds:
+            params = self.shard_parameters(shard)
             tag = {**self.tag, "rank": shard} if self.standin else self.tag
             tag.pop("shards", None)
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
@@ -460,14 +461,18 @@ class Trainer:
                 try:
                     forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, shard),
                                       0, self.cfg.coord.collective_timeout)
-                    sent, seconds, transfer = donate(forming, self.model, self.optimizer,
-                                                     self.standin.shards[shard] if self.standin else None)
+                    sent, seconds, transfer = donate(forming, self.model, self.optimizer, (
+                        lambda shard=shard: self.standin.heal_tensors(shard, self.optimizer)) if self.standin else None)
                 except RuntimeError as e:
                     self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **tag)
                     break
                 self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
                               transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),
                               **tag)
+
+    def shard_parameters(self, shard: int) -> list[torch.Tensor]:
+        """This rank's parameters of shard index `shard` (all of them, unless it stands in for several)."""
+        return self.standin.parameters(shard) if self.standin else self.params
 
     def fence(self, step: int, reason: str) -> None:
         """Leave the run (exit 3): declared dead, this process must write nothing into a later step.

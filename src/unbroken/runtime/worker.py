@@ -271,13 +271,13 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
 
 
 def build_standin(cfg: Config, factories: Factories) -> Parts:
-    """A shrunk pipeline group's one rank: the whole model (its state comes from a peer group's ranks by
-    healing, so the seed matters only for determinism), every stage's shard index held (standin.py)."""
+    """A shrunk group's one rank: the whole model (its state comes from a peer group's ranks by healing, so
+    the seed matters only for determinism), every stage's or TP rank's shard index held (standin.py)."""
     import torch
 
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg)
-    standin = StandIn(model, cfg.parallel.pp)
+    standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp)
     return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
 
 
@@ -310,7 +310,9 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
         log.emit("shrink_refused", replica=who.group, alive=alive)
         return -1, None
     heartbeat.start()
-    shards = list(enumerate(parts.standin.shards)) if parts.standin else [(who.rank, None)]
+    standin = parts.standin
+    shards = [(j, lambda j=j: standin.heal_tensors(j, parts.optimizer)) for j in range(standin.count)] \
+        if standin else [(who.rank, None)]
 
     def forming(d: int, shard: int) -> Forming:
         return Forming(coord.group_store(), keys.heal_prefix(who.group, admitted, d, shard), 1, timeout)
@@ -320,12 +322,12 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     early = [forming(likely, j) for j, _ in shards]
     step, chosen, plan = coord.heal_offer(admitted, wait)
     heartbeat.at(step, "heal")
-    for (j, params), ready in zip(shards, early):
+    for (j, shard), ready in zip(shards, early):
         got, seconds, transfer = receive(ready if chosen == likely else forming(chosen, j), parts.model,
-                                         parts.optimizer, params)
+                                         parts.optimizer, shard)
         log.emit("heal", replica=who.group, donor=chosen, step=step, bytes=got, seconds=round(seconds, 6),
                  transfer=round(transfer, 6), side="joiner",
-                 **({"rank": j} if who.group_size > 1 else {}), **({"shrunk": True} if params else {}))
+                 **({"rank": j} if who.group_size > 1 else {}), **({"shrunk": True} if standin else {}))
     return step + 1, plan
 
 

@@ -19,12 +19,13 @@ BEYOND_RUNTIME: dict[str, str] = {
                          "restores them (the runtime refuses both for such groups; they rejoin by healing from "
                          "a live peer only)",
     # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
-    # declares a group Slow or Healthy again (executing keep or reweight) and when a 2-stage pipeline group
-    # loses a rank (executing drop or shrink onto the survivor, and growing back when the rank returns)
+    # declares a group Slow or Healthy again (executing keep or reweight) and when a group of 2 pipeline
+    # stages or 2 TP ranks loses a rank (executing drop or shrink onto the survivor, and growing back)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
-                  "shrinking TP, or a pipeline of more than 2 stages, moving layers off a slow stage, dropping "
-                  "a slow group off the step (the runtime executes keep and reweight for a slow group; drop, "
-                  "shrink onto the survivor and grow back only for a 2-stage pipeline group that lost a rank), "
+                  "shrinking groups of more than 2 ranks or TP x PP ones, moving layers off a slow stage, "
+                  "dropping a slow group off the step (the runtime executes keep and reweight for a slow "
+                  "group; drop, shrink onto the survivor and grow back only for a group of 2 pipeline stages "
+                  "or 2 TP ranks that lost a rank), "
                   "with the slow rank inside a group located exactly (the runtime's detector times a group by "
                   "its slowest stage)",
     "hosts": "many hosts (the runtime's cluster path, one torchrun job per host, is tested on one machine)",

@@ -9,9 +9,9 @@ the decision or its cost model (policy/), the detector or publishing weights (sl
 
 What the runtime executes. For a group turning Slow or Healthy: keep (equal quotas) and reweight (the
 group's quota weight is its measured speed: what --run.quotas=speed always did). For a group that lost a
-rank (parallel.on_rank_loss=replan, groups of 2 pipeline stages; `on_rank_lost`): drop (its survivor
-leaves) and shrink (its survivor runs the whole model: runtime/parallel/standin.py), the shrunk group's
-quota weight its smaller plan's. Quotas come from `workload.assign` either way, so every step still
+rank (parallel.on_rank_loss=replan, groups of 2 pipeline stages or 2 TP ranks; `on_rank_lost`): drop (its
+survivor leaves) and shrink (its survivor runs the whole model: runtime/parallel/standin.py), the shrunk
+group's quota weight its smaller plan's. Quotas come from `workload.assign` either way, so every step still
 reduces exactly its M microbatches. Not executed, and said so in each event:
   drop (slow)  a live group leaves a run only when declared dead (fenced, it exits): nothing parks a
                healthy-but-slow group off the step and probes it until it is fast again
@@ -138,10 +138,13 @@ class GroupPlanner:
         if r.applied.kind == "shrink":
             self.shrunk[group] = r.applied.plan
         # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
-        # every microbatch's gradients with the same kernels, so --exact stays bitwise; a drop changes nothing
+        # every microbatch's gradients with the same kernels, so --exact stays bitwise; TP 2 -> 1 adds over
+        # all heads and units at once where the ranks added partial sums; a drop changes nothing
+        exact = r.applied.kind != "shrink" or self.full.tp == 1
         self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
-                      trajectory="bitwise (the same kernels per microbatch)", **r.record())
+                      trajectory="bitwise (the same kernels per microbatch)" if exact else
+                      "within float32 tolerance (a TP degree change reorders float32 sums)", **r.record())
         return r
 
     def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor) -> None:

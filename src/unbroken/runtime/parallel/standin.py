@@ -1,24 +1,30 @@
 """A shrunk replica group: one rank that holds every shard index of its group's plan (the whole model of
-a pipeline group whose other stage was lost), so that it keeps reducing, digesting and healing per shard
-index exactly as the full group did.
+a pipeline or tensor-parallel group that lost its other rank), so that it keeps reducing, digesting and
+healing per shard index exactly as the full group did.
 
-Owns: which of the whole model's parameters make up each shard index (`StandIn.shards`: pipeline stage
-j's parameters, as `pipeline.split` leaves them on rank j); the accumulator that files each microbatch's
-gradient under every shard index holding the parameter (`ShardedAccumulator`); the forward hook that
-re-seeds a microbatch's dropout at each stage boundary, as a pipeline's stages each seed it. Does not own:
-deciding to shrink (policy/scheduling.py, asked by the coordinator: replanning.py), the step (trainer.py),
-or the transfer (persist/healing.py, called once per shard index).
+Owns: which part of the whole model's parameters makes up each shard index (`Slice`: pipeline stage j's
+parameters whole, as `pipeline.split` leaves them on rank j; or tensor-parallel rank j's rows or columns of
+each split layer, as `parallelize._tensor_parallel` leaves them, the rest whole); the accumulator that files
+each microbatch's gradient under every shard index holding a part of it (`ShardedAccumulator`); the state a
+shard index heals with (`StandIn.heal_tensors`); the forward hook that re-seeds a microbatch's dropout at
+each stage boundary, as a pipeline's stages each seed it. Does not own: deciding to shrink
+(policy/scheduling.py, asked by the coordinator: replanning.py), the step (trainer.py), or the transfer
+(persist/healing.py, called once per shard index).
 
 Why one rank can stand in bitwise for a pipeline (`--exact`): a microbatch's gradient of each parameter is
 the same float32 tensor whether its stage's layers run alone or inside the whole model (same kernels,
 same inputs); the tied embedding/head weight's per-microbatch gradient is the sum of its two float32
 parts either way (autograd sums them here, one all-reduce over the stages there: two addends, the same
 bits in either order); and every shard index still sums the same per-microbatch gradients in float64,
-in microbatch order, before the cross-group all-reduce of that shard index.
+in microbatch order, before the cross-group all-reduce of that shard index. For tensor parallelism it
+cannot: the whole model's matmuls add over all heads and units at once where TP ranks add partial sums,
+so a shrunk TP group is within float32 tolerance of the TP trajectory, not on it (and with dropout > 0
+its masks differ: one stream over all heads here, one per rank's heads there).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -26,22 +32,97 @@ import torch.nn as nn
 from unbroken.model.data import seed_microbatch
 from unbroken.runtime.gradients import Accumulator
 from unbroken.runtime.parallel.pipeline import stage_names
+from unbroken.topology import TopologyError
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Shard index j's part of one parameter of the whole model: all of it (`index` None), or the entries
+    at `index` along `dim` (a TP rank's rows of a column-wise layer, columns of a row-wise one)."""
+    param: nn.Parameter
+    dim: int = 0
+    index: torch.Tensor | None = None
+    ghost: torch.Tensor | None = None  # what the accumulator files this part under: `param` when whole
+
+    @property
+    def whole(self) -> bool:
+        return self.index is None
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This part of `t` (the parameter, its gradient or a state tensor shaped like it): `t` itself when
+        whole, else a copy."""
+        return t if self.whole or t.shape != self.param.shape else t.index_select(self.dim, self.index)
+
+    def put(self, full: torch.Tensor, part: torch.Tensor) -> None:
+        """Write `part` (as `take` gave it) back into `full`."""
+        if part is not full:
+            with torch.no_grad():
+                if self.whole or full.shape != self.param.shape:
+                    full.copy_(part)
+                else:
+                    full.index_copy_(self.dim, self.index, part)
+
+
+def _sliced(param: nn.Parameter, dim: int, index: torch.Tensor | None) -> Slice:
+    if index is None:
+        return Slice(param, ghost=param)
+    shape = list(param.shape)
+    shape[dim] = len(index)
+    return Slice(param, dim, index, torch.empty(shape, dtype=param.dtype))
+
+
+def pipeline_layout(model: nn.Module, stages: int) -> list[list[Slice]]:
+    """Stage j's parameters, whole, in the order stage j's rank lists them."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [[_sliced(named[n], 0, None) for n in stage_names(model, j, stages)] for j in range(stages)]
+
+
+def tensor_layout(model: nn.Module, tp: int) -> list[list[Slice]]:
+    """TP rank j's part of every parameter, in the order it lists them (the whole model's: TP keeps names):
+    qkv's rows of its heads ([q | k | v] of them), mlp.0's rows of its units (weights and biases), proj's
+    and mlp.2's columns; everything else whole (embeddings, norms, row-wise biases: replicated)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleDict):
+        raise TopologyError(f"parallel.tp={tp}: a shrunk group needs a GPT-like model (blocks)")
+    out: list[list[Slice]] = [[] for _ in range(tp)]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        parts = name.split(".")
+        layer = ".".join(parts[2:-1]) if parts[0] == "blocks" else ""
+        for j in range(tp):
+            if layer == "attn.qkv":  # rows of heads j: q, then k, then v (the order _tensor_parallel makes)
+                width = p.shape[0] // 3 // tp
+                index = torch.cat([torch.arange(j * width, (j + 1) * width) + part * (p.shape[0] // 3)
+                                   for part in range(3)])
+                out[j].append(_sliced(p, 0, index))
+            elif layer == "mlp.0":
+                n = p.shape[0] // tp
+                out[j].append(_sliced(p, 0, torch.arange(j * n, (j + 1) * n)))
+            elif layer in ("attn.proj", "mlp.2") and parts[-1] == "weight":
+                n = p.shape[1] // tp
+                out[j].append(_sliced(p, 1, torch.arange(j * n, (j + 1) * n)))
+            else:
+                out[j].append(_sliced(p, 0, None))
+    return out
 
 
 class ShardedAccumulator:
-    """One `Accumulator` per shard index over that shard's parameters (a tied weight in each shard that
-    holds it), with the interface the trainer uses. Gradients arrive through `add_shard` (the hooks of
-    `StandIn.attach`), one microbatch at a time; the weighted loss goes to the last shard index, as the
-    last pipeline stage counts it."""
+    """One `Accumulator` per shard index over that shard's parts, with the interface the trainer uses.
+    Gradients arrive through `add_shard` (the hooks of `StandIn.attach`), one microbatch at a time; the
+    weighted loss goes to shard index `loss_shard` (the last pipeline stage, or TP rank 0, counts it)."""
 
-    def __init__(self, shards: list[list[nn.Parameter]], dtype: torch.dtype, params: list[nn.Parameter]):
-        self.parts = [Accumulator(ps, dtype, hooked=True) for ps in shards]
-        self.params = params  # the whole model's, tied once
-        self._holders = {id(p): [a for a in self.parts if id(p) in a._slot] for p in params}
+    def __init__(self, layout: list[list[Slice]], dtype: torch.dtype, params: list[nn.Parameter], loss_shard: int):
+        self.layout, self.params, self.loss_shard = layout, params, loss_shard
+        self.parts = [Accumulator([s.ghost for s in shard], dtype, hooked=True) for shard in layout]
+        self._holders: dict[int, list[tuple[Accumulator, Slice]]] = {id(p): [] for p in params}
+        for a, shard in zip(self.parts, layout):
+            for s in shard:
+                self._holders[id(s.param)].append((a, s))
 
     @property
     def buffer(self) -> torch.Tensor:  # step.py reads its dtype and size
-        return self.parts[-1].buffer
+        return self.parts[self.loss_shard].buffer
 
     def zero(self) -> None:
         for a in self.parts:
@@ -50,41 +131,52 @@ class ShardedAccumulator:
     def add(self, weighted_loss: torch.Tensor) -> None:
         for p in self.params:
             p.grad = None
-        for a in self.parts[:-1]:
-            a.add(weighted_loss.new_zeros(()))
-        self.parts[-1].add(weighted_loss)
+        for j, a in enumerate(self.parts):
+            a.add(weighted_loss if j == self.loss_shard else weighted_loss.new_zeros(()))
 
     def add_shard(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        for a in self._holders[id(param)]:
-            a.add_shard(param, grad)
+        for a, s in self._holders[id(param)]:
+            a.add_shard(s.ghost, s.take(grad))
 
     def load_grads(self, reduced: list[torch.Tensor]) -> float:
-        """Each shard index's reduced buffer into `.grad` (a tied weight gets the same sum from each
-        shard that holds it); returns the step's loss (the last shard's slot: the others hold 0)."""
-        return sum(a.load_grads(r) for a, r in zip(self.parts, reduced))
+        """Each shard index's reduced buffer into `.grad` (a whole parameter held by several shard indices
+        gets the same sum from each; a sliced one is put together from its parts); returns the step's
+        loss (the loss shard's slot: the others hold 0)."""
+        loss = sum(a.load_grads(r) for a, r in zip(self.parts, reduced))
+        for p in self.params:
+            sliced = [s for _, s in self._holders[id(p)] if not s.whole]
+            if sliced:
+                grad = torch.empty_like(p)
+                for s in sliced:
+                    s.put(grad, s.ghost.grad)
+                p.grad = grad
+        return loss
 
 
 class StandIn:
     """Build once, on the whole model (after its construction, before the optimizer), for a rank that
-    holds shard indices 0..stages-1 of a pipeline group of `stages` stages."""
+    holds every shard index of a group of `pp` pipeline stages or `tp` tensor-parallel ranks."""
 
-    def __init__(self, model: nn.Module, stages: int):
-        self.model, self.stages = model, stages
-        named = dict(model.named_parameters(remove_duplicate=False))
-        self.names = [stage_names(model, j, stages) for j in range(stages)]
-        self.shards: list[list[nn.Parameter]] = [[named[n] for n in names] for names in self.names]
+    def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1):
+        if (pp > 1) == (tp > 1):
+            raise TopologyError(f"a shrunk group stands in for pipeline stages or TP ranks (pp={pp}, tp={tp})")
+        self.model, self.count = model, max(pp, tp)
+        self.layout = pipeline_layout(model, pp) if pp > 1 else tensor_layout(model, tp)
+        self.loss_shard = pp - 1 if pp > 1 else 0
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
-        firsts = {int(ns[0].split(".")[1]) for ns in self.names[1:] if ns and ns[0].startswith("blocks.")}
-        for key, block in model.blocks.items():
-            if int(key) in firsts:  # the first block of stage j > 0: that stage seeds its own dropout
-                block.register_forward_pre_hook(self._reseed)
+        if pp > 1:
+            names = [stage_names(model, j, pp) for j in range(1, pp)]
+            firsts = {int(ns[0].split(".")[1]) for ns in names if ns and ns[0].startswith("blocks.")}
+            for key, block in model.blocks.items():
+                if int(key) in firsts:  # the first block of stage j > 0: that stage seeds its own dropout
+                    block.register_forward_pre_hook(self._reseed)
 
     def _reseed(self, _module, _args) -> None:
         if self.seed is not None:
             seed_microbatch(self.seed)
 
     def accumulator(self, dtype: torch.dtype, params: list[nn.Parameter]) -> ShardedAccumulator:
-        return ShardedAccumulator(self.shards, dtype, params)
+        return ShardedAccumulator(self.layout, dtype, params, self.loss_shard)
 
     def attach(self, params: list[nn.Parameter], sink: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Hand each parameter's per-microbatch float32 gradient to `sink(param, grad)` and clear `.grad`
@@ -95,3 +187,30 @@ class StandIn:
 
         for p in params:
             p.register_post_accumulate_grad_hook(took)
+
+    def parameters(self, shard: int) -> list[torch.Tensor]:
+        """Shard index `shard`'s parameters as its rank holds them (for its digests)."""
+        return [s.take(s.param.detach()) for s in self.layout[shard]]
+
+    def heal_tensors(self, shard: int, optimizer: torch.optim.Optimizer
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]:
+        """(its parameters, the tensors a heal moves: parameters then each one's optimizer state tensors by
+        sorted key, as healing orders a rank's, and `put_back`, which writes received values into the whole
+        model's tensors: call after filling them)."""
+        params, tensors, homes = [], [], []
+        for s in self.layout[shard]:
+            part = s.take(s.param.detach())
+            params.append(part)
+            tensors.append(part)
+            homes.append((s, s.param.data))
+        for s in self.layout[shard]:
+            for _, v in sorted(optimizer.state.get(s.param, {}).items()):
+                if torch.is_tensor(v):
+                    tensors.append(s.take(v))
+                    homes.append((s, v))
+
+        def put_back() -> None:
+            for (s, full), part in zip(homes, tensors):
+                s.put(full, part)
+
+        return params, tensors, put_back

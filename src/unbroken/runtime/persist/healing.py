@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,13 @@ def _tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> li
             if torch.is_tensor(v):
                 out.append(local(v))
     return out
+
+
+def _whole(model: nn.Module, optimizer: torch.optim.Optimizer
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]:
+    """A rank's own state: (its parameters, them and their optimizer state, nothing to put back)."""
+    params = unique_parameters(model)
+    return params, _tensors(params, optimizer), lambda: None
 
 
 class Forming:
@@ -63,17 +71,20 @@ class Forming:
         return self._pg
 
 
+Shard = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]]
+
+
 def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
-           params: list[torch.Tensor] | None = None) -> tuple[int, float, float]:
+           shard: Shard | None = None) -> tuple[int, float, float]:
     """Send this rank's state to the joiner's rank over the heal group; returns (bytes, seconds in all,
-    seconds of the transfer alone: the group's rendezvous excluded). `params`: the shard to send when this
-    rank holds several (standin.py), else all of `model`'s. Call right
+    seconds of the transfer alone: the group's rendezvous excluded). `shard()`: (parameters, tensors to
+    send, _) of one shard index when this rank holds several (standin.heal_tensors), else all of `model`'s.
+    Call right
     after the optimizer step of the step before the joiner's first. Raises on a joiner that never
     comes (timeout) or dies mid-transfer: the caller goes on, and the joiner is declared dead."""
     t0 = time.perf_counter()
     pg = forming.get()
-    params = unique_parameters(model) if params is None else params
-    tensors = _tensors(params, optimizer)
+    params, tensors, _ = shard() if shard else _whole(model, optimizer)
     flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
     digest = torch.tensor(list(bytes.fromhex(quick_param_digest(params))), dtype=torch.uint8)
     pg.barrier().wait()  # the group formed on both sides: what follows is the transfer
@@ -89,17 +100,17 @@ class HealMismatch(RuntimeError):
 
 
 def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
-            params: list[torch.Tensor] | None = None) -> tuple[int, float, float]:
-    """Load this rank's state (or the shard `params` of it, as `donate`) from the donor's rank over the
-    heal group; returns (bytes, seconds in all, seconds of the transfer alone). Call once, before the first step (after `materialize`, which a fresh
+            shard: Shard | None = None) -> tuple[int, float, float]:
+    """Load this rank's state (or one shard index of it, as `donate`: its tensors filled, then put back
+    into the whole model) from the donor's rank over the heal group; returns (bytes, seconds in all,
+    seconds of the transfer alone). Call once, before the first step (after `materialize`, which a fresh
     optimizer needs to have state tensors to load into: done before waiting, off the donor's path).
     Raises HealMismatch when the loaded parameters do not hash to the donor's
     digest, and gloo's error when the donor dies mid-transfer."""
     t0 = time.perf_counter()
     materialize(model, optimizer)  # a no-op when done already
     pg = forming.get()
-    params = unique_parameters(model) if params is None else params
-    tensors = _tensors(params, optimizer)
+    params, tensors, put_back = shard() if shard else _whole(model, optimizer)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
     digest = torch.empty(16, dtype=torch.uint8)
     pg.barrier().wait()
@@ -112,6 +123,7 @@ def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
             offset += t.numel()
+    put_back()
     want, got = bytes(digest.tolist()).hex(), quick_param_digest(params)
     if got != want:
         raise HealMismatch(f"healed parameters hash to {got}, the donor's to {want}")
