@@ -47,7 +47,7 @@ from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
 from unbroken.policy.membership import donor
 from unbroken.runtime.control import keys
-from unbroken.runtime.control.coordination import Coordination, Decision, Plan
+from unbroken.runtime.control.coordination import Coordination, Decision, GroupLost, Plan, lost_rank
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
@@ -386,8 +386,7 @@ class Trainer:
             into = self.scratch.get(shard)
             if into is None or into.dtype != buffer.dtype:
                 into = self.scratch[shard] = torch.empty_like(buffer)
-            tag = {**self.tag, "rank": shard} if self.standin else self.tag
-            tag.pop("shards", None)
+            tag = self.shard_tag(shard)
             try:
                 result = self.groups[key].allreduce(buffer, lambda: self.coord.epoch() > epoch,
                                                     on_issued=issued if not results else None, into=into)
@@ -430,8 +429,7 @@ class Trainer:
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
         for shard in self.holds:
             params = self.shard_parameters(shard)
-            tag = {**self.tag, "rank": shard} if self.standin else self.tag
-            tag.pop("shards", None)
+            tag = self.shard_tag(shard)
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
                           state_digest=quick_param_digest(params), waited=round(work.waited, 6), **tag)
         members = work.members
@@ -456,8 +454,7 @@ class Trainer:
             if self.who.rank == 0:
                 self.coord.offer_heal(g, admitted, step, plan)
             for shard in self.holds:  # a stand-in sends each shard index to the joiner's rank of that index
-                tag = {**self.tag, "rank": shard} if self.standin else self.tag
-                tag.pop("shards", None)
+                tag = self.shard_tag(shard)
                 try:
                     forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, shard),
                                       0, self.cfg.coord.collective_timeout)
@@ -469,6 +466,12 @@ class Trainer:
                 self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
                               transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),
                               **tag)
+
+    def shard_tag(self, shard: int) -> dict:
+        """The tag of an event about one shard index (a stand-in's: that index as its rank)."""
+        if not self.standin:
+            return self.tag
+        return {k: v for k, v in self.tag.items() if k != "shards"} | {"rank": shard}
 
     def shard_parameters(self, shard: int) -> list[torch.Tensor]:
         """This rank's parameters of shard index `shard` (all of them, unless it stands in for several)."""
@@ -483,13 +486,3 @@ class Trainer:
             raise GroupLost(dead)
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)
         os._exit(3)
-
-
-class GroupLost(RuntimeError):
-    """This rank's group was declared dead because another of its ranks went silent."""
-
-
-def lost_rank(reason: str) -> int | None:
-    """The rank a dead verdict names ("rank J: ..."), or None (the group as a whole: an exit)."""
-    head = reason.split(":", 1)[0]
-    return int(head[5:]) if head.startswith("rank ") and head[5:].isdigit() else None

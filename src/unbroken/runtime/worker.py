@@ -42,7 +42,7 @@ from unbroken.config import Config, ConfigError, store_url_problem
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.control import keys
-from unbroken.runtime.control.coordination import Coordination
+from unbroken.runtime.control.coordination import Coordination, GroupLost, lost_rank
 from unbroken.runtime.control.store import answering, connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
@@ -54,7 +54,7 @@ from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
 from unbroken.runtime.parallel.standin import StandIn
-from unbroken.runtime.trainer import GroupLost, Parts, Trainer, lost_rank
+from unbroken.runtime.trainer import Parts, Trainer
 from unbroken.topology import Identity, TopologyError
 
 

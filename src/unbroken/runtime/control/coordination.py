@@ -310,3 +310,14 @@ class Coordination:
 
     def failed(self) -> dict | None:
         return json.loads(self.store.get(keys.failed())) if self.store.check([keys.failed()]) else None
+
+
+class GroupLost(RuntimeError):
+    """This rank's group was declared dead because another of its ranks went silent (trainer.fence)."""
+
+
+def lost_rank(reason: str) -> int | None:
+    """The rank a dead verdict names ("rank J: ...", as the coordinator words it for groups of several
+    ranks), or None (the group as a whole: an exit)."""
+    head = reason.split(":", 1)[0]
+    return int(head[5:]) if head.startswith("rank ") and head[5:].isdigit() else None
