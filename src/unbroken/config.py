@@ -285,8 +285,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (tp >= 1, f"parallel.tp={tp}: need at least 1"),
         (fsdp >= 1, f"parallel.group_size={p.group_size} is not parallel.pp={pp} x parallel.tp={tp} x a whole "
                     f"number of FSDP shards"),
-        (pp == 1 or tp == 1, f"parallel.tp={tp} with parallel.pp={pp}: tensor parallelism inside pipeline stages "
-                             f"is not built yet"),
         (tp == 1 or fsdp == 1, f"parallel.tp={tp} with parallel.group_size={g}: FSDP2 beside tensor parallelism "
                                f"is not built yet (group_size must equal tp)"),
         (m.n_head % tp == 0,
@@ -325,8 +323,12 @@ def store_url_problem(url: str) -> str | None:
     if not url:
         return None
     if not url.startswith("etcd://"):
-        return "expected etcd://host:2379[,host:2379...][/namespace] (or empty: the coordinator's own store)"
-    hosts, _, namespace = url[len("etcd://"):].partition("/")
+        return "expected etcd://host:2379[,host:2379...][/namespace][?failover=S] (or empty: the coordinator's own store)"
+    rest, _, query = url[len("etcd://"):].partition("?")
+    name, _, value = query.partition("=")
+    if query and not (name == "failover" and value.replace(".", "", 1).isdigit() and 0 < float(value) < 3600):
+        return f"bad option {query!r} (the one option is failover=S, 0 < S < 3600 seconds)"
+    hosts, _, namespace = rest.partition("/")
     for part in hosts.split(","):
         host, _, port = part.rpartition(":") if ":" in part else (part, "", "2379")
         if not host or ":" in host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -123,7 +123,7 @@ def test_the_whole_etcd_cluster_lost_ends_the_run_with_one_line_and_a_summary(tm
     out = tmp_path / "run"
     try:
         p = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "train", *SMALL[:3], "400", *SMALL[4:],
-                              f"--coord.store={cluster.url}/all-lost", "--out", str(out)],
+                              f"--coord.store={cluster.url}/all-lost?failover=3", "--out", str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         events = out / "events.jsonl"
         deadline = time.monotonic() + 90

@@ -102,7 +102,12 @@ def test_urls_are_parsed_or_refused_naming_the_bad_part():
     a = parse_url("etcd://h1:2379,h2:2380/job-7")
     assert a.endpoints == (("h1", 2379), ("h2", 2380)) and a.namespace == "job-7"
     assert parse_url("etcd://h1").endpoints == (("h1", 2379),) and parse_url("etcd://h1").namespace == "default"
-    for bad, part in (("etcd://h1:x", "'h1:x'"), ("http://h1", "etcd://"), ("etcd://h1/a b", "'a b'")):
+    assert a.failover_s == 15.0 and a.url == "etcd://h1:2379,h2:2380/job-7"
+    b = parse_url("etcd://h1/job-7?failover=2.5")  # every client of the run gives the store up after 2.5 s
+    assert (b.namespace, b.failover_s, parse_url(b.url)) == ("job-7", 2.5, b)
+    for bad, part in (("etcd://h1:x", "'h1:x'"), ("http://h1", "etcd://"), ("etcd://h1/a b", "'a b'"),
+                      ("etcd://h1/j?failover=0", "'failover=0'"), ("etcd://h1/j?ttl=3", "'ttl=3'"),
+                      ("etcd://h1/j?failover=x", "'failover=x'")):
         with pytest.raises(ValueError, match=part):
             parse_url(bad)
 

@@ -44,22 +44,39 @@ SCHEME = "etcd://"
 _LIVE: list[Store] = []
 
 
+FAILOVER_S = 15.0  # default: how long a call keeps trying the members (an etcd leader election takes ~1-10 s)
+
+
 @dataclass(frozen=True)
 class EtcdAddress:
     endpoints: tuple[tuple[str, int], ...]
     namespace: str  # every key lives under /unbroken/{namespace}/
+    failover_s: float = FAILOVER_S  # `?failover=S`: how long each client keeps trying before the store is lost
 
     @property
     def url(self) -> str:
-        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{self.namespace}"
+        tail = "" if self.failover_s == FAILOVER_S else f"?failover={self.failover_s:g}"
+        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{self.namespace}{tail}"
 
 
 def parse_url(url: str) -> EtcdAddress:
-    """`etcd://h1:2379,h2:2379[/namespace]` (namespace default "default"). Raises ValueError naming the
-    bad part."""
+    """`etcd://h1:2379,h2:2379[/namespace][?failover=S]` (namespace default "default"; S seconds, default
+    15, that every client of the run keeps trying the members before it gives the store up as lost: a
+    cluster that re-elects its leader slower than that ends the run). Raises ValueError naming the bad
+    part."""
     if not url.startswith(SCHEME):
-        raise ValueError(f"{url!r}: an etcd store looks like etcd://host:2379,host:2379[/namespace]")
-    hosts, _, namespace = url[len(SCHEME):].partition("/")
+        raise ValueError(f"{url!r}: an etcd store looks like etcd://host:2379,host:2379[/namespace][?failover=S]")
+    rest, _, query = url[len(SCHEME):].partition("?")
+    failover = FAILOVER_S
+    if query:
+        name, _, value = query.partition("=")
+        try:
+            failover = float(value) if name == "failover" else -1.0
+        except ValueError:
+            failover = -1.0
+        if not 0 < failover < 3600:
+            raise ValueError(f"{url!r}: bad option {query!r} (the one option is failover=S, 0 < S < 3600 seconds)")
+    hosts, _, namespace = rest.partition("/")
     endpoints = []
     for part in hosts.split(","):
         parsed = urlparse(f"//{part}")
@@ -73,7 +90,7 @@ def parse_url(url: str) -> EtcdAddress:
     namespace = namespace.strip("/") or "default"
     if not all(c.isalnum() or c in "-_." for c in namespace):
         raise ValueError(f"{url!r}: namespace {namespace!r} may hold letters, digits, '-', '_' and '.' only")
-    return EtcdAddress(tuple(endpoints), namespace)
+    return EtcdAddress(tuple(endpoints), namespace, failover)
 
 
 def _b64(data: bytes) -> str:
@@ -87,9 +104,9 @@ def _bytes(value) -> bytes:
 class EtcdStore(Store):
     """One client of the cluster; like a TCPStore client, use one per thread. `timeout_s`: how long
     get/wait wait for a key (set_timeout changes it); `failover_s`: how long a call keeps trying the
-    members before it raises DistNetworkError."""
+    members before it raises DistNetworkError (default: the address's `?failover=`)."""
 
-    def __init__(self, address: EtcdAddress | str, timeout_s: float = 300.0, failover_s: float = 15.0):
+    def __init__(self, address: EtcdAddress | str, timeout_s: float = 300.0, failover_s: float | None = None):
         super().__init__()
         from etcd3gw.client import Etcd3Client  # the [etcd] extra: imported only where etcd is used
         from etcd3gw import exceptions
@@ -100,7 +117,8 @@ class EtcdStore(Store):
                       exceptions.InternalServerError)
         self._timeouts = (exceptions.WatchTimedOut,)
         self._at = 0  # the member this client talks to; moves on when it stops answering
-        self._timeout_s, self._failover_s = timeout_s, failover_s
+        self._timeout_s = timeout_s
+        self._failover_s = self.address.failover_s if failover_s is None else failover_s
         self._fence: list[dict] = []  # compares every write of this client must pass (fence())
         # this client's add token: b"\x00" starts no key of the protocol, and it lives in the namespace
         # so clearing a namespace clears it
