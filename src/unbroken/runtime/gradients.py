@@ -95,7 +95,8 @@ class Accumulator:
     def add_shard(self, param: torch.Tensor, shard: torch.Tensor) -> None:
         """Add `param`'s shard of a group's reduce-scatter output (float64 in exact mode) into its slice."""
         i = self._slot[id(param)]
-        self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]].add_(shard.reshape(-1))
+        # a tensor-parallel stage's gradient is a DTensor: this rank's slice of it (pipeline.Stages' sink)
+        self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]].add_(local(shard).reshape(-1))
 
     def load_grads(self, reduced: torch.Tensor) -> float:
         """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced

@@ -344,7 +344,7 @@ class Trainer:
 
         span = self.clock.start()
         for loss in self.stages.run(mbs, [loss_weight(mb.tokens, work.tokens) for mb in mbs], before, after):
-            work.acc.add(loss)  # the last stage's weighted losses, in order; none on the others
+            work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the last stage's, in order
         self.faults.stretch(step, span)
         seconds, wall = span.stop()
         # The group's time is its slowest stage's: a stage waiting on a slow peer's send blocks without
@@ -352,7 +352,7 @@ class Trainer:
         # rank 1. Every rank takes the group's maximum (one float64 all-reduce over the group's own ranks,
         # which run this schedule together; it dies with the group like the schedule's send/recv).
         slowest = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.stages.group)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
         seconds = float(slowest[0])
         tokens = sum(mb.tokens for mb in mbs)
         for i, mb in zip(microbatches, mbs):

@@ -20,7 +20,8 @@ units over them (`_tensor_parallel`); rank j of every group holds the same slice
 A group of pp pipeline stages (topology.pp = group_size) instead gives rank j stage j: the model pruned to
 its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
 trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
-the others over shard index j.
+the others over shard index j. With both (group_size = pp x tp, rank = stage x tp + tp index), each
+stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp index.
 """
 from __future__ import annotations
 
@@ -76,19 +77,26 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
         return model, None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if topology.pp > 1:
-        if topology.dp_shard > 1 or topology.tp > 1 or shape is None:
-            raise TopologyError(f"pp={topology.pp}: only a group of pipeline stages alone (group_size = pp) with "
-                                f"a static microbatch shape is built")
+        if topology.dp_shard > 1 or shape is None:
+            raise TopologyError(f"pp={topology.pp}: pipeline stages with FSDP2 inside them are not built (group_size "
+                                f"must be pp x tp), and the stages need a static microbatch shape")
         # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
         vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
         stage = topology.coords(rank)[0]
         model, tied = split(model, stage, topology.pp)
-        return model, Stages(model, stage, topology.pp, group, tied, shape, width, vocab, model.loss)
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+        pipe = group
+        if topology.tp > 1:
+            # torchtitan's (pp, tp) mesh over the group, TP innermost (topology.coords): each stage's tp
+            # ranks split its blocks, and stage s's TP rank t sends to stage s+1's TP rank t over the
+            # "pp" dimension's group. Every rank creates every sub-group, in the same order.
+            mesh = init_device_mesh(device, (topology.pp, topology.tp), mesh_dim_names=("pp", "tp"))
+            model, pipe = _tensor_parallel(model, mesh["tp"], topology.tp), mesh.get_group("pp")
+        return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss)
     mesh = DeviceMesh.from_group(group, device)
     if topology.tp > 1:
         if topology.dp_shard > 1:
@@ -144,12 +152,20 @@ def _sum(module: nn.Module) -> nn.Module:
 def peer_lost(error: BaseException) -> bool:
     """Whether `error`, raised in a rank of a replica group of several ranks, is its group's process group
     failing under it (a peer rank died: gloo says "Connection closed/reset by peer"; NCCL and torch raise
-    DistError), not a bug in this rank: the group is out of the run, but the run goes on without it."""
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "Connection closed", "Connection reset",
-                                                                       "NCCL", "Timed out"))
+    DistError), not a bug in this rank: the group is out of the run, but the run goes on without it.
+    The chain of causes counts: a pipeline stage wraps its backward's error ("Failed to run stage
+    backward"), where a tensor-parallel all-reduce inside the stage found its peer gone."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, dist.DistError):
+            return True
+        text = str(error)
+        if isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "Connection closed", "Connection reset",
+                                                                       "NCCL", "Timed out")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def reduced_shards(model: nn.Module, sink) -> None:
