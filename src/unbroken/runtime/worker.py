@@ -220,6 +220,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     joining = shrinking or restart > 0 or coord.is_dead() or coord.was_admitted()
     if not joining:
         heartbeat.start()
+    go_on = False  # this rank goes on as its shrunk group (after the except below)
+    parts = None
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     injector = Injector(faults, me, log, raw, rank=who.rank,
                         host=cfg.parallel.on_rank_loss == "replan" and "TORCHELASTIC_RUN_ID" in os.environ)
@@ -249,7 +251,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     except GroupLost as e:  # another rank of the group went silent and the group was declared dead
         log.emit("group_broken", replica=me, error=f"declared dead: {e}"[:300], **tag)
         heartbeat.stop()
-        return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)
+        go_on = True
     except ConfigError as e:  # a joiner refused leaves the run as it was; at the start it is bad input
         print(f"unbroken: error: {e}", file=sys.stderr)
         log.emit("join_refused" if joining else "worker_error", replica=me, error=str(e)[:300], **tag)
@@ -260,14 +262,36 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)  # out, not the run
             heartbeat.stop()  # before the coordinator's fence mark could end this process
             coord.leave(4)  # the coordinator learns now, not after a heartbeat timeout
-            if cfg.parallel.on_rank_loss == "replan":
-                return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)
-            return 4
-        log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
-        return 1
+            if cfg.parallel.on_rank_loss != "replan":
+                return 4
+            go_on = True
+        else:
+            log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
+            return 1
+    if go_on:  # shrunk onto this rank, outside the except: its traceback would keep the old stage alive
+        # Its stage's model, optimizer state and pipeline go before the whole model is built: on a GPU
+        # that is one stage's weights and Adam moments too many. `released` counts what still holds on.
+        if parts is not None and parts.stages is not None:
+            parts.stages.close()  # what an interrupted schedule kept alive
+        trainer = parts = persist = sidecar = injector = None
+        log.emit("released", replica=me, **tag, **stale_parameters())
+        return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0
+
+
+def stale_parameters() -> dict[str, int]:
+    """After a garbage collection: the parameters (`nn.Parameter`) and their elements still alive in this
+    process; called by a survivor between dropping its stage and building the whole model, where both
+    should be 0 (a reference kept anywhere, a thread or a traceback, would leave its stage's weights)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]
+    return {"parameters": len(live), "elements": sum(p.numel() for p in live)}
 
 
 def build_standin(cfg: Config, factories: Factories) -> Parts:
