@@ -1,6 +1,7 @@
 """Shared fixtures: runs through the product's own CLI and launcher, in real processes."""
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -28,6 +29,29 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
     they took 14-19 s a test; side by side the waits overlap."""
     with ThreadPoolExecutor(len(runs)) as pool:
         return list(pool.map(lambda run: run(), runs))
+
+
+@pytest.fixture(autouse=True)
+def host_share(request, tmp_path_factory):
+    """The suite runs on 2 pytest-xdist workers (pyproject's addopts: multi-process tests spend much of
+    their time waiting on timeouts and restarts, which the other worker's test fills). A test marked
+    `alone` measures the host itself (the simulator's calibration needs a core per replica) and must not
+    share it: it holds a lock file exclusively while every other test holds it shared. Writers first: a
+    test takes the gate before the lock, so an `alone` test waiting for the gate is not starved by
+    the other worker's next tests. Without xdist (`-n 0`, one test at a time) nothing is locked."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent  # the session's directory, the workers' basetemps inside
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(root / "host.gate", "a") as gate, open(root / "host.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

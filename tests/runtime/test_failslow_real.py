@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import unbroken
 from unbroken.events import read_events
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # device time: its noise on a quiet host
 
 # The demo's shape (4 replicas, 8 microbatches, exact), 4 replicas on the machine's cores, with variable
 # sequence lengths, so the workload itself moves microbatch times (the predictor must explain it).

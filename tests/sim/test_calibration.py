@@ -46,6 +46,7 @@ def within(p) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(250)
 def test_calibrated_on_one_run_predicts_another_with_a_slow_replica(tmp_path):
     train(tmp_path / "cal", 10, "")
@@ -65,6 +66,7 @@ def test_calibrated_on_one_run_predicts_another_with_a_slow_replica(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(250)
 def test_kill_prediction_where_each_replica_has_a_core(tmp_path):
     train(tmp_path / "cal", 10, "kill:replica=1,step=4,phase=compute")
