@@ -31,6 +31,10 @@ PIPELINE = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--
 # reform 0.1 s: what a shrink here costs (rebuild and heal, ~0.1 s measured on CPU gloo); the cost model's
 # default 2 s (an H100 cluster's re-form) would not pay off over the few steps left in an 8-step test
 REPLAN = [*PIPELINE, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+# Group 0 sleeps through 10x its compute in steps 4-11 (wall time only: the detector, the scheduler's
+# timings and the arithmetic never see it), so the survivor's rebuild and heal land with shrunk steps
+# left however loaded the host (tests run on 2 workers): ~4 s of wall clock, no CPU.
+HOLD = "slow:replica=0,from=4,to=12,factor=10,how=sleep"
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +50,12 @@ def one(events: list[dict], event: str, **fields) -> dict:
     return found[0]
 
 
+# alone (no other test on the host meanwhile): under 2 test workers' load, 2 of ~14 runs failed on races of
+# the shrink's admission that a quiet host does not hit (the closing note of this change names them)
+@pytest.mark.alone
 @pytest.mark.parametrize("phase,rank", [("compute", 1), ("allreduce", 0), ("commit", 1), ("optimizer", 0)])
 def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pipeline_reference, phase, rank):
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank={rank},step=3,phase={phase}", base=REPLAN)
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank={rank},step=3,phase={phase}; {HOLD}", base=REPLAN)
     fault = one(events, "fault", kind="kill", replica=1, rank=rank)
     assert (fault["step"], fault["phase"]) == (3, phase)
     survivor = 1 - rank
@@ -79,11 +86,15 @@ def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pi
     assert digests(out) == digests(pipeline_reference)
 
 
+@pytest.mark.alone
 def test_a_rank_lost_before_any_step_committed_drops_its_group(tmp_path, pipeline_reference):
     """With no committed step there are no measured timings to price the options with: the scheduler is
     not asked (`group_plan_skipped`, naming why), the group is dropped as under `drop`, its survivor
-    leaves, and group 0 finishes alone on the same trajectory."""
-    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=0,phase=compute", base=REPLAN)
+    leaves, and group 0 finishes alone on the same trajectory. Group 0 sleeps through 100x its compute in
+    step 0 (wall time only), so that step cannot commit before the survivor asks: under load (2 test
+    workers on 2 cores) it once did, and the scheduler then had timings to price the options with."""
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=0,phase=compute; "
+                                       "slow:replica=0,from=0,to=1,factor=100,how=sleep", base=REPLAN)
     one(events, "fault", kind="kill", replica=1, rank=1)
     skipped = one(events, "group_plan_skipped", replica=1)
     assert "no timings" in skipped["why"]
@@ -154,7 +165,7 @@ def test_a_tensor_parallel_group_goes_on_shrunk_within_float32_tolerance(tmp_pat
     each TP rank's part of the gradients in that rank's family. TP 2 -> 1 adds the heads' and units' partial
     sums in another order, so the run is not bitwise: the scheduler's event says so, and every step's loss
     stays within 1e-5 (relative) of a plain one-process loop's (no unbroken code) over 16 steps."""
-    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=3,phase=compute", base=TENSOR)
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute; {HOLD}", base=TENSOR)
     one(events, "fault", kind="kill", replica=1, rank=1)
     plan = one(events, "group_plan", replica=1, why="rank lost")
     assert (plan["applied"], plan["plan"]) == ("shrink", "tp1 pp1 [2]")

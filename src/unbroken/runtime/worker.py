@@ -52,6 +52,7 @@ from unbroken.runtime.persist.healing import Forming, receive
 from unbroken.runtime.persist.state import materialize
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
+from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.trainer import Parts, Trainer
@@ -221,7 +222,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     if not joining:
         heartbeat.start()
     go_on = False  # this rank goes on as its shrunk group (after the except below)
-    parts = None
+    parts = trainer = None
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     injector = Injector(faults, me, log, raw, rank=who.rank,
                         host=cfg.parallel.on_rank_loss == "replan" and "TORCHELASTIC_RUN_ID" in os.environ)
@@ -273,6 +274,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         # that is one stage's weights and Adam moments too many. `released` counts what still holds on.
         if parts is not None and parts.stages is not None:
             parts.stages.close()  # what an interrupted schedule kept alive
+        if trainer is not None:
+            keep(list(trainer.groups.values()))  # the cross-group gloo groups live on (collectives.keep)
         trainer = parts = persist = sidecar = injector = None
         log.emit("released", replica=me, **tag, **stale_parameters())
         return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)

@@ -110,3 +110,11 @@ class EpochGroup:
 
 # Groups and works we walked away from: kept alive so no destructor blocks on a dead peer.
 _ABANDONED: list[object] = []
+
+
+def keep(groups) -> None:
+    """Keep `groups` (EpochGroups a rank is done with: a shrunk group's survivor dropping its old trainer)
+    alive for the process's life, as abandoned ones are: a gloo group destroyed while a peer still holds
+    its end runs its destructor against that peer (seen: a donor silent past the heartbeat timeout right
+    after the survivor let its old trainer go). Their memory is sockets and threads, not model state."""
+    _ABANDONED.extend(groups)
