@@ -129,6 +129,22 @@ def test_reformed_epoch_keeps_the_work_and_reduces_again():
     assert actions == (rec.Reduce(3, 1, (0, 1, 2)),) and state.held == frozenset({2, 3})
 
 
+def test_a_member_lost_and_admitted_again_within_the_step_is_not_counted_back_in():
+    """Group 1 dies in step 4 (epoch 1 without it) and is admitted again in epoch 2 while step 4 is in
+    flight (a shrunk group's survivor, or a fast restart): it holds none of the step's work and waits for
+    its heal, so step 4 is reduced by group 0 alone, owning every microbatch."""
+    state, actions = rec.start(4, me=0, epoch=0, members=[0, 1], num_microbatches=4)
+    state, actions = rec.on_event(state, rec.Computed(actions[0].microbatches))
+    chain = ((1, (0,)), (2, (0, 1)))
+    state, actions = rec.on_event(state, rec.EpochChanged(chain))
+    assert actions == (rec.Propose(4, 0, "retry"),)
+    state, actions = rec.on_event(state, rec.Decided(0, "retry", chain))
+    assert state.members == (0,) and state.epoch == 2
+    assert isinstance(actions[0], rec.Compute) and sorted(actions[0].microbatches) == [2, 3]
+    state, actions = rec.on_event(state, rec.Computed(actions[0].microbatches))
+    assert actions == (rec.Reduce(4, 2, (0,)),)
+
+
 def test_unexpected_event_is_rejected():
     state, _ = rec.start(0, me=0, epoch=0, members=[0, 1], num_microbatches=4)
     with pytest.raises(ValueError):

@@ -215,8 +215,15 @@ def _work(state: StepState) -> tuple[StepState, tuple[Action, ...]]:
 
 def _advance(state: StepState, chain: Chain) -> tuple[StepState, tuple[Action, ...]]:
     # A group admitted in a later epoch (a rejoin, policy.membership) joins at the next step boundary,
-    # not this step: it holds none of this step's work. Each epoch counts only the step's own members.
-    chain = tuple((e, tuple(m for m in ms if m in state.members)) for e, ms in chain)
+    # not this step: it holds none of this step's work. Each epoch counts only the step's own members
+    # still in every epoch since: a member lost and admitted again within one step (a group shrunk onto
+    # its survivor ~0.3 s after it lost a rank) is a joiner too, and it waits for its heal, not this
+    # step's reduction (counted back in, it hung the step until the collective timeout: seen under load).
+    alive, kept = set(state.members), []
+    for e, ms in chain:
+        alive &= set(ms)
+        kept.append((e, tuple(m for m in ms if m in alive)))
+    chain = tuple(kept)
     epoch, members = chain[-1]
     if state.me not in members:
         return _fence(state, epoch)
