@@ -105,22 +105,23 @@ def test_a_rank_lost_before_any_step_committed_drops_its_group(tmp_path, pipelin
     assert digests(out) == digests(pipeline_reference)
 
 
-GROW = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--steps", "28", "--microbatches", "4",
+GROW = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--steps", "32", "--microbatches", "4",
         "--exact", "--run.progress=false", "--coord.heartbeat_timeout=1.5", "--coord.heartbeat_interval=0.1",
         "--coord.run_timeout=150", "--model.dropout=0", "--parallel.on_rank_loss=replan",
-        "--parallel.reform_seconds=0.1", "--parallel.replace_after=0.2"]
+        "--parallel.reform_seconds=0.1", "--parallel.replace_after=2.5"]
 # Group 0's first stage sleeps 20x its compute from step 4 on (how=sleep: wall time only, which the
 # detector does not read and the arithmetic never sees), so that steps take ~0.5 s of wall clock but
-# little CPU: the replacement's agent (started 0.2 s after the loss), the lapse of the lost agent's
+# little CPU: the replacement's agent (started 2.5 s after the loss: under 2 test workers' load, at 0.2 s
+# the group grew back 2 steps after it shrank, before its smaller quota was published), the lapse of the lost agent's
 # rendezvous keep-alives (3 s), the survivor's restart, both workers' start-up and the heal (~7-10 s)
-# land by step ~10-15 of 28 (step 10 in a try), and the oracle stays cheap. Dropout 0: the oracle (one process,
+# land by step ~15-20 of 32, and the oracle stays cheap. Dropout 0: the oracle (one process,
 # the whole model) draws one dropout stream per microbatch.
 STRETCH = "slow:replica=0,from=4,factor=20,how=sleep"
 
 
 def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     """Rank 1 of group 1 dies at step 3 with its torchrun agent (its host lost); group 1 goes on shrunk on
-    rank 0 with the quota weight of its smaller plan; 0.2 s after the lost agent ended, the launcher starts
+    rank 0 with the quota weight of its smaller plan; 2.5 s after the lost agent ended, the launcher starts
     a replacement agent for it (a spare host), whose rendezvous makes torchrun restart the survivor's
     worker: group 1 is declared dead once more, re-forms with both ranks at its full plan, is healed stage
     by stage from group 0 and takes equal quotas again. Every step's digest is the plain one-process loop's
@@ -144,13 +145,13 @@ def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     healed = heals[0]["step"]
     # quotas: fewer microbatches while shrunk (its plan's weight ~0.5), equal again once grown back
     assert any(len(records[s]["owners"].get("1", [])) == 1 for s in range(4, healed))
-    assert records[27]["owners"] == {"0": [0, 1], "1": [2, 3]}
+    assert records[31]["owners"] == {"0": [0, 1], "1": [2, 3]}
     regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
                and e["step"] > healed and "shards" not in e}
     assert regrown == {0, 1}  # both stages compute again, each its own
     cfg = Config.from_json((out / "config.json").read_text())
     want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
-    assert [digests(out)[s] for s in range(28)] == want
+    assert [digests(out)[s] for s in range(32)] == want
 
 
 TENSOR = ["--replicas", "2", "--parallel.group_size=2", "--parallel.tp=2", "--steps", "16", "--microbatches", "4",
