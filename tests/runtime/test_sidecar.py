@@ -50,6 +50,22 @@ def test_a_survivor_writes_the_record_its_dead_writer_left_unwritten(store, tmp_
     assert int(store.get("last_commit")) == 5
 
 
+def test_a_writer_declared_dead_before_its_record_leaves_it_to_the_survivor(store, tmp_path):
+    """Member 1 (a group that lost a rank, its survivor going on shrunk) was slow to write step 5's record
+    and was declared dead meanwhile; the survivor that recovers writes it, and the old writer's late
+    write is dropped: one record (seen twice in a test under load before)."""
+    log = EventLog(tmp_path / "events.jsonl")
+    writer, survivor = member(store, 1, log), member(store, 0, log)
+    store.set("dead/1", "process exited with code 4")
+    survivor.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+    survivor.recover(5, (0, 2))
+    survivor.wait_records()
+    writer.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})  # its late write
+    writer.wait_records()
+    (rec,) = records(log)
+    assert rec["param_digest"] == "digest-0"
+
+
 def test_no_second_record_when_the_writer_lives_or_already_wrote_it(store, tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
     writer, other = member(store, 1, log), member(store, 0, log)

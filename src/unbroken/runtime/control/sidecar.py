@@ -168,6 +168,11 @@ class Sidecar:
     def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict, digest: str,
                loss: float) -> None:
         owners = self.coord.held(step, epoch, members)
+        # A writer declared dead before its record is out leaves it to the survivor that recovers
+        # (`recover`, which reads the log after the verdict): a process that outlived the verdict (a
+        # group's survivor going on shrunk, a zombie) would otherwise write the same step again.
+        if self.coord.is_dead():
+            return
         self.log.emit("step", **{**record, "loss": loss}, epoch=epoch, members=list(members), replicas=len(members),
                       owners={str(m): v for m, v in owners.items()}, param_digest=digest)
         self.coord.mark_recorded(step)
