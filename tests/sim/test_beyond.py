@@ -12,8 +12,8 @@ from unbroken.sim.scenario import load
 @pytest.mark.parametrize("path, keys", [
     # TP 8 alone: the runtime has TP groups, but not their snapshots or checkpoints
     ("scenarios/recover_512.toml", ["group_persistence", "hosts"]),
-    # TP 8 x PP 4: the runtime has either inside a group, not both; rejoin is not listed: the runtime has it
-    ("scenarios/resihp_256_failstop.toml", ["replica_groups", "group_persistence", "hosts"]),
+    # TP 8 x PP 4: the runtime has both inside a group (TP inside stages), and rejoin; not their persistence
+    ("scenarios/resihp_256_failstop.toml", ["group_persistence", "hosts"]),
 ])
 def test_run_start_names_what_the_runtime_cannot_do(path, keys):
     for strategy in ("unbroken_live", "checkpoint_restart"):

@@ -12,9 +12,8 @@ from unbroken.sim.scenario import Scenario
 
 BEYOND_RUNTIME: dict[str, str] = {
     # (rejoin left this list: the runtime admits restarted or new groups and heals them from a live
-    # peer, with the same policy.membership.admit the simulator uses)
-    "replica_groups": "replica groups of TP and PP ranks together (the runtime runs pipeline or tensor "
-                      "parallelism inside a group, not both, and no FSDP2 inside pipeline stages)",
+    # peer, with the same policy.membership.admit the simulator uses; so did TP x PP replica groups:
+    # the runtime runs TP inside pipeline stages, rank = stage x tp + TP index, as the simulator's groups)
     "group_persistence": "in-memory snapshots and persistent checkpoints of TP or PP groups, wherever the run "
                          "restores them (the runtime refuses both for such groups; they rejoin by healing from "
                          "a live peer only)",
@@ -33,13 +32,11 @@ BEYOND_RUNTIME: dict[str, str] = {
 
 
 def beyond_runtime(sc: Scenario, replans: bool = False) -> list[str]:
-    """The BEYOND_RUNTIME entries a run of `sc` relies on, as sentences: replica groups if TP > 1 and
-    PP > 1, group persistence if TP x PP > 1 (counted for every strategy: each restores groups after the
+    """The BEYOND_RUNTIME entries a run of `sc` relies on, as sentences: group persistence if TP x PP > 1 (counted for every strategy: each restores groups after the
     failures nothing else survives), re-planning if the strategy re-plans groups (`replans`) of more than
     one rank, hosts if the cluster has more GPUs than one node holds."""
     c = sc.cluster
     uses = {
-        "replica_groups": c.tp > 1 and c.pp > 1,
         "group_persistence": c.tp * c.pp > 1,
         "replanning": replans and c.tp * c.pp > 1,
         "hosts": c.gpus > c.gpus_per_node,
