@@ -289,11 +289,14 @@ def stale_parameters() -> dict[str, int]:
     process; called by a survivor between dropping its stage and building the whole model, where both
     should be 0 (a reference kept anywhere, a thread or a traceback, would leave its stage's weights)."""
     import gc
+    import warnings
 
     import torch
 
     gc.collect()
-    live = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]
+    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated aliases, which warn
+        warnings.simplefilter("ignore")
+        live = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]
     return {"parameters": len(live), "elements": sum(p.numel() for p in live)}
 
 
