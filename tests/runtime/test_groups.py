@@ -270,8 +270,11 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     is the failure-free run's. Once failed 1 in 5: the survivors read a decision that a read had only
     woken them for (epochwatch.DecisionWatch), or an encode left hanging by the lost node held the
     rebuild for the agents' 15 s timeout (operations.Rendezvous)."""
-    out, events = run_faults(tmp_path, "node:node=1,step=3", *SNAPSHOTS, "--run.recovery=restart-memory")
-    (fault,) = [e for e in events if e["event"] == "fault"]
+    # the survivors are held in step 3 (sleep: no change to the arithmetic) so that the node's loss lands
+    # inside it under any load; unheld, a slow launcher once saw the fault after step 3, the last, committed
+    hold = "slow:replica=0,from=3,to=4,factor=20,how=sleep; slow:replica=2,from=3,to=4,factor=20,how=sleep"
+    out, events = run_faults(tmp_path, f"node:node=1,step=3; {hold}", *SNAPSHOTS, "--run.recovery=restart-memory")
+    (fault,) = [e for e in events if e["event"] == "fault" and e["kind"] == "node"]
     assert (fault["kind"], fault["node"], fault["replicas"]) == ("node", 1, [1]), fault
     assert not [e for e in events if e["event"] == "worker_error"]
     (restart,) = [e for e in events if e["event"] == "restart"]
