@@ -203,6 +203,7 @@ def test_no_import_circles():
 # Layers, bottom up: a module imports only from its own layer or below. Longest prefix wins.
 LAYERS = {
     "unbroken.topology": 0, "unbroken.config": 0, "unbroken.events": 0, "unbroken.faultspec": 0,
+    "unbroken.storeurl": 0,
     "unbroken.policy": 0,
     "unbroken.model": 1, "unbroken.report": 1, "unbroken.progress": 1, "unbroken.runview": 1,
     "unbroken.runreport": 1, "unbroken.runplot": 1,

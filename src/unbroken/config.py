@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken import storeurl
 from unbroken.topology import Topology
 
 
@@ -318,24 +319,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
 
 
 def store_url_problem(url: str) -> str | None:
-    """Why `url` is not a store address (None: fine). Syntax only: whether it answers is checked by
-    store.preflight when a run starts."""
-    if not url:
-        return None
-    if not url.startswith("etcd://"):
-        return "expected etcd://host:2379[,host:2379...][/namespace][?failover=S] (or empty: the coordinator's own store)"
-    rest, _, query = url[len("etcd://"):].partition("?")
-    name, _, value = query.partition("=")
-    if query and not (name == "failover" and value.replace(".", "", 1).isdigit() and 0 < float(value) < 3600):
-        return f"bad option {query!r} (the one option is failover=S, 0 < S < 3600 seconds)"
-    hosts, _, namespace = rest.partition("/")
-    for part in hosts.split(","):
-        host, _, port = part.rpartition(":") if ":" in part else (part, "", "2379")
-        if not host or ":" in host or not port.isdigit() or not 0 < int(port) < 65536:
-            return f"bad member {part!r} (host:port)"
-    if not all(c.isalnum() or c in "-_." for c in namespace.strip("/")):
-        return f"namespace {namespace!r} may hold letters, digits, '-', '_' and '.' only"
-    return None
+    """Why `url` is not a store address (None: fine, or empty: the coordinator's own store). Syntax only:
+    whether it answers is checked by store.preflight when a run starts."""
+    return storeurl.problem(url)
 
 
 def check_paths(cfg: Config) -> None:

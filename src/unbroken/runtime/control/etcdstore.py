@@ -1,7 +1,7 @@
 """The coordination store in etcd: a `torch.distributed.Store` whose keys live in an etcd v3 cluster.
 
 Owns: `EtcdStore` (set/get/add/compare_set/check/wait/multi_get/multi_set/delete_key/num_keys, the calls
-the code makes of a TCPStore), parsing `etcd://h1:2379,h2:2379,h3:2379[/namespace]`, and failing over
+the code makes of a TCPStore), failing over
 between the cluster's members. Does not own: key names (keys.py), which store a process talks to
 (store.connect), or any consensus: every read-modify-write is one etcd transaction (compare on the key's
 value, create or mod revision, then put), so etcd's Raft log orders them and a decision made by
@@ -32,65 +32,15 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from torch.distributed import DistNetworkError, DistStoreError, Store
 
-SCHEME = "etcd://"
+from unbroken.storeurl import FAILOVER_S, EtcdAddress, parse_url  # noqa: F401  (parse_url: the store's API)
+
 # Every client made in this process, kept referenced: c10d's C++ side (a PrefixStore over it, gloo's
 # clone) holds only the pointer, and a Python object collected under it loses its methods ("Not
 # implemented"). Clients are few per process (one per thread, one per group), so none is ever freed.
 _LIVE: list[Store] = []
-
-
-FAILOVER_S = 15.0  # default: how long a call keeps trying the members (an etcd leader election takes ~1-10 s)
-
-
-@dataclass(frozen=True)
-class EtcdAddress:
-    endpoints: tuple[tuple[str, int], ...]
-    namespace: str  # every key lives under /unbroken/{namespace}/
-    failover_s: float = FAILOVER_S  # `?failover=S`: how long each client keeps trying before the store is lost
-
-    @property
-    def url(self) -> str:
-        tail = "" if self.failover_s == FAILOVER_S else f"?failover={self.failover_s:g}"
-        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{self.namespace}{tail}"
-
-
-def parse_url(url: str) -> EtcdAddress:
-    """`etcd://h1:2379,h2:2379[/namespace][?failover=S]` (namespace default "default"; S seconds, default
-    15, that every client of the run keeps trying the members before it gives the store up as lost: a
-    cluster that re-elects its leader slower than that ends the run). Raises ValueError naming the bad
-    part."""
-    if not url.startswith(SCHEME):
-        raise ValueError(f"{url!r}: an etcd store looks like etcd://host:2379,host:2379[/namespace][?failover=S]")
-    rest, _, query = url[len(SCHEME):].partition("?")
-    failover = FAILOVER_S
-    if query:
-        name, _, value = query.partition("=")
-        try:
-            failover = float(value) if name == "failover" else -1.0
-        except ValueError:
-            failover = -1.0
-        if not 0 < failover < 3600:
-            raise ValueError(f"{url!r}: bad option {query!r} (the one option is failover=S, 0 < S < 3600 seconds)")
-    hosts, _, namespace = rest.partition("/")
-    endpoints = []
-    for part in hosts.split(","):
-        parsed = urlparse(f"//{part}")
-        try:
-            port = parsed.port or 2379
-        except ValueError:
-            raise ValueError(f"{url!r}: bad port in {part!r}") from None
-        if not parsed.hostname:
-            raise ValueError(f"{url!r}: no host in {part!r}")
-        endpoints.append((parsed.hostname, port))
-    namespace = namespace.strip("/") or "default"
-    if not all(c.isalnum() or c in "-_." for c in namespace):
-        raise ValueError(f"{url!r}: namespace {namespace!r} may hold letters, digits, '-', '_' and '.' only")
-    return EtcdAddress(tuple(endpoints), namespace, failover)
 
 
 def _b64(data: bytes) -> str:
