@@ -9,7 +9,8 @@ on the failure-free pipeline trajectory: the same digests at every step (each a 
 stages' sha256s), also through the steps the shrunk group computes. Dropout is on (0.1): the stand-in
 re-seeds each microbatch at the stage boundary, as the second stage does. With nothing committed yet to
 price the options with, the group is dropped: the survivor leaves, and the run goes on with group 0
-alone, still on the trajectory. And a replaced rank grows a shrunk group back to its full plan.
+alone, still on the trajectory. And a replaced rank, or one its own torchrun agent restarted in place,
+grows a shrunk group back to its full plan.
 """
 from __future__ import annotations
 
@@ -150,6 +151,45 @@ def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
                and e["step"] > healed and "shards" not in e}
     assert regrown == {0, 1}  # both stages compute again, each its own
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    assert [digests(out)[s] for s in range(32)] == want
+
+
+def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
+    """As above, but the rank's host survives: its process is SIGKILLed (the agent is not), and its own
+    torchrun agent, with a restart left (`--run.restarts=1`), starts it again in place, as torchrun
+    does on a cluster. That agent's new rendezvous round makes the survivor's agent restart the
+    survivor too: the two ranks come back as attempts 1 and 0 of their agents, agree on one admission
+    request (worker.agree), and the new rank 0 tells the coordinator that the group's old processes
+    are gone (torchrun stopped them), so nobody waits out a stand-in's start-up heartbeat allowance.
+    A donor's heal to the stand-in that torchrun stopped mid-heal is given up when the coordinator
+    declares it gone (healing.Forming.get). The group then re-forms at its full plan, healed from group
+    0, on the plain loop's trajectory. Whether the stand-in computed a step before it was stopped
+    depends on the host's load (the agent restarts within ~3 s): this test does not ask."""
+    base = [a for a in GROW if not a.startswith("--parallel.replace_after")] + ["--run.restarts=1"]
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=base)
+    fault = one(events, "fault", kind="kill", replica=1, rank=1)
+    assert "host" not in fault  # the process alone: its agent lives on
+    assert not [e for e in events if e["event"] == "agent_replaced"]
+    restarted = [e for e in events if e["event"] == "worker_start" and e["replica"] == 1 and e["restart"] == 1]
+    assert [e["rank"] for e in restarted] == [1]  # its own agent's attempt 1; the survivor's agent's is 0
+    one(events, "group_plan", replica=1, why="rank lost")
+    dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
+    assert len(dead) == 2, dead  # the loss, then the survivor's restart
+    back = one(events, "group_plan", replica=1, why="ranks back")
+    assert back["applied"] == "grow" and back["plan"] == "tp1 pp2 [1,1]"
+    grown = [e for e in events if e["event"] == "join" and e["replica"] == 1 and not e.get("shrunk")]
+    assert len(grown) == 1 and grown[0]["epoch"] > dead[1]["epoch"]
+    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e["replica"] == 1
+             and not e.get("shrunk")]
+    assert sorted(e.get("rank", 0) for e in heals) == [0, 1]
+    healed = heals[0]["step"]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    assert records[31]["owners"] == {"0": [0, 1], "1": [2, 3]}
+    regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
+               and e["step"] > healed and "shards" not in e}
+    assert regrown == {0, 1}
     cfg = Config.from_json((out / "config.json").read_text())
     want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
     assert [digests(out)[s] for s in range(32)] == want

@@ -450,6 +450,9 @@ class Trainer:
         dies mid-transfer costs us the timeout, then its group is declared dead and the step goes on."""
         for g in (g for g in plan.members if g not in members and donor(members, g) == self.me):
             admitted = self.coord.admission(g)
+
+            def gone(g: int = g, admitted: int = admitted) -> bool:  # lost, or a newer incarnation admitted
+                return self.coord.is_dead(g) or self.coord.admission(g) != admitted
             t = time.perf_counter()
             if self.who.rank == 0:
                 self.coord.offer_heal(g, admitted, step, plan)
@@ -459,7 +462,8 @@ class Trainer:
                     forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, shard),
                                       0, self.cfg.coord.collective_timeout)
                     sent, seconds, transfer = donate(forming, self.model, self.optimizer, (
-                        lambda shard=shard: self.standin.heal_tensors(shard, self.optimizer)) if self.standin else None)
+                        lambda shard=shard: self.standin.heal_tensors(shard, self.optimizer)) if self.standin else None,
+                        gone)
                 except RuntimeError as e:
                     self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **tag)
                     break

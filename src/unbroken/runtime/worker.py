@@ -153,14 +153,13 @@ def default_factories() -> Factories:
                      optimizer=optimizer)
 
 
-def build(cfg: Config, factories: Factories, who: Identity) -> Parts:
-    """The model (as this rank holds it), data and optimizer, and the replica group's own process group
-    (groups of several ranks). The thread count is the same on every replica, so kernels sum in the same
-    order; the seed makes the initial parameters identical."""
+def build(cfg: Config, factories: Factories, who: Identity, group) -> Parts:
+    """The model (as this rank holds it), data and optimizer over the replica group's own process group
+    (`intra_group`; None for one-rank groups). The thread count is the same on every replica, so kernels
+    sum in the same order; the seed makes the initial parameters identical."""
     import torch
 
     torch.set_num_threads(cfg.run.threads)
-    group = intra_group(who.group_size, cfg.coord.collective_timeout)
     torch.manual_seed(cfg.run.seed)
     shape = (cfg.data.batch_size, int(cfg.data.seq_len)) if cfg.parallel.pp > 1 else None  # config: a number
     model, stages = parallelize(factories.model(cfg), cfg.topology(), group, cfg.run.exact, who.rank, shape)
@@ -219,15 +218,23 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     # restarted by torchrun, a new process for a lost group, or a lost rank's survivor going on shrunk
     # (or a group admitted before in this generation: its replaced rank's agent re-formed it)
     joining = shrinking or restart > 0 or coord.is_dead() or coord.was_admitted()
-    if not joining:
-        heartbeat.start()
     go_on = False  # this rank goes on as its shrunk group (after the except below)
     parts = trainer = None
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
+    # a kill takes the rank's own agent too where that agent could not restart it (see faults.Injector)
     injector = Injector(faults, me, log, raw, rank=who.rank,
-                        host=cfg.parallel.on_rank_loss == "replan" and "TORCHELASTIC_RUN_ID" in os.environ)
+                        host=cfg.parallel.on_rank_loss == "replan" and cfg.run.restarts == 0
+                        and "TORCHELASTIC_RUN_ID" in os.environ)
     try:
-        parts = build_standin(cfg, factories) if shrinking else build(cfg, factories, who)
+        group = None if shrinking else intra_group(who.group_size, cfg.coord.collective_timeout)
+        joining, nonce = agree(group, joining, restart, me)
+        if joining and not shrinking and who.rank == 0 and not coord.is_dead():
+            # torchrun stopped every process of this group before it started us: the coordinator need not
+            # wait out the old ones' heartbeats (a stand-in still starting is given 120 s of them)
+            coord.leave("its ranks were restarted by torchrun")
+        if not joining:
+            heartbeat.start()
+        parts = build_standin(cfg, factories) if shrinking else build(cfg, factories, who, group)
         mine = signature(cfg, parts)
         if who.rank == 0 and not shrinking and coord.claim_signature(mine) != mine:
             raise ConfigError(f"replica group {me}'s config or model differs from the run's (signature "
@@ -242,7 +249,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             if resume and trainer.persist else 0
         plan = None
         if joining:
-            first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, [lost_from] if shrinking else None)
+            first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, nonce,
+                               [lost_from] if shrinking else None)
             if first < 0:  # the scheduler chose to drop the group: the survivor leaves (exit 4, as before)
                 return 4
         trainer.fit(first, plan)
@@ -311,6 +319,25 @@ def build_standin(cfg: Config, factories: Factories) -> Parts:
     return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
 
 
+def agree(group, joining: bool, restart: int, me: int) -> tuple[bool, str]:
+    """(Whether this group's ranks join a running job, the nonce of their one admission request), the same
+    on every rank: rank 0's nonce, and joining if any rank would. Call once per process, after
+    `intra_group` and before the heartbeat starts. Neither torchrun's restart count nor a rank's own view
+    of the coordinator is common to a group's ranks: a rank its own agent restarted is attempt r + 1, its
+    peers, restarted by their agents for the membership change, attempt r, and a peer may look before
+    the coordinator has declared the group dead. Raises what a collective of a broken group raises."""
+    import secrets
+
+    import torch.distributed as dist
+
+    nonce = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'direct')}-{restart}-{me}-{secrets.token_hex(4)}"
+    if group is None:
+        return joining, nonce
+    views: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, (joining, nonce), group=group)
+    return any(j for j, _ in views), views[0][1]
+
+
 def signature(cfg: Config, parts: Parts) -> str:
     """sha256 of the run's config and the model's parameter names, global shapes and dtypes: what every
     group must share (a joiner built from other code or another config is refused before loading)."""
@@ -321,14 +348,13 @@ def signature(cfg: Config, parts: Parts) -> str:
 
 
 def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat | Beats, parts: Parts, log: EventLog,
-         restart: int, alive: list[int] | None = None) -> tuple[int, object]:
+         restart: int, nonce: str, alive: list[int] | None = None) -> tuple[int, object]:
     """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
     step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1),
     or (-1, None) when the coordinator refused a shrunk group (`alive`: the survivor's rank before; it
     takes every shard index from the donor's ranks, one heal each). Call once, after `build`, before
     training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
     at once after a `leave`) and for a step boundary: up to the start-up timeout."""
-    nonce = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'direct')}-{restart}-{who.group}"
     if alive is not None:
         nonce = f"shrink-{os.getpid()}-{who.group}"
     if who.rank == 0:

@@ -211,12 +211,14 @@ class Coordination:
             pause = min(pause * 1.5, 0.002)
         raise TimeoutError(f"step {step}: nothing changed in epoch {epoch} for {timeout_s:.0f} s")
 
-    def leave(self, code: int) -> None:
+    def leave(self, code: int | str) -> None:
         """Report that this member's replica group can train no more (its own process group broke under
         one of its ranks: a peer rank died), as the launcher reports a process's exit: the coordinator
         declares the group dead at its next round instead of after a heartbeat timeout (under torchrun
         the launcher sees no rank's exit, and on a cluster nobody does). Call at most once, on the way
-        out; a store that is gone is ignored (the heartbeat timeout still comes)."""
+        out; a store that is gone is ignored (the heartbeat timeout still comes). `code`: the exit code, or
+        a phrase saying why the group's processes are gone (a restarted group's rank 0 says it for the
+        processes torchrun stopped before starting it)."""
         try:
             self.store.set(keys.exited(self.me), str(code))
             self.store.add(keys.exits(), 1)

@@ -92,7 +92,8 @@ class Coordinator:
             self.exits_seen = nexits
             for m in members:
                 if self.store.check([keys.exited(m)]):
-                    verdicts.setdefault(m, f"process exited with code {self.store.get(keys.exited(m)).decode()}")
+                    said = self.store.get(keys.exited(m)).decode()
+                    verdicts.setdefault(m, f"process exited with code {said}" if said.lstrip("-").isdigit() else said)
         if verdicts:
             self._remove(verdicts)
         elif beats:

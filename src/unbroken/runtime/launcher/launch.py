@@ -277,7 +277,7 @@ def _start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
     line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={address}",
             "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
-            f"--rdzv-id={job}", "--max-restarts=0", *cmd[1:]]
+            f"--rdzv-id={job}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
 
     # torch 2.13's agents share the rendezvous store with their workers, publishing its address once per
     # agent: after a membership change the new round's rank 0 may not publish it again, and the new agent

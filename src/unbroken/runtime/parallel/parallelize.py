@@ -56,10 +56,14 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     timeout = datetime.timedelta(seconds=timeout_s)
     # torchrun's agent serves the workers' store unless told not to share it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
     # set for per-rank agents: launch.py says why); then rank 0 serves it, as env:// would
-    serve = env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and env["RANK"] == "0"
+    unshared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
+    serve = unshared and env["RANK"] == "0"
     store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=serve, timeout=timeout)
-    attempt = PrefixStore(keys.attempt_prefix(int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                              env.get("TORCHELASTIC_RUN_ID", "")), store)
+    # Unshared, each rendezvous round's rank 0 serves a fresh store on a fresh port, and the group's agents
+    # count restarts apart (a rank its own agent restarted is attempt 1, the peer that agent's rendezvous
+    # restarted for a membership change still attempt 0): one prefix, or the two never meet
+    restart = 0 if unshared else int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = PrefixStore(keys.attempt_prefix(restart, env.get("TORCHELASTIC_RUN_ID", "")), store)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                             timeout=timeout)

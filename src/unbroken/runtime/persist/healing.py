@@ -48,7 +48,8 @@ class Forming:
     the joiner starts forming it as soon as it is admitted, with the donor the policy will most likely
     pick, so that the donor, arriving at the step boundary, finds it waiting (the joiner's wake-up and
     connection were 0.36 s of the donor's held step, measured under load). `get` waits for it and raises
-    what forming raised (a timeout when the other side never comes)."""
+    what forming raised (a timeout when the other side never comes), or gives up early once `gone` says
+    the other side will not come."""
 
     def __init__(self, store: Store, prefix: str, rank: int, timeout_s: float):
         self._pg: dist.ProcessGroup | None = None
@@ -64,8 +65,16 @@ class Forming:
         self._thread = threading.Thread(target=form, name="heal-group", daemon=True)
         self._thread.start()
 
-    def get(self) -> dist.ProcessGroup:
-        self._thread.join()
+    def get(self, gone: Callable[[], bool] | None = None, poll_s: float = 0.2) -> dist.ProcessGroup:
+        """The formed group. `gone()`, asked every `poll_s` s while it forms: True once the other side is
+        known lost (a joiner declared dead, or re-admitted as a new incarnation), and this raises then,
+        not after the whole timeout: a donor rank held 120 s by a joiner killed mid-heal stalled its own
+        group's pipeline past gloo's 30 s (its peer rank had gone on to the next step). The forming
+        thread is left to its timeout (a daemon; its group is never used)."""
+        while self._thread.is_alive():
+            self._thread.join(poll_s)
+            if gone is not None and self._thread.is_alive() and gone():
+                raise RuntimeError("the heal group did not form: the other side is gone")
         if self._pg is None:
             raise RuntimeError(f"the heal group did not form: {self._error}")
         return self._pg
@@ -75,15 +84,16 @@ Shard = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], 
 
 
 def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
-           shard: Shard | None = None) -> tuple[int, float, float]:
+           shard: Shard | None = None, gone: Callable[[], bool] | None = None) -> tuple[int, float, float]:
     """Send this rank's state to the joiner's rank over the heal group; returns (bytes, seconds in all,
     seconds of the transfer alone: the group's rendezvous excluded). `shard()`: (parameters, tensors to
     send, _) of one shard index when this rank holds several (standin.heal_tensors), else all of `model`'s.
     Call right
     after the optimizer step of the step before the joiner's first. Raises on a joiner that never
-    comes (timeout) or dies mid-transfer: the caller goes on, and the joiner is declared dead."""
+    comes (timeout, or at once when `gone()` says so: Forming.get) or dies mid-transfer: the caller
+    goes on, and the joiner is declared dead."""
     t0 = time.perf_counter()
-    pg = forming.get()
+    pg = forming.get(gone)
     params, tensors, _ = shard() if shard else _whole(model, optimizer)
     flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
     digest = torch.tensor(list(bytes.fromhex(quick_param_digest(params))), dtype=torch.uint8)
