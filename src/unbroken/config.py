@@ -295,12 +295,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),
-        (pp * tp == 1 or not cfg.checkpoint.every,
-         f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with checkpoint.every={cfg.checkpoint.every}: "
-         f"checkpoints of pipeline or tensor-parallel groups are not built yet"),
-        (pp * tp == 1 or not cfg.snapshot.enabled,
-         f"parallel.{'pp' if pp > 1 else 'tp'}={max(pp, tp)} with snapshot.enabled=true: in-memory snapshots of "
-         f"pipeline or tensor-parallel groups are not tested yet (those of FSDP2 groups are)"),
         (p.reform_seconds >= 0, f"parallel.reform_seconds={p.reform_seconds}: must be >= 0"),
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),

@@ -1,6 +1,6 @@
 """A replica's whole training state as one flat dict of named tensors, and back.
 
-Owns: naming (params by module path, optimizer state by parameter index and key, torch's RNG state),
+Owns: naming (params by module path, optimizer state by its parameter's path and key, torch's RNG state),
 creating optimizer state before a restore (a fresh optimizer has none), and loading tensors in place.
 Does not own: where the bytes go (snapshot/ for CPU memory, checkpoint.py for DCP on disk).
 """
@@ -16,13 +16,16 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     The snapshot copies them while the next step computes: the caller must not let the optimizer
     modify them before the copy finished (SnapshotClient.wait before optimizer.step)."""
     out: dict[str, torch.Tensor] = {}
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    names = {}
     for name, p in model.named_parameters():
         out[f"param/{name}"] = p.data
+        names[id(p)] = name
+    # Optimizer state by its parameter's name, not its index in the optimizer: a pipeline stage's
+    # parameter 0 is another stage's parameter 0 too, and DCP keeps one copy of equal keys across ranks
     for p, st in optimizer.state.items():
         for key, value in sorted(st.items()):
             if torch.is_tensor(value):
-                out[f"optim/{index[id(p)]}/{key}"] = value if value.dim() else value.view(1)
+                out[f"optim/{names[id(p)]}/{key}"] = value if value.dim() else value.view(1)
     out["rng/torch"] = torch.get_rng_state()
     return out
 

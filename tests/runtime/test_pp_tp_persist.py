@@ -1,0 +1,87 @@
+"""Snapshots and checkpoints of pipeline and tensor-parallel replica groups (2 groups of 2 ranks, each a
+real `torchrun` job of the local launcher, in `--exact`, dropout 0): a whole-job crash restores every
+stage from the snapshot agents' memory, and a whole-job restart from disk loads every rank's part of a
+DCP checkpoint (a stage's own parameters and optimizer state; a TP rank's DTensor slices). Each run ends
+on the failure-free trajectory of its topology, every step, and what each rank loaded is that
+trajectory's state at the step it names.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from tests.conftest import unbroken
+from tests.runtime.test_groups import digests, plain_loop, run_faults
+from tests.runtime.test_pp_tp import BOTH, PIPELINE, TENSOR, staged
+from unbroken.config import Config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def longer(base: list[str], n: int) -> list[str]:
+    at = base.index("--steps") + 1
+    return [*base[:at], str(n), *base[at + 1:]]
+
+
+def restored_step(events: list[dict], source: str, ranks: int) -> tuple[int, str]:
+    """(The one step every rank of both groups restored, the digest of a group's record at it: sha256 of
+    its ranks' digests) after checking each restored from `source` and rank j's digest is the same in
+    both groups."""
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["source"] == source, restart
+    restored = [e for e in events if e["event"] == "restored"]
+    assert sorted((e["replica"], e["rank"], e["source"]) for e in restored) == \
+        [(g, j, source) for g in range(2) for j in range(ranks)], restored
+    (step,) = {e["step"] for e in restored}
+    shard = {j: {e["param_digest"] for e in restored if e["rank"] == j} for j in range(ranks)}
+    assert all(len(d) == 1 for d in shard.values()), shard  # both groups loaded the same state per rank
+    return step, hashlib.sha256("".join(next(iter(shard[j])) for j in range(ranks)).encode()).hexdigest()
+
+
+def test_a_whole_job_crash_restores_every_pipeline_stage_from_memory(tmp_path):
+    """Rank j of each group snapshots its stage into shard index j's family (2 nodes, one group each);
+    every trainer is SIGKILLed in step 4, and every stage restores the newest step both families hold.
+    The oracle is the plain one-process loop in stage layout (no unbroken code)."""
+    args = longer(PIPELINE, 8)
+    out, events = run_faults(tmp_path, "crash-all:step=4", "--snapshot.enabled=true", "--snapshot.nodes=2",
+                             base=args)
+    (crash,) = [e for e in events if e["event"] == "fault" and e.get("kind") == "crash-all"]
+    assert crash["replicas"] == [0, 1], crash
+    before = events.index(next(e for e in events if e["event"] == "restart"))
+    assert 4 not in {e["step"] for e in events[:before] if e["event"] == "step"}  # the crash cost step 4
+    step, loaded = restored_step(events, "memory", 2)
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    assert 0 <= step <= 3 and loaded == want[step]
+    assert [digests(out)[s] for s in range(8)] == want
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp x tp"])
+def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_path, layout):
+    """A rank of group 1 killed in step 2 under `--run.recovery=restart-disk`: every trainer restarts and
+    loads the newest complete DCP checkpoint (every step saved by group 0), and the run ends bitwise on
+    the failure-free run of the same topology. The checkpoint holds each TP-split weight as the ranks'
+    slices of one global tensor (DTensor), and a pipeline's stages under their own names."""
+    base = TENSOR if layout == "tp" else BOTH
+    reference = tmp_path / "reference"
+    r = unbroken("train", *base, "--out", str(reference))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=2,phase=compute", "--checkpoint.every=1",
+                             "--run.recovery=restart-disk", base=base)
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    assert (fault["replica"], fault["rank"], fault["step"]) == (1, 1, 2)
+    ranks = 2 if layout == "tp" else 4
+    step, loaded = restored_step(events, "disk", ranks)
+    assert step in (0, 1) and loaded == digests(reference)[step]
+    assert digests(out) == digests(reference)
+    meta = dcp.FileSystemReader(str(out / "checkpoints" / f"step_{step:08d}")).read_metadata()
+    split = meta.state_dict_metadata["param/blocks.0.mlp.0.weight"]  # column-wise: rows split over TP ranks
+    chunks = sorted(tuple(c.offsets) for c in split.chunks)
+    assert len(chunks) == 2 and chunks[1][0] == split.size[0] // 2, chunks
+    if layout == "pp x tp":  # stage 0 holds block 0, stage 1 block 1 and the head, each under its own name
+        assert {"param/blocks.1.mlp.0.weight", "param/head.weight", "param/tok.weight"} <= \
+            set(meta.state_dict_metadata)
+        assert any(k.startswith("optim/blocks.1.") for k in meta.state_dict_metadata)
