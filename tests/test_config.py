@@ -70,12 +70,9 @@ def test_coercion_from_cli_strings(key, raw, want):
      "parallel.on_rank_loss=replan with parallel.group_size=4, pp=2, tp=2"),
     ({}, {"parallel.group_size": "4", "parallel.tp": "2"}, "parallel.tp=2 with parallel.group_size=4: FSDP2"),
     ({}, {"parallel.group_size": "3", "parallel.tp": "3", "data.batch_size": "3"}, "parallel.tp=3 does not divide"),
-    ({}, {"parallel.group_size": "2", "parallel.tp": "2", "checkpoint.every": "1"}, "parallel.tp=2 with checkpoint"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "2"}, "parallel.pp=2 with parallel.group_size=4: FSDP2"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
-    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "checkpoint.every": "1"}, "checkpoint.every=1"),
-    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "snapshot.enabled": "true"}, "snapshot.enabled=true"),
 ])
 def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:

@@ -13,10 +13,8 @@ from unbroken.sim.scenario import Scenario
 BEYOND_RUNTIME: dict[str, str] = {
     # (rejoin left this list: the runtime admits restarted or new groups and heals them from a live
     # peer, with the same policy.membership.admit the simulator uses; so did TP x PP replica groups:
-    # the runtime runs TP inside pipeline stages, rank = stage x tp + TP index, as the simulator's groups)
-    "group_persistence": "in-memory snapshots and persistent checkpoints of TP or PP groups, wherever the run "
-                         "restores them (the runtime refuses both for such groups; they rejoin by healing from "
-                         "a live peer only)",
+    # the runtime runs TP inside pipeline stages, rank = stage x tp + TP index, as the simulator's groups;
+    # and so did their snapshots and DCP checkpoints: tests/runtime/test_pp_tp_persist.py)
     # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
     # declares a group Slow or Healthy again (executing keep or reweight) and when a group of 2 pipeline
     # stages or 2 TP ranks loses a rank (executing drop or shrink onto the survivor, and growing back)
@@ -32,12 +30,11 @@ BEYOND_RUNTIME: dict[str, str] = {
 
 
 def beyond_runtime(sc: Scenario, replans: bool = False) -> list[str]:
-    """The BEYOND_RUNTIME entries a run of `sc` relies on, as sentences: group persistence if TP x PP > 1 (counted for every strategy: each restores groups after the
-    failures nothing else survives), re-planning if the strategy re-plans groups (`replans`) of more than
-    one rank, hosts if the cluster has more GPUs than one node holds."""
+    """The BEYOND_RUNTIME entries a run of `sc` relies on, as sentences: re-planning if the strategy
+    re-plans groups (`replans`) of more than one rank, hosts if the cluster has more GPUs than one node
+    holds."""
     c = sc.cluster
     uses = {
-        "group_persistence": c.tp * c.pp > 1,
         "replanning": replans and c.tp * c.pp > 1,
         "hosts": c.gpus > c.gpus_per_node,
     }
