@@ -52,3 +52,29 @@ def test_a_takeover_replays_only_the_recent_steps_and_still_sees_a_slow_replica(
     assert monitor.read_steps[-4:] == [300, 301, 302, 303]
     speeds = monitor.detector.speeds()
     assert speeds[1] < 0.75 * speeds[0], speeds  # the slow replica is known from the replayed window
+
+
+def test_a_takeover_prices_a_rank_lost_before_its_first_new_step(tmp_path):
+    """Groups of 2 pipeline stages under replan: the new leader's first act may be a rank loss. The
+    replayed steps' timings calibrate the cost model, so the scheduler decides (`group_plan`) instead of
+    dropping the group for want of timings (`group_plan_skipped`: what a takeover did before)."""
+    from unbroken.runtime.control.replanning import GroupShape, planner_for
+
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    for s in range(20):
+        committed(store, s)
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000,
+                       reform_seconds=0.1)
+    monitor = SlownessMonitor(store, log, follow_speed=True, planner=planner_for(shape, 2, log, True))
+    monitor.catch_up()
+    monitor.poll(0)  # replays steps 0..19; no new step committed yet
+    monitor.forget(1)  # group 1's rank 1 died: its group was declared dead
+    assert monitor.rank_lost(1, [0], [0]) in ("shrink", "drop")
+    events = read_events(tmp_path)
+    assert not [e for e in events if e["event"] == "group_plan_skipped"], events
+    (plan,) = [e for e in events if e["event"] == "group_plan"]
+    assert plan["why"] == "rank lost" and plan["replica"] == 1 and plan["per_microbatch_seconds"] > 0
+    assert {o["kind"] for o in plan["options"]} == {"drop", "shrink"}

@@ -109,6 +109,11 @@ class GroupPlanner:
         leader before (its decisions are in the event log already; they are not made again)."""
         self.reweighted = {g: w for g, w in published.items() if w < 1.0}
 
+    def observe(self, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> None:
+        """A committed step's timings that need no decision (a taking-over coordinator's replay): they
+        price a later rank loss. `on_verdicts` takes them itself."""
+        self.timings = timings
+
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
         self.reweighted.pop(group, None)
@@ -168,7 +173,7 @@ class GroupPlanner:
                     predictor: Predictor, members: Sequence[int]) -> None:
         """Decide for each group entering Slow or leaving it; log one `group_plan` event each. Call with
         every committed step (changes or not): its timings price a later rank loss too."""
-        self.timings = timings
+        self.observe(timings)
         for c in changes:
             if (c.new is Verdict.SLOW) == (c.old is Verdict.SLOW):
                 continue  # Healthy <-> Suspect: nothing to decide

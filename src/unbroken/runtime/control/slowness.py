@@ -58,6 +58,8 @@ class SlownessMonitor:
             if timings and self.next_step <= self.replayed:
                 self.detector.observe(self.next_step, timings)
                 self.detector.take_events()
+                if self.planner is not None:  # a rank lost right after a takeover is priced, not dropped
+                    self.planner.observe(timings)
             elif timings:
                 self.detector.observe(self.next_step, timings)
                 changes = self.detector.take_events()
