@@ -299,10 +299,10 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
         (p.on_rank_loss in ("drop", "replan"), f"parallel.on_rank_loss={p.on_rank_loss!r}: expected drop or replan"),
-        (p.on_rank_loss == "drop" or (g == 2 and {pp, tp} == {1, 2}),
+        (p.on_rank_loss == "drop" or (g >= 2 and pp * tp == g),
          f"parallel.on_rank_loss=replan with parallel.group_size={g}, pp={pp}, tp={tp}: re-planning at run time "
-         f"is built for groups of 2 pipeline stages or 2 tensor-parallel ranks (the survivor runs the whole "
-         f"model)"),
+         f"is built for groups of pipeline stages and/or tensor-parallel ranks without FSDP2 (one survivor "
+         f"runs the whole model)"),
         (p.on_rank_loss == "drop" or not cfg.coord.store,
          "parallel.on_rank_loss=replan with coord.store set: the groups' torchrun rendezvous is hosted on the "
          "coordinator's TCPStore, which an etcd store replaces"),

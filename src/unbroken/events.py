@@ -64,6 +64,8 @@ their fields:
   worker_error   replica, error                       (an exception in a trainer: the run fails)
   group_broken   replica, rank, error                 (a rank's group process group failed under it: a
                                                        peer rank died; the group leaves, the run goes on)
+  survivor_left  replica, rank, why                   (replan: another survivor of its group stands in for
+                                                       the group; this one leaves)
   woke           replica, step, phase                 (a stopped process continued; it will fence)
   verdict        step, replica, old, new, speed, score (fail-slow detector: healthy/suspect/slow)
   regime         step, device_class, factor, moved, replicas   (every cost moved: predictor rescaled)

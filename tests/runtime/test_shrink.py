@@ -222,3 +222,38 @@ def test_a_tensor_parallel_group_goes_on_shrunk_within_float32_tolerance(tmp_pat
     _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
     drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(16)]
     assert max(drift) <= 1e-5, drift  # measured: ~1e-8 at most steps, up to 3.1e-6 by step 15
+
+
+BOTH = [a if a != "--parallel.tp=2" else "--parallel.pp=2" for a in TENSOR]
+BOTH[BOTH.index("--parallel.group_size=2")] = "--parallel.group_size=4"
+BOTH.append("--parallel.tp=2")  # 2 groups of 2 stages x 2 TP ranks: rank = stage x 2 + TP index
+
+
+def test_a_pipeline_of_tensor_parallel_stages_goes_on_shrunk_on_one_survivor(tmp_path):
+    """2 groups of 4 ranks (2 stages, TP 2 inside each): rank 3 of group 1 (stage 1, TP index 1) dies
+    with its host at step 3. Its three survivors see the group break; the first to claim stands in for
+    the whole group (`survivor_left` for the others), the scheduler prices that one-rank plan against
+    dropping the group, and under shrink it takes each of the 4 shard indices (a stage's TP slices) from
+    group 0's matching rank, one heal each, and computes as all four. TP 2 -> 1 reorders float32 sums:
+    every step's loss within 1e-5 (relative) of the plain one-process loop's over 16 steps."""
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; {HOLD}", base=BOTH)
+    one(events, "fault", kind="kill", replica=1, rank=3)
+    # the others leave: on finding the group broken (survivor_left), or fenced when the coordinator's
+    # verdict on their group (a leaving survivor's exit) came first
+    left = [e.get("rank", 0) for e in events if e["event"] in ("survivor_left", "fenced") and e["replica"] == 1]
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    (standin,) = plan["alive"]
+    assert sorted([*left, standin]) == [0, 1, 2], (left, plan["alive"])  # every survivor: one stays, two leave
+    assert (plan["applied"], plan["plan"]) == ("shrink", "tp1 pp1 [2]")
+    assert plan["trajectory"].startswith("within float32 tolerance")
+    one(events, "join", replica=1, shrunk=True)
+    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e.get("shrunk")]
+    assert sorted(e["rank"] for e in heals) == [0, 1, 2, 3]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > heals[0]["step"]]
+    assert stand_in and all(e.get("shards") == [0, 1, 2, 3] for e in stand_in)
+    assert any("1" in records[s]["owners"] for s in range(heals[0]["step"] + 1, 16))
+    cfg = Config.from_json((out / "config.json").read_text())
+    _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
+    drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(16)]
+    assert max(drift) <= 1e-5, drift

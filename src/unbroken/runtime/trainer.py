@@ -451,8 +451,9 @@ class Trainer:
         for g in (g for g in plan.members if g not in members and donor(members, g) == self.me):
             admitted = self.coord.admission(g)
 
-            def gone(g: int = g, admitted: int = admitted) -> bool:  # lost, or a newer incarnation admitted
-                return self.coord.is_dead(g) or self.coord.admission(g) != admitted
+            def gone(g: int = g, admitted: int = admitted) -> bool:  # lost, a newer incarnation, a sibling gave up
+                return (self.coord.is_dead(g) or self.coord.admission(g) != admitted
+                        or self.coord.heal_failed(g, admitted))
             t = time.perf_counter()
             if self.who.rank == 0:
                 self.coord.offer_heal(g, admitted, step, plan)
@@ -466,6 +467,7 @@ class Trainer:
                         gone)
                 except RuntimeError as e:
                     self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **tag)
+                    self.coord.heal_failed(g, admitted, now=True)  # our other ranks stop waiting for it too
                     break
                 self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
                               transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),

@@ -205,7 +205,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     coord = Coordination(PrefixStore(keys.generation_prefix(generation), raw), me, watch, reconnect=client,
                          decisions=DecisionWatch(client(), watch.cond, reconnect=client), rank=who.rank)
     tag = {"rank": who.rank} if who.group_size > 1 else {}
-    holds = range(cfg.parallel.pp) if shrinking else (who.rank,)  # the rank indices it beats for
+    holds = range(who.group_size) if shrinking else (who.rank,)  # the rank indices it beats for
     shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not shrinking
     beats = [Heartbeat(address, me, cfg.coord.heartbeat_interval,
                        on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
@@ -277,6 +277,9 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         else:
             log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
             return 1
+    if go_on and not coord.claim_standin():  # of a group's several survivors, one goes on as the group
+        log.emit("survivor_left", replica=me, why="another survivor stands in for the group", **tag)
+        return 4
     if go_on:  # shrunk onto this rank, outside the except: its traceback would keep the old stage alive
         # Its stage's model, optimizer state and pipeline go before the whole model is built: on a GPU
         # that is one stage's weights and Adam moments too many. `released` counts what still holds on.

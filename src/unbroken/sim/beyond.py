@@ -17,12 +17,13 @@ BEYOND_RUNTIME: dict[str, str] = {
     # and so did their snapshots and DCP checkpoints: tests/runtime/test_pp_tp_persist.py)
     # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
     # declares a group Slow or Healthy again (executing keep or reweight) and when a group of 2 pipeline
-    # stages or 2 TP ranks loses a rank (executing drop or shrink onto the survivor, and growing back)
+    # stages or 2 TP ranks, or a TP x PP group, loses a rank (executing drop or shrink onto one survivor,
+    # and growing back)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
-                  "shrinking groups of more than 2 ranks or TP x PP ones, moving layers off a slow stage, "
-                  "dropping a slow group off the step (the runtime executes keep and reweight for a slow "
-                  "group; drop, shrink onto the survivor and grow back only for a group of 2 pipeline stages "
-                  "or 2 TP ranks that lost a rank), "
+                  "re-forming several survivors into a smaller multi-rank plan, moving layers off a slow "
+                  "stage, dropping a slow group off the step (the runtime executes keep and reweight for a "
+                  "slow group; for a group that lost a rank, drop or shrink onto one survivor, and grow back "
+                  "tested for groups of 2 ranks), "
                   "with the slow rank inside a group located exactly (the runtime's detector times a group by "
                   "its slowest stage)",
     "hosts": "many hosts (the runtime's cluster path, one torchrun job per host, is tested on one machine)",

@@ -267,6 +267,13 @@ class Coordination:
         self.store.wait([keys.admitted(self.me, nonce)], datetime.timedelta(seconds=timeout_s))
         return int(self.store.get(keys.admitted(self.me, nonce)))
 
+    def claim_standin(self) -> bool:
+        """Whether this survivor of its group's lost rank is the one that goes on as the whole group (the
+        first to claim for the group's current incarnation); the others must leave. Call once, after the
+        group broke; a group of 2 ranks has one survivor, so its claim always wins."""
+        incarnation = (read(self.store, keys.joined(self.me)) or b"start").decode()
+        return self.store.add(keys.standin(self.me, incarnation), 1) == 1
+
     def was_admitted(self) -> bool:
         """Whether this group was admitted into the run before (it joined, or shrank): a fresh start of it
         must rejoin, not train from step 0."""
@@ -275,6 +282,14 @@ class Coordination:
     def admission(self, group: int) -> int:
         """The epoch that admitted `group` last (a donor keys the heal by it)."""
         return int(self.store.get(keys.joined(group)))
+
+    def heal_failed(self, group: int, admitted: int, now: bool = False) -> bool:
+        """Whether a donor rank's heal of `group` (admitted in `admitted`) failed; with `now`, say that
+        this rank's did (the joiner is gone: the other donor ranks stop waiting for it). One round trip."""
+        if now:
+            self.store.set(keys.heal_failed(group, admitted), "1")
+            return True
+        return self.store.check([keys.heal_failed(group, admitted)])
 
     def offer_heal(self, group: int, admitted: int, step: int, plan: Plan) -> None:
         """The donor's rank 0: `group` (admitted in `admitted`) gets the state after `step`, then trains

@@ -179,8 +179,19 @@ def joined(group: int) -> str:
     return f"joined/{group}"
 
 
+def standin(group: int, incarnation: str) -> str:
+    """Counter: the survivors of `group`'s incarnation (its last admission epoch, or "start") that claimed
+    to stand in for it; the first claim (1) goes on shrunk, the others leave."""
+    return f"standin/{group}/{incarnation}"
+
+
 def heal(group: int, epoch: int) -> str:
     return f"heal/{group}/{epoch}"
+
+
+def heal_failed(group: int, epoch: int) -> str:
+    """Set by a donor rank whose heal of `group` (admitted in `epoch`) failed: its sibling ranks give up too."""
+    return f"heal/{group}/{epoch}/failed"
 
 
 def heal_prefix(group: int, epoch: int, donor: int, shard: int) -> str:

@@ -9,8 +9,8 @@ the decision or its cost model (policy/), the detector or publishing weights (sl
 
 What the runtime executes. For a group turning Slow or Healthy: keep (equal quotas) and reweight (the
 group's quota weight is its measured speed: what --run.quotas=speed always did). For a group that lost a
-rank (parallel.on_rank_loss=replan, groups of 2 pipeline stages or 2 TP ranks; `on_rank_lost`): drop (its
-survivor leaves) and shrink (its survivor runs the whole model: runtime/parallel/standin.py), the shrunk
+rank (parallel.on_rank_loss=replan, groups of pipeline stages and/or TP ranks; `on_rank_lost`): drop (its
+survivor leaves) and shrink (one survivor, the first to claim, runs the whole model: standin.py), the shrunk
 group's quota weight its smaller plan's. Quotas come from `workload.assign` either way, so every step still
 reduces exactly its M microbatches. Not executed, and said so in each event:
   drop (slow)  a live group leaves a run only when declared dead (fenced, it exits): nothing parks a

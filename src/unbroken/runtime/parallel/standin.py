@@ -77,34 +77,37 @@ def pipeline_layout(model: nn.Module, stages: int) -> list[list[Slice]]:
     return [[_sliced(named[n], 0, None) for n in stage_names(model, j, stages)] for j in range(stages)]
 
 
-def tensor_layout(model: nn.Module, tp: int) -> list[list[Slice]]:
+def tensor_layout(model: nn.Module, tp: int, pp: int = 1) -> list[list[Slice]]:
     """TP rank j's part of every parameter, in the order it lists them (the whole model's: TP keeps names):
     qkv's rows of its heads ([q | k | v] of them), mlp.0's rows of its units (weights and biases), proj's
-    and mlp.2's columns; everything else whole (embeddings, norms, row-wise biases: replicated)."""
+    and mlp.2's columns; everything else whole (embeddings, norms, row-wise biases: replicated). With
+    `pp` > 1 stages (TP inside each: rank = stage x tp + TP index), shard index s x tp + t is TP rank t's
+    part of stage s's parameters, in the order that stage lists them."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleDict):
         raise TopologyError(f"parallel.tp={tp}: a shrunk group needs a GPT-like model (blocks)")
-    out: list[list[Slice]] = [[] for _ in range(tp)]
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        parts = name.split(".")
-        layer = ".".join(parts[2:-1]) if parts[0] == "blocks" else ""
-        for j in range(tp):
-            if layer == "attn.qkv":  # rows of heads j: q, then k, then v (the order _tensor_parallel makes)
-                width = p.shape[0] // 3 // tp
-                index = torch.cat([torch.arange(j * width, (j + 1) * width) + part * (p.shape[0] // 3)
-                                   for part in range(3)])
-                out[j].append(_sliced(p, 0, index))
-            elif layer == "mlp.0":
-                n = p.shape[0] // tp
-                out[j].append(_sliced(p, 0, torch.arange(j * n, (j + 1) * n)))
-            elif layer in ("attn.proj", "mlp.2") and parts[-1] == "weight":
-                n = p.shape[1] // tp
-                out[j].append(_sliced(p, 1, torch.arange(j * n, (j + 1) * n)))
-            else:
-                out[j].append(_sliced(p, 0, None))
-    return out
+    if pp > 1:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        return [[_tp_slice(n, named[n], t, tp) for n in stage_names(model, st, pp)]
+                for st in range(pp) for t in range(tp)]
+    return [[_tp_slice(n, p, j, tp) for n, p in model.named_parameters() if p.requires_grad] for j in range(tp)]
+
+
+def _tp_slice(name: str, p: nn.Parameter, j: int, tp: int) -> Slice:
+    """TP rank j's part of parameter `name` (the split `parallelize._tensor_parallel` makes)."""
+    parts = name.split(".")
+    layer = ".".join(parts[2:-1]) if parts[0] == "blocks" else ""
+    if layer == "attn.qkv":  # rows of heads j: q, then k, then v (the order _tensor_parallel makes)
+        width = p.shape[0] // 3 // tp
+        return _sliced(p, 0, torch.cat([torch.arange(j * width, (j + 1) * width) + part * (p.shape[0] // 3)
+                                        for part in range(3)]))
+    if layer == "mlp.0":
+        n = p.shape[0] // tp
+        return _sliced(p, 0, torch.arange(j * n, (j + 1) * n))
+    if layer in ("attn.proj", "mlp.2") and parts[-1] == "weight":
+        n = p.shape[1] // tp
+        return _sliced(p, 1, torch.arange(j * n, (j + 1) * n))
+    return _sliced(p, 0, None)
 
 
 class ShardedAccumulator:
@@ -155,14 +158,14 @@ class ShardedAccumulator:
 
 class StandIn:
     """Build once, on the whole model (after its construction, before the optimizer), for a rank that
-    holds every shard index of a group of `pp` pipeline stages or `tp` tensor-parallel ranks."""
+    holds every shard index of a group of `pp` pipeline stages, `tp` tensor-parallel ranks, or both."""
 
     def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1):
-        if (pp > 1) == (tp > 1):
+        if pp * tp == 1:
             raise TopologyError(f"a shrunk group stands in for pipeline stages or TP ranks (pp={pp}, tp={tp})")
-        self.model, self.count = model, max(pp, tp)
-        self.layout = pipeline_layout(model, pp) if pp > 1 else tensor_layout(model, tp)
-        self.loss_shard = pp - 1 if pp > 1 else 0
+        self.model, self.count = model, pp * tp
+        self.layout = tensor_layout(model, tp, pp) if tp > 1 else pipeline_layout(model, pp)
+        self.loss_shard = (pp - 1) * tp  # the last stage's TP index 0 counts the loss
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
         if pp > 1:
             names = [stage_names(model, j, pp) for j in range(1, pp)]
