@@ -121,6 +121,29 @@ GROW = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--step
 STRETCH = "slow:replica=0,from=4,factor=20,how=sleep"
 
 
+def assert_grown_back(events: list[dict], out: Path, dead: list[dict], shrank: bool = True) -> None:
+    """Group 1 grew back: the scheduler's `ranks back` decision (grow, to the full plan) if it had shrunk,
+    one join at the full plan after its last death, both ranks healed from a peer and computing their
+    own stage again, equal quotas at the last step, and every step's digest the plain one-process loop's."""
+    if shrank:
+        back = one(events, "group_plan", replica=1, why="ranks back")
+        assert back["applied"] == "grow" and back["plan"] == "tp1 pp2 [1,1]"
+    grown = [e for e in events if e["event"] == "join" and e["replica"] == 1 and not e.get("shrunk")]
+    assert len(grown) == 1 and grown[0]["epoch"] > dead[-1]["epoch"]
+    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e["replica"] == 1
+             and not e.get("shrunk")]
+    assert sorted(e.get("rank", 0) for e in heals) == [0, 1]
+    healed = heals[0]["step"]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    assert records[31]["owners"] == {"0": [0, 1], "1": [2, 3]}
+    regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
+               and e["step"] > healed and "shards" not in e}
+    assert regrown == {0, 1}  # both stages compute again, each its own
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    assert [digests(out)[s] for s in range(32)] == want
+
+
 def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     """Rank 1 of group 1 dies at step 3 with its torchrun agent (its host lost); group 1 goes on shrunk on
     rank 0 with the quota weight of its smaller plan; 2.5 s after the lost agent ended, the launcher starts
@@ -136,24 +159,12 @@ def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     one(events, "agent_replaced", replica=1, slot=1)
     dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
     assert len(dead) == 2 and dead[1]["epoch"] > shrunk["epoch"]  # the loss, then the stand-in's restart
-    back = one(events, "group_plan", replica=1, why="ranks back")
-    assert back["applied"] == "grow" and back["plan"] == "tp1 pp2 [1,1]"
-    grown = [e for e in events if e["event"] == "join" and e["replica"] == 1 and not e.get("shrunk")]
-    assert len(grown) == 1 and grown[0]["epoch"] > dead[1]["epoch"]
-    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e["replica"] == 1
-             and not e.get("shrunk")]
-    assert sorted(e.get("rank", 0) for e in heals) == [0, 1]
+    healed = next(e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e["replica"] == 1
+                  and not e.get("shrunk"))["step"]
     records = {e["step"]: e for e in events if e["event"] == "step"}
-    healed = heals[0]["step"]
     # quotas: fewer microbatches while shrunk (its plan's weight ~0.5), equal again once grown back
     assert any(len(records[s]["owners"].get("1", [])) == 1 for s in range(4, healed))
-    assert records[31]["owners"] == {"0": [0, 1], "1": [2, 3]}
-    regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
-               and e["step"] > healed and "shards" not in e}
-    assert regrown == {0, 1}  # both stages compute again, each its own
-    cfg = Config.from_json((out / "config.json").read_text())
-    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
-    assert [digests(out)[s] for s in range(32)] == want
+    assert_grown_back(events, out, dead)
 
 
 def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
@@ -164,9 +175,10 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
     request (worker.agree), and the new rank 0 tells the coordinator that the group's old processes
     are gone (torchrun stopped them), so nobody waits out a stand-in's start-up heartbeat allowance.
     A donor's heal to the stand-in that torchrun stopped mid-heal is given up when the coordinator
-    declares it gone (healing.Forming.get). The group then re-forms at its full plan, healed from group
-    0, on the plain loop's trajectory. Whether the stand-in computed a step before it was stopped
-    depends on the host's load (the agent restarts within ~3 s): this test does not ask."""
+    declares it gone or a sibling donor rank gave up (healing.Forming.get). The group then re-forms at
+    its full plan, healed from group 0, on the plain loop's trajectory. Whether the survivor asked to
+    shrink, or the stand-in computed a step, before torchrun stopped it depends on the host's load (the
+    agent restarts within ~3-5 s): the test takes either path."""
     base = [a for a in GROW if not a.startswith("--parallel.replace_after")] + ["--run.restarts=1"]
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=base)
     fault = one(events, "fault", kind="kill", replica=1, rank=1)
@@ -174,25 +186,13 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
     assert not [e for e in events if e["event"] == "agent_replaced"]
     restarted = [e for e in events if e["event"] == "worker_start" and e["replica"] == 1 and e["restart"] == 1]
     assert [e["rank"] for e in restarted] == [1]  # its own agent's attempt 1; the survivor's agent's is 0
-    one(events, "group_plan", replica=1, why="rank lost")
     dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
-    assert len(dead) == 2, dead  # the loss, then the survivor's restart
-    back = one(events, "group_plan", replica=1, why="ranks back")
-    assert back["applied"] == "grow" and back["plan"] == "tp1 pp2 [1,1]"
-    grown = [e for e in events if e["event"] == "join" and e["replica"] == 1 and not e.get("shrunk")]
-    assert len(grown) == 1 and grown[0]["epoch"] > dead[1]["epoch"]
-    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e["replica"] == 1
-             and not e.get("shrunk")]
-    assert sorted(e.get("rank", 0) for e in heals) == [0, 1]
-    healed = heals[0]["step"]
-    records = {e["step"]: e for e in events if e["event"] == "step"}
-    assert records[31]["owners"] == {"0": [0, 1], "1": [2, 3]}
-    regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
-               and e["step"] > healed and "shards" not in e}
-    assert regrown == {0, 1}
-    cfg = Config.from_json((out / "config.json").read_text())
-    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
-    assert [digests(out)[s] for s in range(32)] == want
+    asked = [e for e in events if e["event"] == "group_plan" and e["replica"] == 1 and e["why"] == "rank lost"]
+    if asked:  # the survivor asked to go on shrunk before torchrun restarted it
+        assert len(asked) == 1 and len(dead) == 2, dead  # the loss, then the survivor's restart
+    else:  # under load torchrun restarted the survivor first (seen in CI): the group simply rejoins
+        assert len(dead) == 1 and not [e for e in events if e["event"] == "join" and e.get("shrunk")], dead
+    assert_grown_back(events, out, dead, shrank=bool(asked))
 
 
 TENSOR = ["--replicas", "2", "--parallel.group_size=2", "--parallel.tp=2", "--steps", "16", "--microbatches", "4",
