@@ -87,7 +87,8 @@ Simulated runs (sim/) add:
   steps          an aggregate of many committed steps: from_step, to_step, tokens, total_tokens, ...
   rollback       to_step, from_step, tokens, total_tokens, reason   (work lost to a restart)
   slow           replica, factor, until, kind         (a fail-slow episode starts or ends)
-  quotas         step, weights                         (speed-weighted quotas changed)
+  quotas         step, weights                         (speed-weighted quotas changed; the coordinator
+                                                       logs it too, at the step its detector reached)
   group_plan_skipped step, replica, decision | why     (a decision the simulator does not apply; the
                                                        coordinator: why it could not price one)
   restart        seconds, reason, members             (simulated downtime of a restart)

@@ -121,3 +121,29 @@ def test_the_writer_hashes_once_on_whichever_thread_asks_first(store, tmp_path):
     writer.digest_now()
     writer.wait_records()
     assert calls == [1]
+
+
+def test_the_commit_carries_weights_the_coordinator_published_after_the_last_record(store, tmp_path):
+    """A verdict reached just after step 5's commit (weights published once its record was out) plans
+    step 7 through step 6's commit: read at the proposal, not step 7 with step 8's (the plan of step 6
+    came with step 5's commit). Without the re-read the proposal carries the weights read at the record."""
+    from unbroken.runtime.control.epochwatch import WeightsWatch, publish_weights
+
+    log = EventLog(tmp_path / "events.jsonl")
+
+    def client():
+        return TCPStore("127.0.0.1", store.port, 1, False)
+    members = [Sidecar(Coordination(client(), m, weights=WeightsWatch(client())), log, lambda: "d") for m in MEMBERS]
+    for s in members:
+        s.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+        s.wait_records()
+    assert members[0].weights == {}
+    publish_weights(store, json.dumps({"0": 1.0, "1": 1.0, "2": 0.5}))
+    watch = members[0].coord._weights_watch
+    assert watch.wait_until(lambda: watch.current == 1, 5.0)
+    stale = Plan(0, MEMBERS, members[0].weights)  # the trainer's proposal, from the weights read at the record
+    for m, s in enumerate(members):
+        count, won = s.publish(6, 0, (m,), [], True, len(MEMBERS), stale, lambda *k: None).result()
+    assert won == Decision("commit", 2, Plan(0, MEMBERS, {0: 1.0, 1: 1.0, 2: 0.5}))
+    assert members[0].fresh(stale) == Plan(0, MEMBERS, {0: 1.0, 1: 1.0, 2: 0.5})  # the path without step-ahead
+    assert members[2].fresh(won.plan) is won.plan  # the proposer read them: no store read, the same plan

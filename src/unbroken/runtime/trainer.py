@@ -243,7 +243,7 @@ class Trainer:
                 return rec.Published(epoch, self.coord.publish(step, epoch, held, work.timings_of(held),
                                                                count=len(self.holds)))
             case rec.Propose(step, epoch, outcome):
-                plan = self.coord.proposal(self.sidecar.weights) if outcome == "commit" else None
+                plan = self.sidecar.fresh(self.coord.proposal(self.sidecar.weights)) if outcome == "commit" else None
                 return self.decided(work, step, epoch, self.coord.propose(step, epoch, outcome, plan))
             case rec.AwaitDecision(step, epoch) | rec.AwaitEpoch(step, epoch):
                 return self.await_outcome(work, step, epoch, decision=isinstance(action, rec.AwaitDecision))

@@ -82,7 +82,7 @@ class Sidecar:
             before.result()  # done (jobs run in order); re-raises its error
         count = self.coord.publish(step, epoch, held, timings, staged)
         if count >= members:
-            return count, self.coord.propose(step, epoch, "commit", next_plan)
+            return count, self.coord.propose(step, epoch, "commit", self._freshen(next_plan))
         watch(step, epoch)
         return count, None
 
@@ -176,6 +176,22 @@ class Sidecar:
         self.log.emit("step", **{**record, "loss": loss}, epoch=epoch, members=list(members), replicas=len(members),
                       owners={str(m): v for m, v in owners.items()}, param_digest=digest)
         self.coord.mark_recorded(step)
+
+    def fresh(self, plan: Plan) -> Plan:
+        """`plan` with the newest quota weights, for the commit proposal made now (the step's
+        last publisher, not stepping ahead): on this thread, and a store read only when the coordinator
+        published new ones since the last. Call after `wait_records`."""
+        if not self.coord.weights_moved(self._weights):
+            return plan
+        return self._pool.submit(self._freshen, plan).result()
+
+    def _freshen(self, plan: Plan) -> Plan:
+        # Weights read after the last commit (`_record`) miss a verdict the coordinator reached on that
+        # very step, and this proposal plans the step after the next: re-read here, a Slow replica's
+        # quota moves one step sooner (2 steps after its verdict's step, not 3; the plan of the step
+        # in flight came with the last commit).
+        self._weights = self.coord.weights(self._weights)
+        return Plan(plan.epoch, plan.members, dict(self._weights[1]))
 
     @property
     def weights(self) -> dict[int, float]:

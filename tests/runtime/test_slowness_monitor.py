@@ -1,0 +1,47 @@
+"""The coordinator's slowness loop reads a step's timings from its commit, not from its record.
+
+A member stepping ahead writes step s's record (and moves `last_commit`) only after step s+1's compute,
+but the plan of step s+2 is proposed at step s+1's commit: weights published after the record came one
+step late in 2 of 5 real runs (2 replicas, one 2x slow). A real store protocol is not needed to show
+the order: the keys are the ones members write (decision at the commit, last_commit with the record).
+"""
+from __future__ import annotations
+
+import json
+
+from torch.distributed import HashStore
+
+from unbroken.events import EventLog, read_events
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.slowness import SlownessMonitor
+
+
+def commit_only(store, step: int, slow: float) -> None:
+    """Step `step` decided commit in epoch 0 (replicas 0 and 1 done, 4 microbatches each), no record yet."""
+    store.set(keys.decision(step, 0), "commit@0")
+    for m, factor in ((0, 1.0), (1, slow)):
+        store.set(keys.done(step, 0, m), json.dumps({"timings": [[256, 256 * 64, 0.05 * factor]] * 4}))
+
+
+def test_weights_go_out_at_the_commit_of_the_step_that_shows_the_slowdown(tmp_path):
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    monitor = SlownessMonitor(store, log, follow_speed=True)
+    published_at = None
+    for s in range(8):
+        commit_only(store, s, slow=2.0 if s >= 3 else 1.0)
+        if s > 0:
+            store.set(keys.last_commit(), str(s - 1))  # the record of the step before, written meanwhile
+        monitor.poll(0)
+        assert monitor.next_step == s + 1  # every committed step read, its record or not
+        if published_at is None and json.loads(store.get(keys.weights())):
+            published_at = s
+    events = read_events(tmp_path)
+    (slow,) = [e for e in events if e["event"] == "verdict" and e["new"] == "slow"]
+    (quotas,) = [e for e in events if e["event"] == "quotas"]
+    assert slow["replica"] == 1 and slow["step"] == published_at == quotas["step"], events
+    assert quotas["weights"]["1"] < 0.75, quotas  # about 0.5: the 2x replica's speed
+    monitor.poll(0)  # nothing new: step 8 is not committed
+    assert monitor.next_step == 8
