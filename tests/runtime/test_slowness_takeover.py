@@ -78,3 +78,43 @@ def test_a_takeover_prices_a_rank_lost_before_its_first_new_step(tmp_path):
     (plan,) = [e for e in events if e["event"] == "group_plan"]
     assert plan["why"] == "rank lost" and plan["replica"] == 1 and plan["per_microbatch_seconds"] > 0
     assert {o["kind"] for o in plan["options"]} == {"drop", "shrink"}
+
+
+def test_a_takeover_knows_which_groups_run_shrunk_and_sees_them_grow_back(tmp_path):
+    """The leader shrank group 1 onto its surviving stage, then died. Its successor must price group 1
+    as the one-rank plan it runs (not as a reweighted full group: that is all the weights say), and
+    when group 1's lost rank is back, log the grow (`ranks back`) and give it equal quotas again."""
+    from unbroken.runtime.control.replanning import GroupShape, planner_for
+
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    for s in range(20):
+        committed(store, s)
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000,
+                       reform_seconds=0.1)
+
+    def monitor(name: str) -> SlownessMonitor:
+        (tmp_path / name).mkdir()
+        log = EventLog(tmp_path / name / "events.jsonl", who="coordinator")
+        return SlownessMonitor(store, log, follow_speed=True, planner=planner_for(shape, 2, log, True))
+    leader = monitor("leader")
+    leader.poll(0)
+    leader.forget(1)
+    assert leader.rank_lost(1, [0], [0]) == "shrink"
+    (plan,) = [e for e in read_events(tmp_path / "leader") if e["event"] == "group_plan"]
+    shrunk = leader.planner.shrunk[1]
+    assert plan["applied"] == "shrink" and shrunk.weight < 1.0
+
+    successor = monitor("successor")  # the leader is gone; the standby takes over
+    successor.catch_up()
+    successor.poll(0)
+    assert successor.planner.shrunk == {1: shrunk} and successor.planner.reweighted == {}
+    assert successor.planner.weight_of(1, 0.9) == shrunk.weight  # its plan's weight, not a measured speed
+    successor.forget(1)  # the shrunk group is declared dead: its replaced rank's agent re-formed it
+    successor.ranks_back(1, [0])
+    (grow,) = [e for e in read_events(tmp_path / "successor") if e["event"] == "group_plan"]
+    assert grow["why"] == "ranks back" and grow["replica"] == 1 and grow["applied"] == "grow", grow
+    assert json.loads(store.get(keys.weights()))["1"] == 1.0
+    assert json.loads(store.get(keys.shrunk())) == {}
+    assert successor.planner.weight_of(1, 1.0) == 1.0

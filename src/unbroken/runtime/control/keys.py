@@ -117,6 +117,13 @@ def weights_changed(n: int) -> str:
     return f"weights/{n}"
 
 
+def shrunk() -> str:
+    """{group: its plan} of the groups the coordinator shrank and has not seen back at their full plan
+    (JSON, written by the leading coordinator only): what a coordinator taking over cannot read off the
+    weights."""
+    return "shrunk"
+
+
 def failed() -> str:
     return "failed"
 

@@ -23,6 +23,7 @@ rank is slow, so the decision is given every rank of the group at the group's me
 """
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -104,10 +105,17 @@ class GroupPlanner:
             return speed
         return self.shrunk[group].weight if group in self.shrunk else 1.0
 
-    def resume(self, published: Mapping[int, float]) -> None:
-        """A coordinator taking over: the groups whose published weight is below 1 were reweighted by the
-        leader before (its decisions are in the event log already; they are not made again)."""
-        self.reweighted = {g: w for g, w in published.items() if w < 1.0}
+    def resume(self, published: Mapping[int, float], shrunk: Mapping[int, Plan] | None = None) -> None:
+        """A coordinator taking over: `shrunk` (the store's `keys.shrunk`, as `shrunk_plans` left it) runs its
+        smaller plans; the other groups whose published weight is below 1 were reweighted by the leader
+        before (its decisions are in the event log already; they are not made again)."""
+        self.shrunk = dict(shrunk or {})
+        self.reweighted = {g: w for g, w in published.items() if w < 1.0 and g not in self.shrunk}
+
+    def shrunk_plans(self) -> dict[int, Plan]:
+        """Every group shrunk and not yet back at its full plan (running shrunk, or declared dead since):
+        what the coordinator keeps in the store for a successor (`resume`). Read after each change."""
+        return {**self.was_shrunk, **self.shrunk}
 
     def observe(self, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> None:
         """A committed step's timings that need no decision (a taking-over coordinator's replay): they
@@ -156,7 +164,8 @@ class GroupPlanner:
         """A group that ran shrunk rejoins with every rank (its replaced rank's agent re-formed it at its full
         plan): the scheduler's view of that change, logged as a `group_plan` event (`why: "ranks back"`);
         what it executed is the grow (the full group healed from a peer and admitted). Call at admission."""
-        before = self.was_shrunk.pop(group, None)
+        # a coordinator that took over knows a group declared dead before it led as shrunk, not was_shrunk
+        before = self.was_shrunk.pop(group, None) or self.shrunk.pop(group, None)
         setting, source, seconds = self._setting(self.timings, predictor)
         if before is None or setting is None:
             return
@@ -225,3 +234,15 @@ class GroupPlanner:
                                       self.shape.microbatches), source, seconds
         except ValueError as e:
             return None, str(e), seconds
+
+
+def plans_json(plans: Mapping[int, Plan]) -> str:
+    """`plans` as the store keeps them (`keys.shrunk`)."""
+    return json.dumps({str(g): {"tp": p.tp, "stages": list(p.stages), "teams": [list(t) for t in p.teams],
+                                "weight": p.weight} for g, p in sorted(plans.items())})
+
+
+def plans_from(raw: bytes | str | None) -> dict[int, Plan]:
+    """What `plans_json` wrote ({} for nothing)."""
+    return {int(g): Plan(d["tp"], tuple(d["stages"]), tuple(tuple(t) for t in d["teams"]), d["weight"])
+            for g, d in json.loads(raw or b"{}").items()}

@@ -20,7 +20,7 @@ from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import publish_weights
-from unbroken.runtime.control.replanning import GroupPlanner
+from unbroken.runtime.control.replanning import GroupPlanner, plans_from, plans_json
 from unbroken.runtime.control.store import read
 
 
@@ -49,7 +49,7 @@ class SlownessMonitor:
         self.next_step, self.replayed = max(0, last - REPLAY_STEPS + 1), last
         self.published = {int(k): v for k, v in json.loads(read(self.store, keys.weights()) or b"{}").items()}
         if self.planner is not None:
-            self.planner.resume(self.published)
+            self.planner.resume(self.published, plans_from(read(self.store, keys.shrunk())))
 
     def poll(self, epoch: int) -> None:
         last = int(read(self.store, keys.last_commit()) or -1)
@@ -87,6 +87,7 @@ class SlownessMonitor:
         r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
         if r is None or r.applied.kind != "shrink":
             return "drop"
+        self.store.set(keys.shrunk(), plans_json(self.planner.shrunk_plans()))  # for a successor (takeover)
         if self.follow_speed:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})
         return "shrink"
@@ -96,7 +97,10 @@ class SlownessMonitor:
         published now), and the scheduler's view of it logged. Call from the admission round."""
         if self.planner is None:
             return
+        known = self.planner.shrunk_plans()
         self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
+        if self.planner.shrunk_plans() != known:
+            self.store.set(keys.shrunk(), plans_json(self.planner.shrunk_plans()))
         if self.follow_speed and self.published.get(group, 1.0) != 1.0:
             self._publish({**self.published, group: 1.0})
 
