@@ -12,12 +12,17 @@ import hashlib
 import torch
 import torch.nn as nn
 import xxhash
+from torch.distributed.tensor import DTensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter or gradient: the local shard of a DTensor (FSDP2 inside a replica
-    group), else `t` itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    group), else `t` itself. Not differentiable: for reading and writing data, never inside autograd."""
+    # The DTensor's own local tensor (what `to_local()` returns, the same storage), without to_local's
+    # autograd Function (~7 us a call) or a DTensor `detach` before it (~10 us, a dispatch). Measured on
+    # the default GPT's 28 FSDP2-sharded parameters: a digest took 0.71 ms (xxh3) and 0.97 ms (sha256)
+    # through them, 0.05 and 0.33 ms without, a rank of a 2 x 2 HSDP run takes one or both a step.
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -123,8 +128,6 @@ class Accumulator:
     def _as_grad(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`shard` (this rank's slice, shaped like its local parameter) as `p`'s gradient: a DTensor of
         p's mesh, placements and global shape (shards may be uneven: torch.chunk sizes)."""
-        from torch.distributed.tensor import DTensor
-
         if local(p) is p:  # a whole parameter beside sharded ones (tensor parallelism: norms, embeddings)
             return shard
         return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
@@ -136,7 +139,7 @@ def _chunks(params: list[nn.Parameter]):
     (A float32 contiguous parameter is hashed as it is: the `.to().contiguous()` no-ops and the cast
     cost ~3 us of dispatch each, ~0.1 ms a digest for 28 parameters, more than xxh3 takes to hash them.)"""
     for p in params:
-        t = local(p.detach())
+        t = local(p).detach()
         if t.dtype != torch.float32 or not t.is_contiguous():
             t = t.to(torch.float32).contiguous()
         yield t.numpy()  # C-contiguous: the hashes read its buffer as bytes
