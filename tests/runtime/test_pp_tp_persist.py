@@ -46,8 +46,11 @@ def test_a_whole_job_crash_restores_every_pipeline_stage_from_memory(tmp_path):
     every trainer is SIGKILLed in step 4, and every stage restores the newest step both families hold.
     The oracle is the plain one-process loop in stage layout (no unbroken code)."""
     args = longer(PIPELINE, 8)
-    out, events = run_faults(tmp_path, "crash-all:step=4", "--snapshot.enabled=true", "--snapshot.nodes=2",
-                             base=args)
+    # The launcher fires crash-all once it sees step 3's record; a step takes ~50 ms, and under CI's load
+    # step 4 once committed before the kill landed. Group 0 sleeps through 20x its step-4 compute (wall
+    # time only: the arithmetic never sees it), so the kill lands inside step 4.
+    out, events = run_faults(tmp_path, "crash-all:step=4; slow:replica=0,from=4,to=5,factor=20,how=sleep",
+                             "--snapshot.enabled=true", "--snapshot.nodes=2", base=args)
     (crash,) = [e for e in events if e["event"] == "fault" and e.get("kind") == "crash-all"]
     assert crash["replicas"] == [0, 1], crash
     before = events.index(next(e for e in events if e["event"] == "restart"))

@@ -52,6 +52,15 @@ class DetectorConfig:
     speed_window: int = 8  # recent steps whose median gives a Slow replica's speed estimate (a
     # burst of host noise over a few steps must not halve it: its quotas would follow)
     min_speed: float = 0.1  # lowest speed reported, so a slow replica keeps some work and can show recovery
+    # A run's first steps: the detector's first `warmup_steps` observed steps add evidence above
+    # `warmup_drift` only (a 1.3x allowance, not 1.08x). Start-up inflates healthy replicas' device time
+    # for a step or two: measured in CI (4 replicas on 2 cores beside another test's start), two healthy
+    # replicas took 1.6-2x the CPU time of the others in steps 1-2 (scores 0.37 and 0.29 against the
+    # fleet), and one was declared Slow at step 2; another CI run declared a healthy replica Slow at
+    # step 5. A slowdown present from the first step is still found as soon: 2x adds 0.43 a step (capped
+    # at max_increment), Slow in 2 steps as before; under 1.3x it is found once the warm-up is over.
+    warmup_steps: int = 6
+    warmup_drift: float = math.log(1.3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +114,11 @@ class Detector:
         self._classes = dict(device_classes or {})
         self._tracks: dict[int, _Track] = {}
         self._events: list[VerdictChange | RegimeChange] = []
+        self._observed = 0  # steps observed so far (the warm-up counts them)
 
     def observe(self, step: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> dict[int, Verdict]:
         """Score one step and update verdicts. Returns the verdict of every replica tracked."""
+        self._observed += 1
         by_class: dict[str, dict[int, Sequence[MicrobatchTiming]]] = {}
         for r, mbs in timings.items():
             if mbs:
@@ -154,7 +165,8 @@ class Detector:
     def _update(self, step: int, replica: int, x: float, total: float) -> None:
         cfg, t = self.config, self._tracks[replica]
         t.recent.append(total)
-        t.cusum = min(max(0.0, t.cusum + min(x - cfg.drift, cfg.max_increment)), 2 * cfg.slow_at)
+        drift = cfg.warmup_drift if self._observed <= cfg.warmup_steps else cfg.drift
+        t.cusum = min(max(0.0, t.cusum + min(x - drift, cfg.max_increment)), 2 * cfg.slow_at)
         t.run = t.run + 1 if t.cusum >= cfg.suspect_at or t.verdict is Verdict.SLOW else 0
         old = t.verdict
         if old is Verdict.SLOW:
