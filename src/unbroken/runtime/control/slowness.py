@@ -87,7 +87,7 @@ class SlownessMonitor:
         r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
         if r is None or r.applied.kind != "shrink":
             return "drop"
-        self.store.set(keys.shrunk(), plans_json(self.planner.shrunk_plans()))  # for a successor (takeover)
+        self._save_shrunk()
         if self.follow_speed:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})
         return "shrink"
@@ -97,12 +97,15 @@ class SlownessMonitor:
         published now), and the scheduler's view of it logged. Call from the admission round."""
         if self.planner is None:
             return
-        known = self.planner.shrunk_plans()
         self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
-        if self.planner.shrunk_plans() != known:
-            self.store.set(keys.shrunk(), plans_json(self.planner.shrunk_plans()))
+        self._save_shrunk()
         if self.follow_speed and self.published.get(group, 1.0) != 1.0:
             self._publish({**self.published, group: 1.0})
+
+    def _save_shrunk(self) -> None:
+        """Keep the planner's shrunk groups in the store for a successor (`catch_up`): after each change
+        (a shrink, a group admitted whole again; one write each, both rare)."""
+        self.store.set(keys.shrunk(), plans_json(self.planner.shrunk_plans()))
 
     def _publish(self, weights: dict[int, float]) -> None:
         """Write `weights` for the members' next proposals, and say so (`quotas`, as the simulator does):
