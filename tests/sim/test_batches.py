@@ -46,3 +46,29 @@ def test_drop_replica_batch_shrinks_exactly_while_out(small):
     for d in outs:
         later = [e for e in epochs if e["t"] >= d["t"]]
         assert d["replica"] not in later[0]["members"]
+
+
+@pytest.mark.timeout(30)
+def test_in_step_recovery_recovers_the_step_in_flight_and_commits_it_when_the_redo_ends():
+    """A kill 8.5 steps into a stretch (nothing flushed the stretch before it): the fault and the
+    recovery name step 8, and step 8 commits once its orphans are redone, not a full step after that
+    (the stretch used to report the step of its last flush, 0, so its in-step recovery was thrown away
+    and step 8 recomputed from scratch)."""
+    from unbroken.sim.scenario import from_tree
+    mb, sync, detect, reform = 0.02, 0.01, 0.05, 0.03
+    step = 4 * mb + sync
+    tree = {"name": "kill-mid-step", "cluster": {"dp": 2, "tp": 1, "pp": 1, "gpus_per_node": 1},
+            "workload": {"microbatches": 8, "tokens_per_microbatch": 16, "microbatch_seconds": mb,
+                         "sync_seconds": sync, "duration_hours": 5 / 3600},
+            "costs": {"detect_seconds": detect, "reform_seconds": reform, "restart_seconds": 1.0,
+                      "reload_seconds": 0.0, "checkpoint_seconds": 0.0, "snapshot_seconds": 0.0,
+                      "memory_restore_seconds": 0.0, "rejoin_seconds": 0.0, "replace_seconds": float("inf")},
+            "trace": [{"at_hours": 8.5 * step / 3600, "cause": "kill", "scope": "gpu"}]}
+    recs = simulate(from_tree(tree, "kill-mid-step"), "unbroken_live", log_steps=True, keep=True).records
+    fault = next(r for r in recs if r["event"] == "fault")
+    assert fault["step"] == 8
+    assert {r["step"] for r in recs if r["event"] == "recovery"} == {8}
+    # the survivor's own 4 were done by 8.5 steps in; it waits for the verdict and the re-form, redoes 4
+    t8 = next(r["t"] for r in recs if r["event"] == "step" and r["step"] == 8)
+    assert t8 == pytest.approx(8.5 * step + detect + reform + 4 * mb + sync)
+    assert [r["step"] for r in recs if r["event"] == "step"][:10] == list(range(10))

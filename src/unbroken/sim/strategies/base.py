@@ -105,6 +105,8 @@ class Run(abc.ABC):
         elif t < self.busy_until:
             self.engine.at(self.busy_until, "fault", f)
         else:
+            if self.seg is not None:  # stretches commit lazily: without this, self.step is the step
+                self.flush(t)  # of the last flush, and a strategy would recover the wrong step
             self.log.emit("fault", t, kind=f.cause, scope=f.scope, replica=list(f.replicas), step=self.step,
                           gpus=len(f.gpus))
             self.interrupt(t, f)
