@@ -1,7 +1,9 @@
 """The simulator, calibrated on one real run, predicts what another real run's faults cost within 15%.
 
-Calibration run: 2 replicas, 10 steps, failure-free. Predicted run: replica 1 three times slower from
-step 5 to the end (how=spin: it keeps burning its share of the CPU, as a throttled device would).
+Calibration run: 2 replicas, 10 steps, replica 0 twice as slow in steps 5-7 (how=spin). Predicted run:
+replica 1 three times slower from step 5 to the end (how=spin: it keeps burning its share of the CPU, as
+a throttled device would). The calibration's episode measures how far this host's spin overshoots its
+factor (1.1x here: the spin evicts the caches the next microbatch refills), a cost like detection's.
 sim/calibrate.predict_other reads the costs (a step's split into microbatch compute and sync) off the
 first run; of the second only its configuration, its fault spec and its speed before the fault (this
 shared machine's speed moves 2x between runs a minute apart: measured), and predicts the seconds from
@@ -36,20 +38,17 @@ def train(out, steps: int, faults: str) -> None:
 
 
 def within(p) -> None:
-    """The target is 15%. Above it but within 50% is this host's known gap (issue 22 item 6, open): an
-    expected failure that prints the measured error; beyond 50% the simulator is wrong, a failure."""
+    """The target: 15% (issue 22 item 6). Measured in 8 runs of each test here after the
+    calibration learned the spin's overshoot: slow 1.1-11.2%, kill 0-13.0%."""
     print(f"predicted {p.predicted_wall:.2f} s, measured {p.measured_wall:.2f} s: {p.wall_error:.1%} off")
-    assert p.wall_error < 0.5, p
-    if p.wall_error >= 0.15:
-        pytest.xfail(f"predicted {p.predicted_wall:.2f} s against {p.measured_wall:.2f} s measured: "
-                     f"{p.wall_error:.0%} off, over the 15% target on this shared host")
+    assert p.wall_error < 0.15, p
 
 
 @pytest.mark.slow
 @pytest.mark.alone
 @pytest.mark.timeout(250)
 def test_calibrated_on_one_run_predicts_another_with_a_slow_replica(tmp_path):
-    train(tmp_path / "cal", 10, "")
+    train(tmp_path / "cal", 10, "slow:replica=0,from=5,to=8,factor=2,how=spin")
     train(tmp_path / "target", 14, "slow:replica=1,from=5,factor=3,how=spin")
     events = read_events(tmp_path / "target")
     mine = [e for e in events if e["event"] == "compute" and e["replica"] == 1]

@@ -2,8 +2,8 @@
 prediction of that same run's wall time and committed tokens, and (predict_other) of another run with
 other faults from the first one's costs.
 
-Owns: reading costs off a real log (step time from `step` records' step_time, per-microbatch time from
-`compute` records, detection from fault -> member_dead, re-forming from member_dead -> recovery, start-up
+Owns: reading costs off a real log (step boundaries from the reductions that counted (`boundaries`),
+per-microbatch time from `compute` records, detection from fault -> member_dead, re-forming from member_dead -> recovery, start-up
 from run_start -> first step), turning its injected faults into a trace, and the comparison.
 Does not own: running the real trainer (runtime/) or the simulator's strategies; a real run is predicted
 with `unbroken_live`, the strategy the trainer implements.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.events import read_events
-from unbroken.faultspec import parse
+from unbroken.faultspec import Fault, parse
 from unbroken.sim.runner import simulate
 from unbroken.sim.scenario import Scenario, from_tree
 
@@ -33,6 +33,7 @@ class Calibration:
     steps: int  # steps the real run committed
     measured_wall: float  # s from run_start to the last committed step
     measured_tokens: int
+    stretch: dict[str, float]  # slow injection's measured overshoot of its factor, per `how` (_stretch)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,20 @@ class Prediction:
         return abs(self.predicted_wall - self.measured_wall) / self.measured_wall
 
 
+def boundaries(recs: list[dict[str, Any]]) -> dict[int, float]:
+    """When each step's work was done: the end of the last successful reduction of that step, by anyone
+    (every member's ends together: it is a collective), keyed by step. Falls back to the step records'
+    times where a log has no `reduce` events. Why not the records: a member stepping ahead writes step
+    s's record after it has computed step s+1's microbatches (runtime/speculation.py), so a record's
+    time moves by up to a step with who wrote it, while the reduction's end does not."""
+    ends: dict[int, float] = {}
+    for r in recs:
+        if r["event"] == "reduce" and r.get("ok"):
+            ends[r["step"]] = max(ends.get(r["step"], 0.0), r["t"])
+    committed = {r["step"]: r["t"] for r in recs if r["event"] == "step"}
+    return {s: ends.get(s, t) for s, t in committed.items()}
+
+
 def scenario_from_run(run_dir: str | Path) -> Calibration:
     """Build a scenario from a real run directory. Raises ValueError if the log has no committed step."""
     recs = read_events(Path(run_dir) / "events.jsonl")
@@ -57,15 +72,21 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
         raise ValueError(f"{run_dir}: no committed step in events.jsonl")
     faults = [r for r in recs if r["event"] == "fault"]
     fault_steps = {r.get("step") for r in faults}
-    # The step period is the commit-to-commit interval: a step record's own step_time leaves out the
-    # work between steps (plan, digest, events), which a replay of the run's wall time must include.
-    gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
-            if b["step"] == a["step"] + 1 and b["step"] not in fault_steps]
+    # The step period is the interval between step boundaries: a step record's own step_time leaves
+    # out the work between steps (plan, digest, events), which a replay of the run's wall time must include.
+    # Only steps before the first fault: after a kill fewer replicas share the microbatches, and reading
+    # those periods as full-membership steps would book the survivors' extra compute as sync.
+    ends = boundaries(recs)
+    R, M = int(start["replicas"]), int(start["microbatches"])
+    spec = parse(start.get("faults") or "", R, int(start["steps"]))
+    first_fault = min([s for s in fault_steps if s is not None] + [f.start for f in spec if f.kind == "slow"],
+                      default=float("inf"))
+    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s - 1 in ends and s < first_fault]
     clean = gaps or [r["step_time"] for r in steps if r["step"] not in fault_steps] or \
         [r["step_time"] for r in steps]
     step_time = statistics.median(clean)
-    R, M = int(start["replicas"]), int(start["microbatches"])
-    compute = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute" and r.get("step") not in fault_steps]
+    compute = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute" and r.get("step") not in fault_steps
+               and not any(f.kind == "slow" and f.slows(r["replica"], r["step"]) for f in spec)]
     per_replica = -(-M // R)
     t_mb = statistics.median(compute) if compute else step_time / per_replica
     t_mb = min(t_mb, step_time / per_replica)
@@ -89,7 +110,26 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
         "trace": [e for e in trace if e["at_hours"] < 3 * wall / 3600],
     }
     return Calibration(from_tree(tree, tree["name"]), t0 - start["t"], len(steps), wall,
-                       sum(r["tokens"] for r in steps))
+                       sum(r["tokens"] for r in steps), _stretch(recs, spec))
+
+
+def _stretch(recs: list[dict[str, Any]], spec: tuple[Fault, ...]) -> dict[str, float]:
+    """How far this host's slow injection overshoots its factor, per `how`: the slowed replica's median
+    microbatch wall time while slowed, over its own before the episode (step 0 left out: warm-up), over
+    the factor. On this 2-core host a how=spin episode of factor 3 measured 3.35x (1.12): the spin's
+    Python loop evicts the caches the next microbatch's kernels then refill (measured: the unstretched
+    compute itself took 15% longer between spins). A GPU's device-side spin would not."""
+    ratios: dict[str, list[float]] = {}
+    for f in spec:
+        if f.kind != "slow":
+            continue
+        mine = [(r["step"], r.get("wall", r["seconds"])) for r in recs if r["event"] == "compute"
+                and r["replica"] == f.replica]
+        before = [w for s, w in mine if 1 <= s < f.start]
+        during = [w for s, w in mine if f.slows(f.replica, s)]
+        if before and during:
+            ratios.setdefault(f.how, []).append(statistics.median(during) / statistics.median(before) / f.factor)
+    return {how: statistics.median(r) for how, r in ratios.items()}
 
 
 def _trace(fault: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -98,6 +138,25 @@ def _trace(fault: dict[str, Any], t0: float) -> dict[str, Any]:
         return {"at_hours": at, "cause": "slow", "scope": "slow", "factor": float(fault.get("factor", 2.0)),
                 "duration_seconds": 1e9}
     return {"at_hours": at, "cause": str(fault.get("kind", "fault")), "scope": "gpu"}
+
+
+def _predicted_fault(f: Fault, steps: int, step_time: float, compute: float, sync: float,
+                     stretch: float = 1.0) -> dict[str, Any]:
+    """A fault of the spec on the failure-free clock (step s runs from s * step_time; `compute` s of it is
+    one replica's microbatches). The simulator applies a slow episode at the next step boundary, so one
+    that slows steps [start, stop) begins half a step before `start` and ends half a slowed step before
+    `stop`; a kill or hang lands inside its step where its phase is (mid-compute, at the reduction, at
+    the commit, after it), as the runtime fires it. A slow factor is scaled by the calibration run's
+    measured `stretch` for its `how`."""
+    if f.kind == "slow":
+        factor = f.factor * stretch
+        slowed = compute * factor + sync  # a slowed step, equal quotas (the stated premise)
+        end = steps + 1 if f.stop is None else f.stop
+        return {"at_hours": (f.start - 0.5) * step_time / 3600, "cause": "slow", "scope": "slow",
+                "factor": factor, "duration_seconds": 0.5 * step_time + (end - f.start - 0.5) * slowed}
+    into = {"compute": 0.5 * compute, "allreduce": compute, "commit": compute + 0.5 * sync,
+            "optimizer": compute + 0.9 * sync}[f.phase or "compute"]
+    return {"at_hours": (f.step * step_time + into) / 3600, "cause": f.kind, "scope": "gpu"}
 
 
 def predict(run_dir: str | Path) -> Prediction:
@@ -114,18 +173,19 @@ def predict(run_dir: str | Path) -> Prediction:
 
 def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Prediction:
     """Predict what another real run's faults cost. Every cost (the split of a step into microbatch
-    compute and sync, detection, re-forming) is read off `calibration_dir`; of `target_dir` only what a
+    compute and sync, detection, re-forming, how far a slow injection overshoots its factor) is read
+    off `calibration_dir`; of `target_dir` only what a
     user states before running it (replicas, microbatches, steps, its fault spec from run_start: kills
     and hangs at their step, slow stretches from their first to their last step) and the machine's
-    speed in that minute: its median commit-to-commit interval before its first fault, which scales the
-    calibrated compute and sync (a shared machine's speed drifts 2x between runs a minute apart; so the
-    figure is what the faults cost, not how fast the host was). Measured and predicted (`*_wall`):
-    seconds from the commit of the step before the first fault to the last commit; start-up is not
-    simulated. Raises ValueError if either log lacks steps, or the target a fault after its step 3."""
+    speed in that minute: its median step period before its first fault, which scales the calibrated
+    compute and sync (a shared machine's speed drifts 2x between runs a minute apart; so the figure is
+    what the faults cost, not how fast the host was). Measured and predicted (`*_wall`): seconds from
+    the end of the step before the first fault to the end of the last step (`boundaries`); start-up is
+    not simulated. Raises ValueError if either log lacks steps, or the target a fault after its step 3."""
     cal = scenario_from_run(calibration_dir)
     recs = read_events(Path(target_dir) / "events.jsonl")
     start = next(r for r in recs if r["event"] == "run_start")
-    commit = {r["step"]: r["t"] for r in recs if r["event"] == "step"}
+    commit = boundaries(recs)
     n, R, M = int(start["steps"]), int(start["replicas"]), int(start["microbatches"])
     spec = parse(start["faults"], R, n)
     first = min((f.start if f.kind == "slow" else f.step for f in spec), default=0)
@@ -137,14 +197,8 @@ def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Predic
     scale = statistics.median(gaps) / cal_step  # this minute's host speed against the calibration's
     mb, sync = w.microbatch_seconds * scale, w.sync_seconds * scale
     step_time = -(-M // R) * mb + sync
-    trace = []
-    for f in spec:
-        if f.kind == "slow":
-            end = n if f.stop is None else f.stop
-            trace.append({"at_hours": f.start * step_time / 3600, "cause": "slow", "scope": "slow",
-                          "factor": f.factor, "duration_seconds": (end - f.start) * step_time * f.factor})
-        elif f.kind in ("kill", "hang"):
-            trace.append({"at_hours": f.step * step_time / 3600, "cause": f.kind, "scope": "gpu"})
+    trace = [_predicted_fault(f, n, step_time, -(-M // R) * mb, sync, cal.stretch.get(f.how, 1.0))
+             for f in spec if f.kind in ("slow", "kill", "hang")]
     tree: dict[str, Any] = {
         "name": f"predicted-{Path(target_dir).name}", "source": str(target_dir),
         "cluster": {"dp": R, "tp": 1, "pp": 1, "gpus_per_node": 1},
