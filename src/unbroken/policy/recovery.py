@@ -7,7 +7,8 @@ how decisions are stored (compare-and-set in the coordinator's store), or the op
 
 Protocol (DESIGN.md, step protocol): compute owned microbatches into the local accumulator -> reduce a copy
 in the epoch's group -> publish done(s, e) -> the last to publish proposes commit@e -> everyone follows the
-single decision. When the epoch moves: propose retry for the old epoch (a no-op if it was decided already),
+single decision. When the epoch moves in a way that `disturbs` the step (a removal or a re-form; an
+epoch that only admits joiners does not: the executor then goes on in the step's epoch): propose retry for the old epoch (a no-op if it was decided already),
 follow the decision; on retry replay the membership history into new owners, compute what is still owed,
 and reduce again in the new epoch. The local accumulator is never cleared inside a step, so work already
 done is kept and only the orphaned microbatches are redone.
@@ -206,6 +207,23 @@ def on_event(state: StepState, event: Event) -> tuple[StepState, tuple[Action, .
     raise ValueError(f"unexpected {event!r} in phase {state.phase} of step {state.step}, epoch {state.epoch}")
 
 
+def disturbs(members: Sequence[int], chain: Chain) -> bool:
+    """Whether the epochs of `chain`, after an epoch whose members are `members`, change anything for a
+    step of that epoch in flight. An epoch that only admits groups (its members a strict superset of
+    the epoch's before it) does not: its joiners join at the next step boundary (`_advance` leaves them
+    out of this step), so the step's members, owners, collective group and decision stay those of its
+    own epoch, and it goes on there; re-reducing it in the new epoch with the same members cost the
+    survivors of a rejoin one more reduction (~0.14 s measured, benchmarks/rejoin.py). A removal does,
+    and so does a re-form (the same members again: a collective broke with nobody dead)."""
+    before = set(members)
+    for _, ms in chain:
+        now = set(ms)
+        if not before < now:
+            return True
+        before = now
+    return False
+
+
 def _work(state: StepState) -> tuple[StepState, tuple[Action, ...]]:
     owed = state.owed
     if owed:
@@ -219,6 +237,12 @@ def _advance(state: StepState, chain: Chain) -> tuple[StepState, tuple[Action, .
     # still in every epoch since: a member lost and admitted again within one step (a group shrunk onto
     # its survivor ~0.3 s after it lost a rank) is a joiner too, and it waits for its heal, not this
     # step's reduction (counted back in, it hung the step until the collective timeout: seen under load).
+    # Not into trailing epochs that only admit: a peer already in the epoch before them is not disturbed
+    # by them (`disturbs`) and stays there, so we go there too (else two epochs' groups, a deadlock until
+    # the collective timeout). The first epoch is always taken: after a failed reduction it is the
+    # fresh group, even where it only admits.
+    while len(chain) > 1 and set(chain[-2][1]) < set(chain[-1][1]):
+        chain = chain[:-1]
     alive, kept = set(state.members), []
     for e, ms in chain:
         alive &= set(ms)

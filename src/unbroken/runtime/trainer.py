@@ -366,7 +366,7 @@ class Trainer:
         """All-reduce a copy of the accumulator in the group of the step's `members` in `epoch` (a group
         admitted in the epoch joins at the next step); the accumulator stays intact."""
         self.hb.at(step, "allreduce", epoch=epoch)
-        if self.coord.epoch() > epoch:
+        if self.coord.moved(epoch):  # an epoch that only admits joiners leaves the step in its own
             return rec.EpochChanged(self.coord.chain_after(epoch))
         held = work.held()
 
@@ -388,7 +388,7 @@ class Trainer:
                 into = self.scratch[shard] = torch.empty_like(buffer)
             tag = self.shard_tag(shard)
             try:
-                result = self.groups[key].allreduce(buffer, lambda: self.coord.epoch() > epoch,
+                result = self.groups[key].allreduce(buffer, lambda: self.coord.moved(epoch),
                                                     on_issued=issued if not results else None, into=into)
             except EpochMoved:
                 self.scratch = {}  # the abandoned collective may still write them

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed import Store
 
-from unbroken.policy.recovery import Chain
+from unbroken.policy.recovery import Chain, disturbs
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import CounterWatch, DecisionWatch, EpochWatch
 from unbroken.runtime.control.store import read
@@ -78,6 +78,7 @@ class Coordination:
         self._reconnect = reconnect
         self._members: dict[int, tuple[int, ...]] = {}
         self._staged: tuple[int, int, tuple[int, ...]] | None = None  # the done record last written
+        self._calm: tuple[int, int] | None = None  # (epoch, latest): the epochs after it only admit
 
     def group_store(self) -> Store:
         """A store for one epoch's collective group to rendezvous on: a client of its own when we can
@@ -94,6 +95,21 @@ class Coordination:
         if epoch not in self._members:
             self._members[epoch] = tuple(json.loads(self.store.get(keys.members(epoch))))
         return self._members[epoch]
+
+    def moved(self, epoch: int) -> bool:
+        """Whether the membership moved past `epoch` in a way that disturbs a step of that epoch in
+        flight (policy.recovery.disturbs): a removal or a re-form does; epochs that only admit joiners
+        do not (the step goes on in its epoch; they join at the next step). Cheap when nothing moved
+        (a local read); once per new epoch it reads the member lists (cached)."""
+        latest = self.epoch()
+        if latest <= epoch:
+            return False
+        if self._calm == (epoch, latest):
+            return False
+        if disturbs(self.members(epoch), tuple((e, self.members(e)) for e in range(epoch + 1, latest + 1))):
+            return True
+        self._calm = (epoch, latest)
+        return False
 
     def chain_after(self, epoch: int) -> Chain:
         """Every epoch after `epoch` up to the current one, with its members, oldest first.
@@ -177,7 +193,8 @@ class Coordination:
             self._decisions.watch(step, epoch)
 
     def wait_for(self, step: int, epoch: int, want_decision: bool, timeout_s: float) -> tuple[str, object]:
-        """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`.
+        """Wait until (step, epoch) is decided (if `want_decision`) or the epoch moves past `epoch`
+        (awaiting a decision: in a way that disturbs the step, `moved`).
 
         Returns ("decided", Decision) or ("moved", chain); a decision wins when both hold. Raises
         TimeoutError after `timeout_s`. With the decision and epoch watches (the worker's case) the
@@ -186,17 +203,22 @@ class Coordination:
         """
         deadline = time.monotonic() + timeout_s
         decisions = self._decisions if want_decision else None
+        # Awaiting a decision, an epoch that only admits joiners leaves the step be (`moved`); after a
+        # failed reduction any new epoch is taken: the step's group is broken, the new one is not.
+        moved = (lambda: self.moved(epoch)) if want_decision else (lambda: self.epoch() > epoch)
         if self.watch is not None and (decisions is not None or not want_decision):
             if decisions is not None:
                 decisions.watch(step, epoch)
             outcome = lambda: decisions.outcome(step, epoch) if decisions is not None else None  # noqa: E731
+            seen = epoch
             while True:
-                self.watch.wait_until(lambda: outcome() is not None or self.watch.current > epoch,
+                self.watch.wait_until(lambda: outcome() is not None or self.watch.current > seen,
                                       max(0.0, deadline - time.monotonic()))
                 if outcome() is not None:
                     return "decided", Decision.loads(outcome())
-                if self.epoch() > epoch:
+                if moved():
                     return "moved", self.chain_after(epoch)
+                seen = max(seen, self.epoch())
                 if time.monotonic() >= deadline:
                     break
         pause = 0.0002
@@ -205,7 +227,7 @@ class Coordination:
                 decided = self.decision(step, epoch)
                 if decided is not None:
                     return "decided", decided
-            if self.epoch() > epoch:
+            if moved():
                 return "moved", self.chain_after(epoch)
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 1.5, 0.002)
