@@ -8,7 +8,6 @@ trajectory's state at the step it names.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp

@@ -45,8 +45,6 @@ from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.policy.membership import donor
-from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordination import Coordination, Decision, GroupLost, Plan, lost_rank
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
@@ -54,7 +52,7 @@ from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_di
 from unbroken.runtime.parallel.parallelize import reduced_shards
 from unbroken.runtime.parallel.pipeline import Stages
 from unbroken.runtime.parallel.standin import StandIn
-from unbroken.runtime.persist.healing import Forming, donate
+from unbroken.runtime.persist.donor import Donor
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
 from unbroken.runtime.speculation import Pipeline, Rollback, limit
@@ -131,6 +129,9 @@ class Trainer:
         self.pipeline = Pipeline(Rollback(self.params, self.optimizer, limit(mode, self.params[0].device)),
                                  log, self.me)
         self.carried: dict[int, Future] = {}  # step -> its plan, once the step before commits
+        self.donor = Donor(coord, log, self.me, who.rank, self.holds, self.model, self.optimizer,
+                           cfg.coord.collective_timeout, (lambda j: lambda: self.standin.heal_tensors(
+                               j, self.optimizer)) if self.standin else None, self.shard_tag)
 
     def fit(self, first_step: int = 0, plan: Plan | None = None) -> None:
         """Train steps first_step .. run.steps-1 (a joiner: from the step after the one it healed to, under
@@ -155,6 +156,7 @@ class Trainer:
         work = StepWork(step, self.accs[step % 2], self.data.step_tokens(step, self.cfg.run.microbatches),
                         time.time())
         plan = self.coord.proposal(self.sidecar.weights)
+        self.donor.prepare()  # heal groups for joiners we will donate to form while the step runs
         agreed = self.carried.pop(step, None) or self.sidecar.plan(step, plan)
         self.carried[step + 1] = work.next_plan
         if self.ranks > 1:  # a group's ranks must compute the same microbatches: the agreed plan's
@@ -232,6 +234,7 @@ class Trainer:
         self.pipeline.step_ahead(work, state, action, published, lambda: self.step_optimizer(work))
 
     def execute(self, work: StepWork, action: rec.Action) -> rec.Event | None:
+        self.donor.prepare()  # a joiner admitted since: its heal group forms while we go on (donor.py)
         match action:
             case rec.Compute(step, mbs):
                 return self.compute(work, step, mbs)
@@ -441,37 +444,7 @@ class Trainer:
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
             ranks=len(members) * self.who.group_size,  # groups took part: `replicas`
             step_time=round(work.stepped - work.started, 6)))
-        self.heal_joiners(step, members, commit.plan)
-
-    def heal_joiners(self, step: int, members: tuple[int, ...], plan: Plan) -> None:
-        """Groups the next step's plan admits (not members of this one) get this step's state from their
-        donor (policy.membership.donor): if that is us, each of our ranks sends its shard to the joiner's
-        rank of the same index, holding our next step up by that transfer. A joiner that never comes or
-        dies mid-transfer costs us the timeout, then its group is declared dead and the step goes on."""
-        for g in (g for g in plan.members if g not in members and donor(members, g) == self.me):
-            admitted = self.coord.admission(g)
-
-            def gone(g: int = g, admitted: int = admitted) -> bool:  # lost, a newer incarnation, a sibling gave up
-                return (self.coord.is_dead(g) or self.coord.admission(g) != admitted
-                        or self.coord.heal_failed(g, admitted))
-            t = time.perf_counter()
-            if self.who.rank == 0:
-                self.coord.offer_heal(g, admitted, step, plan)
-            for shard in self.holds:  # a stand-in sends each shard index to the joiner's rank of that index
-                tag = self.shard_tag(shard)
-                try:
-                    forming = Forming(self.coord.group_store(), keys.heal_prefix(g, admitted, self.me, shard),
-                                      0, self.cfg.coord.collective_timeout)
-                    sent, seconds, transfer = donate(forming, self.model, self.optimizer, (
-                        lambda shard=shard: self.standin.heal_tensors(shard, self.optimizer)) if self.standin else None,
-                        gone)
-                except RuntimeError as e:
-                    self.log.emit("heal_failed", replica=g, donor=self.me, step=step, error=str(e)[:200], **tag)
-                    self.coord.heal_failed(g, admitted, now=True)  # our other ranks stop waiting for it too
-                    break
-                self.log.emit("heal", replica=g, donor=self.me, step=step, bytes=sent, seconds=round(seconds, 6),
-                              transfer=round(transfer, 6), side="donor", held=round(time.perf_counter() - t, 6),
-                              **tag)
+        self.donor.heal(step, members, commit.plan)
 
     def shard_tag(self, shard: int) -> dict:
         """The tag of an event about one shard index (a stand-in's: that index as its rank)."""

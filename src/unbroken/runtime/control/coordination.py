@@ -296,10 +296,10 @@ class Coordination:
         incarnation = (read(self.store, keys.joined(self.me)) or b"start").decode()
         return self.store.add(keys.standin(self.me, incarnation), 1) == 1
 
-    def was_admitted(self) -> bool:
-        """Whether this group was admitted into the run before (it joined, or shrank): a fresh start of it
-        must rejoin, not train from step 0."""
-        return self.store.check([keys.joined(self.me)])
+    def was_admitted(self, group: int | None = None) -> bool:
+        """Whether this group (or `group`) was admitted into the run before (it joined, or shrank): a
+        fresh start of it must rejoin, not train from step 0. One round trip."""
+        return self.store.check([keys.joined(self.me if group is None else group)])
 
     def admission(self, group: int) -> int:
         """The epoch that admitted `group` last (a donor keys the heal by it)."""
