@@ -11,8 +11,9 @@ ranks takes the state of the donor's rank of the same index, and it takes quotas
 From the run's events:
   back      seconds from the `fault` record to the first committed step whose members include group 1;
   longest   the survivors' longest step interval (between consecutive `step` records) from the group's
-            admission (`join`) until it is back: what the admission (one re-reduce of the step in flight)
-            and the heal (the donor holds its next step up by the transfer) cost them, in failure-free
+            admission (`join`) until it is back: what the heal (the donor holds its next step up until
+            the heal group has formed and the transfer is done) and the joiner's first step cost them
+            (the admission itself no longer re-reduces the step in flight), in failure-free
             step times (median interval before the fault, first --warmup dropped). Target <= 2. Beside
             it, over the survivors' own steps before the admission (they carry the lost group's quota).
             Shown apart: the step the fault hit (it lasts the heartbeat timeout) and the longest step of
@@ -78,13 +79,15 @@ def main() -> None:
     fault = next(e for e in events if e["event"] == "fault")
     dead = next(e for e in events if e["event"] == "member_dead" and e["replica"] == 1)
     records = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["t"])
-    back = next(e for e in records if e["t"] > fault["t"] and 1 in e["members"])
+    # the step the fault hit and later ones: a step before it may be recorded just after the kill (its
+    # writer steps ahead), with group 1 among its members
+    back = next(e for e in records if e["step"] >= fault["step"] and e["t"] > fault["t"] and 1 in e["members"])
     before = [b["t"] - a["t"] for a, b in zip(records, records[1:]) if b["step"] <= args.fault_step][args.warmup:]
     step_s = statistics.median(before)
     join = next(e for e in events if e["event"] == "join" and e["replica"] == 1)
     # interval ending at each record; the first record after member_dead is the step the fault hit
     gaps = [(b["t"] - a["t"], b) for a, b in zip(records, records[1:])]
-    after = [(g, r) for g, r in gaps if dead["t"] < r["t"] <= back["t"]]
+    after = [(g, r) for g, r in gaps if dead["t"] < r["t"] <= back["t"] and r["step"] >= fault["step"]]
     hit = after[0][0]
     outage = max((g for g, _ in after[1:]), default=0.0)
     alone = [g for g, r in after[3:] if r["t"] < join["t"]]  # survivors' steps, settled, before the admission

@@ -114,6 +114,7 @@ class Trainer:
         elif hooked:
             reduced_shards(self.model, lambda p, shard: self.acc.add_shard(p, shard))
         self.groups: dict[tuple[int, tuple[int, ...], int], EpochGroup] = {}  # (epoch, members, shard) -> group
+        self.seen_epoch = -1  # the latest epoch `ahead` looked at
         self.reduced: torch.Tensor | list[torch.Tensor] | None = None  # the last all-reduce's result(s)
         self.scratch: dict[int, torch.Tensor] = {}  # shard -> the all-reduce's copy, until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
@@ -234,7 +235,7 @@ class Trainer:
         self.pipeline.step_ahead(work, state, action, published, lambda: self.step_optimizer(work))
 
     def execute(self, work: StepWork, action: rec.Action) -> rec.Event | None:
-        self.donor.prepare()  # a joiner admitted since: its heal group forms while we go on (donor.py)
+        self.ahead()
         match action:
             case rec.Compute(step, mbs):
                 return self.compute(work, step, mbs)
@@ -256,6 +257,28 @@ class Trainer:
             case rec.Fence(step, reason):
                 self.fence(step, reason)
         raise AssertionError(f"unhandled action {action!r}")
+
+    def ahead(self) -> None:
+        """Before each action (a local read unless the epoch moved): groups a newly admitted joiner will
+        need start forming on their threads while we go on, its heal group (donor.py) and, where the
+        latest epoch admits, that epoch's cross-group groups: the next step, the joiner's first, then
+        finds them formed instead of waiting for a rendezvous of every member."""
+        self.donor.prepare()
+        latest = self.coord.epoch()
+        if latest == self.seen_epoch:
+            return
+        self.seen_epoch, members = latest, tuple(sorted(self.coord.members(latest)))
+        if latest > 0 and self.me in members and set(self.coord.members(latest - 1)) < set(members):
+            for shard in self.holds:
+                self.group_of(latest, members, shard)
+
+    def group_of(self, epoch: int, members: tuple[int, ...], shard: int) -> EpochGroup:
+        """The cross-group group of `members` in `epoch` for shard index `shard`, formed from the first ask."""
+        key = (epoch, members, shard)
+        if key not in self.groups:
+            self.groups[key] = EpochGroup(self.coord.group_store(), epoch, members, self.me,
+                                          self.cfg.coord.collective_timeout, shard=shard)
+        return self.groups[key]
 
     def before_publish(self, step: int, epoch: int) -> None:
         self.hb.at(step, "commit", epoch=epoch)
@@ -313,6 +336,7 @@ class Trainer:
             if self.fsdp:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
             self.hb.at(step, "compute", i)
+            self.ahead()  # an admission mid-compute: the joiner's groups form from the next microbatch on
             mb = part(self.data.microbatch(step, i), self.share, self.shares)  # this rank's sequences
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
@@ -383,9 +407,7 @@ class Trainer:
         results = []
         for shard, buffer in zip(self.holds, buffers):  # a stand-in reduces each shard index in its family
             key = (epoch, members, shard)
-            if key not in self.groups:
-                self.groups[key] = EpochGroup(self.coord.group_store(), epoch, members, self.me,
-                                              self.cfg.coord.collective_timeout, shard=shard)
+            self.group_of(*key)
             into = self.scratch.get(shard)
             if into is None or into.dtype != buffer.dtype:
                 into = self.scratch[shard] = torch.empty_like(buffer)
