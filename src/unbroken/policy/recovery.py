@@ -8,8 +8,8 @@ how decisions are stored (compare-and-set in the coordinator's store), or the op
 Protocol (DESIGN.md, step protocol): compute owned microbatches into the local accumulator -> reduce a copy
 in the epoch's group -> publish done(s, e) -> the last to publish proposes commit@e -> everyone follows the
 single decision. When the epoch moves in a way that `disturbs` the step (a removal or a re-form; an
-epoch that only admits joiners does not: the executor then goes on in the step's epoch): propose retry for the old epoch (a no-op if it was decided already),
-follow the decision; on retry replay the membership history into new owners, compute what is still owed,
+epoch that only admits joiners does not: the executor then goes on in the step's epoch): propose retry
+for the old epoch (a no-op if it was decided already), follow the decision; on retry replay the membership history into new owners, compute what is still owed,
 and reduce again in the new epoch. The local accumulator is never cleared inside a step, so work already
 done is kept and only the orphaned microbatches are redone.
 """

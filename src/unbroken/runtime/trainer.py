@@ -157,7 +157,6 @@ class Trainer:
         work = StepWork(step, self.accs[step % 2], self.data.step_tokens(step, self.cfg.run.microbatches),
                         time.time())
         plan = self.coord.proposal(self.sidecar.weights)
-        self.donor.prepare()  # heal groups for joiners we will donate to form while the step runs
         agreed = self.carried.pop(step, None) or self.sidecar.plan(step, plan)
         self.carried[step + 1] = work.next_plan
         if self.ranks > 1:  # a group's ranks must compute the same microbatches: the agreed plan's
@@ -263,10 +262,10 @@ class Trainer:
         need start forming on their threads while we go on, its heal group (donor.py) and, where the
         latest epoch admits, that epoch's cross-group groups: the next step, the joiner's first, then
         finds them formed instead of waiting for a rendezvous of every member."""
-        self.donor.prepare()
         latest = self.coord.epoch()
         if latest == self.seen_epoch:
             return
+        self.donor.prepare(latest)
         self.seen_epoch, members = latest, tuple(sorted(self.coord.members(latest)))
         if latest > 0 and self.me in members and set(self.coord.members(latest - 1)) < set(members):
             for shard in self.holds:

@@ -4,7 +4,8 @@ Owns: at a step boundary, sending this rank's state (each shard index it holds) 
 the same index, for every group the next step's plan admits and the policy gives to us
 (policy.membership.donor); and forming those heal groups ahead of the boundary, as soon as an epoch
 admits the joiner. Does not own: the transfer's format and the joiner's side (healing.py), who donates
-(policy), or when the boundary is (trainer.py: `prepare` as each step starts, `heal` after applying one).
+(policy), or when the boundary is (trainer.py: `prepare` when it sees the epoch move, `heal` after
+applying a step).
 
 Why form ahead: the donor holds its next step up by the heal, and the two-rank gloo group's rendezvous
 was most of that hold (3 groups x 2 ranks on 2 cores: 8-78 ms held of a 135 ms step, the transfer of
@@ -36,19 +37,16 @@ class Donor:
                  shard: Callable[[int], Shard] | None, tag: Callable[[int], dict]):
         self.coord, self.log, self.me, self.rank, self.holds = coord, log, me, rank, holds
         self.model, self.optimizer, self.timeout_s, self.shard, self.tag = model, optimizer, timeout_s, shard, tag
-        self._seen = -1  # the latest epoch `prepare` looked at
         self._forming: dict[tuple[int, int, int], Forming] = {}  # (joiner, admitted in, shard) -> its group
         self._members: tuple[int, ...] | None = None  # of the step applied last: who holds the state
 
-    def prepare(self) -> None:
-        """Call as each step starts: cheap (a local read) unless the epoch moved since the last call.
-        Starts forming the heal groups of every group a newer epoch admitted that we will most likely
-        donate to, given the members of the step we applied last (a group whose admission is not on
-        record yet is looked at again at the next epoch)."""
-        latest = self.coord.epoch()
-        if latest == self._seen or self._members is None:
+    def prepare(self, latest: int) -> None:
+        """Call once each time the epoch is seen to move, with the latest epoch: starts forming the heal
+        groups of every group it admits that we will most likely donate to, given the members of the
+        step we applied last (none applied yet: nothing; the heal then forms its group at the boundary)."""
+        members = self._members
+        if members is None:
             return
-        self._seen, members = latest, self._members
         for g in self.coord.members(latest):
             if g in members or donor(members, g) != self.me or not self.coord.was_admitted(g):
                 continue
