@@ -8,9 +8,10 @@ admits the joiner. Does not own: the transfer's format and the joiner's side (he
 applying a step).
 
 Why form ahead: the donor holds its next step up by the heal, and the two-rank gloo group's rendezvous
-was most of that hold (3 groups x 2 ranks on 2 cores: 8-78 ms held of a 135 ms step, the transfer of
-0.72 MB about 1 ms); the joiner forms its side as soon as it is admitted (healing.Forming), so ours,
-started at the admission too, is ready by the boundary.
+was most of that hold (3 groups x 2 ranks on 2 cores, formed at the boundary: 10-233 ms held of a
+~140 ms step, the transfer of 0.72 MB 1-3 ms); the joiner forms its side as soon as it is admitted
+(healing.Forming), so ours, started when we see the admission, is often ready by the boundary (formed
+ahead: 4-256 ms held; under that contention the rendezvous can take longer than the rest of the step).
 """
 from __future__ import annotations
 
