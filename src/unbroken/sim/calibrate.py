@@ -3,8 +3,9 @@ prediction of that same run's wall time and committed tokens, and (predict_other
 other faults from the first one's costs.
 
 Owns: reading costs off a real log (step boundaries from the reductions that counted (`boundaries`),
-per-microbatch time from `compute` records, detection from fault -> member_dead, re-forming from member_dead -> recovery, start-up
-from run_start -> first step), turning its injected faults into a trace, and the comparison.
+per-microbatch time from `compute` records, detection from fault -> member_dead, re-forming from
+member_dead -> recovery, start-up from run_start -> first step, slow injection's overshoot), turning its
+injected faults into a trace, and the comparison.
 Does not own: running the real trainer (runtime/) or the simulator's strategies; a real run is predicted
 with `unbroken_live`, the strategy the trainer implements.
 
@@ -79,9 +80,8 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
     ends = boundaries(recs)
     R, M = int(start["replicas"]), int(start["microbatches"])
     spec = parse(start.get("faults") or "", R, int(start["steps"]))
-    first_fault = min([s for s in fault_steps if s is not None] + [f.start for f in spec if f.kind == "slow"],
-                      default=float("inf"))
-    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s - 1 in ends and s < first_fault]
+    first = _first_faulted(spec, default=float("inf"))
+    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s - 1 in ends and s < first]
     clean = gaps or [r["step_time"] for r in steps if r["step"] not in fault_steps] or \
         [r["step_time"] for r in steps]
     step_time = statistics.median(clean)
@@ -111,6 +111,11 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
     }
     return Calibration(from_tree(tree, tree["name"]), t0 - start["t"], len(steps), wall,
                        sum(r["tokens"] for r in steps), _stretch(recs, spec))
+
+
+def _first_faulted(spec: tuple[Fault, ...], default: float) -> float:
+    """The first step a fault of the spec touches (a slow stretch: its first slowed step)."""
+    return min((f.start if f.kind == "slow" else f.step for f in spec), default=default)
 
 
 def _stretch(recs: list[dict[str, Any]], spec: tuple[Fault, ...]) -> dict[str, float]:
@@ -174,9 +179,9 @@ def predict(run_dir: str | Path) -> Prediction:
 def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Prediction:
     """Predict what another real run's faults cost. Every cost (the split of a step into microbatch
     compute and sync, detection, re-forming, how far a slow injection overshoots its factor) is read
-    off `calibration_dir`; of `target_dir` only what a
-    user states before running it (replicas, microbatches, steps, its fault spec from run_start: kills
-    and hangs at their step, slow stretches from their first to their last step) and the machine's
+    off `calibration_dir`; of `target_dir` only what a user states before running it (replicas,
+    microbatches, steps, its fault spec from run_start: kills and hangs at their step, slow stretches
+    from their first to their last step) and the machine's
     speed in that minute: its median step period before its first fault, which scales the calibrated
     compute and sync (a shared machine's speed drifts 2x between runs a minute apart; so the figure is
     what the faults cost, not how fast the host was). Measured and predicted (`*_wall`): seconds from
@@ -188,7 +193,7 @@ def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Predic
     commit = boundaries(recs)
     n, R, M = int(start["steps"]), int(start["replicas"]), int(start["microbatches"])
     spec = parse(start["faults"], R, n)
-    first = min((f.start if f.kind == "slow" else f.step for f in spec), default=0)
+    first = _first_faulted(spec, default=0)
     gaps = [commit[s] - commit[s - 1] for s in range(2, first) if s in commit and s - 1 in commit]
     if not gaps or n - 1 not in commit or first - 1 not in commit:
         raise ValueError(f"{target_dir}: needs every step committed and a first fault after step 3")
