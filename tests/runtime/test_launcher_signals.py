@@ -105,3 +105,24 @@ def test_a_lost_coordinator_ends_the_run_with_one_line_and_a_summary(tmp_path):
     summary = _json.loads((out / "summary.json").read_text())
     assert summary["ok"] is False and summary["last_committed_step"] == recorded
     assert took < 20, took
+
+
+@pytest.mark.timeout(30)
+def test_a_generation_that_fails_after_the_coordinator_died_ends_as_a_lost_coordinator(tmp_path, monkeypatch):
+    """The watch checks the coordinator at the top of a round, then reads a trainer's error that the
+    coordinator's death caused in that same round: the generation is "lost" (one line naming the last
+    committed step), not "failed" (CI at b228642: "failed", then the shutdown's store write raised into
+    a traceback)."""
+    from unbroken.config import Config
+    from unbroken.events import EventLog
+    from unbroken.runtime.launcher import launch as L
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "events.jsonl").write_text('{"event":"step","step":4}\n')
+    watch = L._Watch(Config(), EventLog(tmp_path / "other.jsonl"), None, tmp_path, 0.0, None, None,
+                     lambda: None, dead)
+    monkeypatch.setattr(watch, "_loop", lambda *a: ("failed", "replica 0: the store went away"))
+    assert watch.run(None, {}) == ("lost", "the coordinator was lost; last committed step: 4")
+    monkeypatch.setattr(watch, "_loop", lambda *a: ("done", None))
+    assert watch.run(None, {}) == ("done", None)

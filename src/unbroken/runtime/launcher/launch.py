@@ -376,7 +376,13 @@ class _Watch:
         of it counts the same)."""
         exits = _ExitWait(workers)
         try:
-            return self._loop(store, workers, exits)
+            outcome = self._loop(store, workers, exits)
+            # A trainer that lost the store reports an error (or exits) in the same round that the
+            # coordinator's death could be seen, after its check: the cause is the coordinator (seen in
+            # CI: "failed", then the shutdown's store write ended the launcher in a traceback).
+            if outcome[0] != "done" and self.coordinator is not None and self._coordinator_gone():
+                return "lost", self._lost()
+            return outcome
         except DistError:
             if self.coordinator is not None and self._coordinator_gone(wait_s=2.0):
                 return "lost", self._lost()
