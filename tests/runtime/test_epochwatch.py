@@ -135,3 +135,41 @@ def test_decision_watch_waits_again_when_a_read_of_the_missing_key_wakes_it():
     r = subprocess.run([sys.executable, "-c", SPURIOUS], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["last", "2", "spurious", "None", "real", "True", "retry:0"]
+
+
+PROBED = r'''
+import datetime, os, threading, time
+import unbroken.runtime.control.epochwatch as ew
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.store import read
+from torch.distributed import TCPStore
+srv = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=20), use_libuv=True)
+client = lambda: TCPStore("127.0.0.1", srv.port, 1, False, timeout=datetime.timedelta(seconds=20), use_libuv=True)
+got = {}
+def start():  # a worker of a resumed generation: its coordinator has not written `epoch` yet
+    try:
+        got["epoch"] = ew.EpochWatch(client()).current
+    except Exception as e:
+        got["epoch"] = repr(e)
+t = threading.Thread(target=start)
+t.start()
+launcher = client()
+for _ in range(20):  # the launcher's verdict loop probes `epoch` meanwhile (store.read: a compare_set)
+    time.sleep(0.02)
+    print("probe", read(launcher, keys.epoch()), flush=True)
+srv.set(keys.epoch(), "7")  # the coordinator writes it
+t.join(10)
+print("epoch", got.get("epoch"), flush=True)
+os._exit(0)
+'''
+
+
+def test_a_watch_started_before_the_epoch_is_written_waits_through_the_launcher_s_probes():
+    """A libuv TCPStore `get` blocked on a missing key returns b"" when another client probes the key;
+    a resumed generation's worker died on int(b"") that way (CI, test_resume_e2e[tcp]). The watch must
+    wait for the write instead (store.get_written)."""
+    r = subprocess.run([sys.executable, "-c", PROBED], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.split("\n")
+    assert lines.count("probe None") == 20  # the probes ran while the key was missing
+    assert "epoch 7" in lines, r.stdout[-1000:]

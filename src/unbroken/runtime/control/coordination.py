@@ -19,7 +19,7 @@ from torch.distributed import Store
 from unbroken.policy.recovery import Chain, disturbs
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import CounterWatch, DecisionWatch, EpochWatch
-from unbroken.runtime.control.store import read
+from unbroken.runtime.control.store import get_written, read
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Coordination:
 
     # membership -------------------------------------------------------------------------------------
     def epoch(self) -> int:
-        return self.watch.current if self.watch else int(self.store.get(keys.epoch()))
+        return self.watch.current if self.watch else int(get_written(self.store, keys.epoch()))
 
     def members(self, epoch: int) -> tuple[int, ...]:
         if epoch not in self._members:
@@ -116,7 +116,7 @@ class Coordination:
 
         Reads the epoch from the store, not the watch (which learns of a change a round trip later):
         a member that sees a peer's retry decision must find the epoch that peer saw."""
-        latest = int(self.store.get(keys.epoch()))
+        latest = int(get_written(self.store, keys.epoch()))
         return tuple((e, self.members(e)) for e in range(epoch + 1, latest + 1))
 
     def is_dead(self, member: int | None = None) -> bool:
@@ -129,7 +129,7 @@ class Coordination:
         version = self._weights_watch.current if self._weights_watch else -1
         if known is not None and version == known[0] >= 0:
             return known
-        return version, parse_weights(self.store.get(keys.weights()))
+        return version, parse_weights(get_written(self.store, keys.weights()))
 
     def weights_moved(self, known: tuple[int, dict[int, float]]) -> bool:
         """Whether `weights(known)` would read the store: no round trip."""
@@ -303,7 +303,7 @@ class Coordination:
 
     def admission(self, group: int) -> int:
         """The epoch that admitted `group` last (a donor keys the heal by it)."""
-        return int(self.store.get(keys.joined(group)))
+        return int(get_written(self.store, keys.joined(group)))
 
     def heal_failed(self, group: int, admitted: int, now: bool = False) -> bool:
         """Whether a donor rank's heal of `group` (admitted in `admitted`) failed; with `now`, say that

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from torch.distributed import DistStoreError, Store
 
 from unbroken.runtime.control import keys
+from unbroken.runtime.control.store import get_written
 
 _WAIT = datetime.timedelta(days=1)
 _ABSENT = "\x00"  # no decision's value: what a compare-and-set of a missing decision key returns
@@ -81,7 +82,7 @@ class EpochWatch(CounterWatch):
     """The membership epoch; `get("epoch")` blocks until the coordinator wrote it."""
 
     def __init__(self, store: Store, reconnect: Callable[[], Store] | None = None):
-        super().__init__(store, keys.epoch_begun, lambda s: int(s.get(keys.epoch())), reconnect, "epoch-watch")
+        super().__init__(store, keys.epoch_begun, lambda s: int(get_written(s, keys.epoch())), reconnect, "epoch-watch")
 
 
 class WeightsWatch(CounterWatch):

@@ -1,7 +1,7 @@
 """Connecting to the coordinator's store and the reads every process makes of it.
 
 Owns: `connect` (one client per thread: TCPStore clients are not thread-safe), the one-round-trip
-`read` of a key that may be missing, `get_json`, and the two verdict-time reads that the launcher and
+`read` of a key that may be missing, `get_written` of one that is not yet written, `get_json`, and the two verdict-time reads that the launcher and
 the coordinator share: `last_committed` and `finished_among`. Does not own: key names (keys.py) or a
 member's protocol on the store (coordination.py).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 
 from torch.distributed import Store, TCPStore
 
@@ -42,6 +43,20 @@ def read(store: Store, key: str) -> bytes | None:
     (epochwatch.DecisionWatch)."""
     value = store.compare_set(key, _MISSING, _MISSING)
     return None if value == _MISSING.encode() else value
+
+
+def get_written(store: Store, key: str) -> bytes:
+    """`store.get(key)` for a key whose value is never empty, blocking until it is written. A TCPStore
+    `get` blocked on a missing key returns b"" when another client's `read` probes that key (the probe's
+    compare_set wakes its waiters; measured on torch 2.13's libuv server: the get returned b"" 0.5 s in,
+    at the probe). A resumed generation's workers met that: one read `epoch` before its coordinator
+    wrote it while the launcher probed it, and died on int(b""). So an empty value is waited for again.
+    Raises what `get` raises (DistStoreError once the client's timeout passes without a write)."""
+    while True:
+        value = store.get(key)
+        if value:
+            return value
+        time.sleep(0.005)  # woken by a probe, not a write: the prober polls, so do not spin with it
 
 
 def get_json(store: Store, key: str, default=None):
