@@ -5,6 +5,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,20 +32,25 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
         return list(pool.map(lambda run: run(), runs))
 
 
-@pytest.fixture(autouse=True)
-def host_share(request, tmp_path_factory):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """The suite runs on 2 pytest-xdist workers (pyproject's addopts: multi-process tests spend much of
     their time waiting on timeouts and restarts, which the other worker's test fills). A test marked
     `alone` measures the host itself (the simulator's calibration needs a core per replica) and must not
-    share it: it holds a lock file exclusively while every other test holds it shared. Writers first: a
-    test takes the gate before the lock, so an `alone` test waiting for the gate is not starved by
-    the other worker's next tests. Without xdist (`-n 0`, one test at a time) nothing is locked."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    share it: it holds a lock file exclusively while every other test holds it shared. The lock spans the
+    whole test, setup and teardown included: a module or session fixture (a reference run of 4-8
+    processes) is set up inside the first test that asks for it, so a lock taken by a function fixture
+    let the other worker's reference runs share the host with an `alone` test. Writers first: a test
+    takes the gate before the lock, so an `alone` test waiting for the gate is not starved by the other
+    worker's next tests. Without xdist (`-n 0`, one test at a time) nothing is locked."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
         yield
         return
-    root = tmp_path_factory.getbasetemp().parent  # the session's directory, the workers' basetemps inside
-    alone = request.node.get_closest_marker("alone") is not None
-    with open(root / "host.gate", "a") as gate, open(root / "host.lock", "a") as lock:
+    root = Path(tempfile.gettempdir()) / f"unbroken-host-{run}"  # one per pytest run, shared by its workers
+    root.mkdir(exist_ok=True)
+    alone = item.get_closest_marker("alone") is not None
+    with open(root / "gate", "a") as gate, open(root / "lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         fcntl.flock(gate, fcntl.LOCK_UN)
