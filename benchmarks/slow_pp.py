@@ -1,12 +1,12 @@
-"""Throughput over a fail-slow episode inside a pipeline group: the scheduler's choice against "do nothing".
+"""Throughput over a fail-slow episode inside a pipeline group: the scheduler's choice beside "drop" and "do nothing".
 
 Owns: running 2 groups x PP 2 through unbroken's own launcher (one real torchrun job per group, gloo),
 rank 1 (the last stage) of group 1 spinning `--factor` x its compute from step 2 to the end, under
 --run.quotas=speed (the coordinator calls policy.scheduling.decide when the detector declares the group
-Slow and applies what the runtime can execute: reweight) and --run.quotas=equal (the decision is logged,
-keep is applied: "do nothing"), alternating the two in every round, and reading each run's committed
-tokens per second over the episode from its event log. "drop" is not measured: the runtime cannot take a
-live slow group out of the run (runtime/control/replanning.py says why), so there is no such run to time.
+Slow and applies what the runtime can execute: reweight), --run.quotas=drop (ResiHP's baseline: the
+group declared Slow is parked, quota 0, for the rest of the run) and --run.quotas=equal (the decision is
+logged, keep is applied: "do nothing"), alternating the three in every round, and reading each run's
+committed tokens per second over the episode from its event log.
 
 Episode: from the commit of step 1 (the last step before the slowdown) to the commit of the last step;
 committed tokens are the step records' tokens over those steps. The transient counts in full: the steps
@@ -17,8 +17,10 @@ Two figures, both printed: wall clock (the headline asked for, `ratio reweight_o
 time: per step the busiest group's device seconds (its slowest stage's, as the group reports it), the
 critical path of the step's compute blind to waiting for one of this machine's cores. What both leave out:
 the all-reduce, commit and optimizer step are in the wall-clock figure but not the device-time one;
-neither includes what shrink or repartition (not executable here) would give; on this 2-core host shared
-with other jobs the wall-clock ratio is noisy (each round's value is printed, so the spread shows).
+neither includes what shrink or repartition (not executable here) would give; a parked group still joins
+every step's all-reduce (a zero share), which a group taken out of the run would not; on this 2-core host
+shared with other jobs the wall-clock ratio is noisy (each round's value is printed, so the spread shows),
+and a parked group's two processes still poll, so "drop" runs its survivor beside idle peers, not alone.
 Usage: python benchmarks/slow_pp.py [--rounds 2] [--steps 30] [--microbatches 8] [--factor 3]
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ def measure(records: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of reweight (speed) / equal")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of reweight (speed) / drop / equal")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--factor", type=float, default=3.0, help="slowdown of group 1's rank 1, from step 2")
@@ -63,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     base = pipeline_base(args, f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=spin")
-    modes = {"reweight": {"quotas": "speed"}, "equal": {"quotas": "equal"}}
+    modes = {"reweight": {"quotas": "speed"}, "drop": {"quotas": "drop"}, "equal": {"quotas": "equal"}}
     got = alternate(args.rounds, modes, base, "slow pp", measure, lambda rnd, mode, m: (
         f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}): scheduler chose {m['decision']} at "
         f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; {m['wall']:.0f} committed "
@@ -71,13 +73,15 @@ def main() -> None:
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
     print(f"2 groups x PP 2, group 1's last stage {args.factor:g}x slow from step {FROM}, M={args.microbatches}, "
-          f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1}; drop not measured "
-          f"(not executable by the runtime); wall {time.time() - t0:.0f} s")
-    print("per round, reweight/equal wall clock: " + ", ".join(
-        f"{a['wall'] / b['wall']:.3f}" for a, b in zip(got["reweight"], got["equal"])))
-    print(f"committed tokens/s (median over rounds): wall clock reweight {wall['reweight']:.0f}, equal "
-          f"{wall['equal']:.0f}; device-time critical path reweight {device['reweight']:.0f}, equal "
-          f"{device['equal']:.0f} (leaves out all-reduce, commit, optimizer and core contention)")
+          f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1}; wall {time.time() - t0:.0f} s")
+    for a in ("reweight", "drop"):
+        print(f"per round, {a}/equal wall clock: " + ", ".join(
+            f"{x['wall'] / y['wall']:.3f}" for x, y in zip(got[a], got["equal"])))
+    print("committed tokens/s (median over rounds): " + "; ".join(
+        f"{m} wall clock {wall[m]:.0f}, device-time critical path {device[m]:.0f}" for m in modes)
+        + " (the critical path leaves out all-reduce, commit, optimizer and core contention)")
+    print(f"ratio drop_over_equal {wall['drop'] / wall['equal']:.3f}")
+    print(f"ratio reweight_over_drop {wall['reweight'] / wall['drop']:.3f}")
     print(f"ratio reweight_over_equal_device_time {device['reweight'] / device['equal']:.3f}")
     print(f"ratio reweight_over_equal {wall['reweight'] / wall['equal']:.3f}")
 

@@ -72,7 +72,9 @@ class RunConfig:
     exact: bool = False  # float64 accumulation and reduction: bitwise the failure-free trajectory
     threads: int = 1  # torch threads per replica, identical on all (exact mode needs that)
     faults: str = ""  # see faultspec.py
-    quotas: str = "speed"  # "speed": the detector's speed estimates weight the quotas; "equal": never
+    # "speed": the detector's speed estimates weight the quotas; "equal": never; "drop": a group declared
+    # Slow is parked for the rest of the run (no microbatches; ResiHP's drop baseline: replanning.py)
+    quotas: str = "speed"
     recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
     # commit pipelining: the optimizer steps and the next step computes before the commit decision
     # is read; undone on retry (runtime/speculation.py). "auto": states up to 8 MiB in host memory
@@ -228,7 +230,7 @@ def validate(cfg: Config) -> None:
         (r.steps >= 1, f"run.steps={r.steps}: need at least 1 step"),
         (r.microbatches >= 1, f"run.microbatches={r.microbatches}: need at least 1 microbatch"),
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
-        (r.quotas in ("speed", "equal"), f"run.quotas={r.quotas!r}: expected 'speed' or 'equal'"),
+        (r.quotas in ("speed", "equal", "drop"), f"run.quotas={r.quotas!r}: expected 'speed', 'equal' or 'drop'"),
         (r.step_ahead in ("auto", "on", "off"), f"run.step_ahead={r.step_ahead!r}: expected 'auto', 'on' or 'off'"),
         (r.launcher in ("fork", "direct", "torchrun"),
          f"run.launcher={r.launcher!r}: expected 'fork', 'direct' or 'torchrun'"),
@@ -306,6 +308,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.on_rank_loss == "drop" or not cfg.coord.store,
          "parallel.on_rank_loss=replan with coord.store set: the groups' torchrun rendezvous is hosted on the "
          "coordinator's TCPStore, which an etcd store replaces"),
+        (cfg.run.quotas != "drop" or fsdp == 1,
+         f"run.quotas=drop with parallel.group_size={g}, pp={pp}, tp={tp}: the scheduler that parks a Slow group "
+         f"plans groups of pipeline stages and/or tensor-parallel ranks, not FSDP2 shards"),
         (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
          f"(each FSDP rank of a group takes an equal share of every microbatch's sequences)"),

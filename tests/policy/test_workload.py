@@ -56,3 +56,27 @@ def test_replanning_waits_for_a_real_gain():
     assert workload.worth_replanning(28, members, half, {m: 1.0 for m in members})
     # a tiny fleet change in membership never divides by zero
     assert not workload.worth_replanning(0, [], half, {})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.sets(st.integers(0, 11), min_size=1), weights_st, st.data())
+def test_a_parked_member_owns_nothing_while_any_other_member_can_take_the_work(m, members, weights, data):
+    """Weight PARKED (ResiHP's drop of a Slow group): no microbatch, while every microbatch still has
+    exactly one owner; if every member is parked the work is shared as if none were."""
+    parked = data.draw(st.sets(st.sampled_from(sorted(members))))
+    w = {**weights, **{p: workload.PARKED for p in parked}}
+    owners = workload.assign(m, sorted(members), w)
+    assert len(owners) == m and set(owners) <= members
+    if parked != members:
+        assert not parked & set(owners)
+        active = members - parked
+        if m >= len(active):  # the others keep at least one each, as before
+            assert active <= set(owners)
+    else:
+        assert owners == workload.assign(m, sorted(members))
+    survivors = sorted(members - {min(members)}) or None
+    if survivors:  # a lost owner's microbatches go to the survivors that are not parked, if any is not
+        moved = workload.redistribute(owners, survivors, w)
+        orphaned = [i for i, o in enumerate(owners) if o not in survivors]
+        if set(survivors) - parked:
+            assert not {moved[i] for i in orphaned} & parked

@@ -2,8 +2,8 @@
 rank 1 (the last stage) of group 1 spins 3x its compute from step 2. The group reports its slowest stage's
 device time, the coordinator's detector declares group 1 Slow, the scheduler (policy/scheduling.py) is
 called and its decision logged as a `group_plan` event with every candidate's predicted step time and
-re-plan cost; the runtime applies reweight (keep under --run.quotas=equal) and says why drop, shrink and
-repartition are not executable. Oracle: the event log, the audit, and the PP oracle's digests (quotas
+re-plan cost; the runtime applies reweight (keep under --run.quotas=equal, drop under --run.quotas=drop:
+the group parked for the rest of the run) and says why the others are not executable. Oracle: the event log, the audit, and the PP oracle's digests (quotas
 decide who computes a microbatch, never what is summed).
 """
 from __future__ import annotations
@@ -89,3 +89,28 @@ def test_under_equal_quotas_the_decision_is_logged_and_only_keep_is_applied(tmp_
     assert plans[0]["decision"] != "keep"  # the scheduler would act; the run was told not to
     assert all(len(mbs) == M // 2 for rec in steps(events).values() for mbs in rec["owners"].values())
     assert audit(out, M) == []
+
+
+def test_under_drop_quotas_the_slow_group_is_parked_and_the_trajectory_holds(tmp_path):
+    """--run.quotas=drop (ResiHP's drop baseline): the decision is logged, drop applied, and group 1 owns no
+    microbatch of any later step while group 0 computes all M; group 1 stays in every step's reduction
+    (a zero share), so it is never declared dead, and the trajectory is the oracle's."""
+    out = tmp_path / "drop"
+    r = unbroken("train", *RUN, "--run.quotas=drop", "--out", str(out), timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    assert per_token(events, 1, 2) > 1.5 * per_token(events, 0, 2)  # the fault fired (while it computed)
+    (plan,) = plan_events(events, 1)
+    assert plan["why"] == "slow" and plan["applied"] == "drop" and plan["applied_weight"] == 0.0
+    assert "run.quotas=drop" in plan["not_executable"]["reweight"]
+    assert not [e for e in events if e["event"] == "member_dead"]
+    record = steps(events)
+    assert sorted(record) == list(range(STEPS))
+    parked = [s for s in record if s > plan["step"] and not record[s]["owners"].get("1")]
+    assert parked and parked == list(range(parked[0], STEPS)), {s: record[s]["owners"] for s in record}
+    assert all(record[s]["owners"]["0"] == list(range(M)) for s in parked)
+    assert all(sorted(i for mbs in record[s]["owners"].values() for i in mbs) == list(range(M)) for s in record)
+    assert audit(out, M) == []
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    assert [digests(out)[s] for s in range(STEPS)] == want

@@ -28,7 +28,7 @@ def test_weights_go_out_at_the_commit_of_the_step_that_shows_the_slowdown(tmp_pa
     store.set(keys.members(0), json.dumps([0, 1]))
     store.set(keys.weights(), "{}")
     log = EventLog(tmp_path / "events.jsonl", who="coordinator")
-    monitor = SlownessMonitor(store, log, follow_speed=True)
+    monitor = SlownessMonitor(store, log, quotas="speed")
     published_at = None
     for s in range(8):
         commit_only(store, s, slow=2.0 if s >= 3 else 1.0)

@@ -41,7 +41,7 @@ def test_a_takeover_replays_only_the_recent_steps_and_still_sees_a_slow_replica(
     for s in range(300):
         committed(store, s, slow=2.0 if s >= 280 else 1.0)  # replica 1 slow over the last 20 steps
     log = EventLog(tmp_path / "events.jsonl", who="coordinator")
-    monitor = Counting(store, log, follow_speed=True)
+    monitor = Counting(store, log, quotas="speed")
     monitor.catch_up()
     monitor.poll(0)
     assert monitor.read_steps == list(range(300 - REPLAY_STEPS, 300))  # not from step 0
@@ -68,7 +68,7 @@ def test_a_takeover_prices_a_rank_lost_before_its_first_new_step(tmp_path):
     log = EventLog(tmp_path / "events.jsonl", who="coordinator")
     shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000,
                        reform_seconds=0.1)
-    monitor = SlownessMonitor(store, log, follow_speed=True, planner=planner_for(shape, 2, log, True))
+    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
     monitor.catch_up()
     monitor.poll(0)  # replays steps 0..19; no new step committed yet
     monitor.forget(1)  # group 1's rank 1 died: its group was declared dead
@@ -97,7 +97,7 @@ def test_a_takeover_knows_which_groups_run_shrunk_and_sees_them_grow_back(tmp_pa
     def monitor(name: str) -> SlownessMonitor:
         (tmp_path / name).mkdir()
         log = EventLog(tmp_path / name / "events.jsonl", who="coordinator")
-        return SlownessMonitor(store, log, follow_speed=True, planner=planner_for(shape, 2, log, True))
+        return SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
     leader = monitor("leader")
     leader.poll(0)
     leader.forget(1)

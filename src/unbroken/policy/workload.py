@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+PARKED = 0.0  # a quota weight that parks its member: it owns no microbatch of the step (see `assign`)
+
 
 def quotas(total: int, members: Sequence[int], weights: Mapping[int, float] | None = None) -> dict[int, int]:
     """Split `total` items among `members` in proportion to `weights` (largest-remainder rounding).
 
-    Missing or non-positive weights count as the mean weight of the others (1.0 if none is given), so an
-    unmeasured replica gets an equal share. Ties in the remainders go to the lower replica id.
+    Missing or negative weights count as the mean weight of the others (1.0 if none is given), so an
+    unmeasured replica gets an equal share. A weight of exactly 0 parks the member (`PARKED`: no items)
+    while any member has a positive or unmeasured share; if every member is parked, all share equally
+    (the work must be done by someone). Ties in the remainders go to the lower replica id.
     Raises ValueError when `members` is empty and `total` > 0.
     """
     members = sorted(members)
@@ -24,9 +28,13 @@ def quotas(total: int, members: Sequence[int], weights: Mapping[int, float] | No
         if total:
             raise ValueError("no members to take the work")
         return {}
+    parked = {m for m in members if weights and weights.get(m) == PARKED}
+    if len(parked) == len(members):
+        parked = set()
     given = [weights[m] for m in members if weights and weights.get(m, 0) > 0]
     fallback = sum(given) / len(given) if given else 1.0
-    w = {m: (weights[m] if weights and weights.get(m, 0) > 0 else fallback) for m in members}
+    w = {m: (0.0 if m in parked else weights[m] if weights and weights.get(m, 0) > 0 else fallback)
+         for m in members}
     wsum = sum(w.values())
     exact = {m: total * w[m] / wsum for m in members}
     q = {m: int(exact[m]) for m in members}
@@ -41,12 +49,15 @@ def assign(num_microbatches: int, members: Sequence[int], weights: Mapping[int, 
     """Owners at the start of a step: contiguous blocks of microbatches, in replica-id order.
 
     Call once per step with the step's plan (members and quota weights). Returns `owners`, length M.
-    When there are at least as many microbatches as members, every member keeps at least one, so a
-    replica judged slow is still measured and can be seen to recover (taken from the largest quota).
+    When there are at least as many microbatches as members, every member that is not parked (weight
+    `PARKED`) keeps at least one, so a replica judged slow is still measured and can be seen to recover
+    (taken from the largest quota). A parked member owns none: ResiHP's "drop" of a slow group, which
+    stays in the epoch reducing a zero share (its state stays in step) but is no longer measured.
     """
     q = quotas(num_microbatches, members, weights)
-    if num_microbatches >= len(q):
-        for m in sorted(q):
+    active = [m for m in sorted(q) if not (weights and weights.get(m) == PARKED)] or sorted(q)
+    if num_microbatches >= len(active):
+        for m in active:
             if q[m] == 0:
                 donor = max(sorted(q), key=lambda d: q[d])
                 q[donor] -= 1

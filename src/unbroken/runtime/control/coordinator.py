@@ -30,7 +30,7 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import WakeWatch
 from unbroken.runtime.control.metrics import Exporter
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
-from unbroken.runtime.control.replanning import GroupShape, planner_for
+from unbroken.runtime.control.replanning import QUOTAS, GroupShape, planner_for
 from unbroken.runtime.control.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
@@ -38,12 +38,12 @@ FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/
 
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
-                 progress_timeout: float, startup_timeout: float, follow_speed: bool = True,
+                 progress_timeout: float, startup_timeout: float, quotas: str = "speed",
                  beat_every: float = 0.1, group_size: int = 1, shape: GroupShape | None = None):
         self.store, self.log = store, log
         self.ranks = range(group_size)  # every rank of a member group beats; one silent rank kills the group
         # shape (the groups' plan and model): a group turning Slow or Healthy is re-planned (replanning.py)
-        self.slowness = SlownessMonitor(store, log, follow_speed, planner_for(shape, replicas, log, follow_speed))
+        self.slowness = SlownessMonitor(store, log, quotas, planner_for(shape, replicas, log, quotas))
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=1.5)
     ap.add_argument("--progress-timeout", type=float, default=20.0)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
-    ap.add_argument("--quotas", choices=("speed", "equal"), default="speed")
+    ap.add_argument("--quotas", choices=QUOTAS, default="speed")
     ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS,REFORM_S of every group: re-plan "
                     "groups turning Slow with the scheduler (empty: quotas follow speed without it)")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
     return serve(store, address, a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
-                                       a.startup_timeout, follow_speed=a.quotas == "speed", beat_every=a.poll,
+                                       a.startup_timeout, quotas=a.quotas, beat_every=a.poll,
                                        group_size=a.group_size, shape=shape),
                  a.poll, exporter=exporter)
 

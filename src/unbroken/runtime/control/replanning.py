@@ -8,13 +8,17 @@ Owns: what the coordinator knows of a group's plan (`GroupShape`, from the confi
 the decision or its cost model (policy/), the detector or publishing weights (slowness.py).
 
 What the runtime executes. For a group turning Slow or Healthy: keep (equal quotas) and reweight (the
-group's quota weight is its measured speed: what --run.quotas=speed always did). For a group that lost a
+group's quota weight is its measured speed: what --run.quotas=speed always did); under --run.quotas=drop
+(ResiHP's "drop" baseline) every group declared Slow is parked instead: quota weight `PARKED`, no
+microbatch of any later step (workload.assign), while it stays in the epoch reducing a zero share, so its
+state stays in step. Parking is for good: a parked group computes nothing, so nothing measures it back
+(the reason drop is not executable under the other settings). For a group that lost a
 rank (parallel.on_rank_loss=replan, groups of pipeline stages and/or TP ranks; `on_rank_lost`): drop (its
 survivor leaves) and shrink (one survivor, the first to claim, runs the whole model: standin.py), the shrunk
 group's quota weight its smaller plan's. Quotas come from `workload.assign` either way, so every step still
 reduces exactly its M microbatches. Not executed, and said so in each event:
-  drop (slow)  a live group leaves a run only when declared dead (fenced, it exits): nothing parks a
-               healthy-but-slow group off the step and probes it until it is fast again
+  drop (slow)  under --run.quotas=speed|equal: a parked group is never probed back (above), so parking a
+               transiently slow group would lose it for the rest of the run
   shrink (slow), grow, repartition
                a live group's ranks keep their plan: only a lost rank's survivor re-forms (shrink), and a
                lost rank's return re-forms the group at its full plan by its torchrun restart
@@ -34,11 +38,12 @@ from unbroken.policy import scheduling, stepcost
 from unbroken.policy.detection import VerdictChange, Verdict
 from unbroken.policy.plans import Plan, full_plan
 from unbroken.policy.predictor import MicrobatchTiming, Predictor
+from unbroken.policy.workload import PARKED
 from unbroken.topology import Topology
 
 REFUSED = {
-    "drop": "the runtime takes a live group out only by declaring it dead (fenced, its torchrun job exits): "
-            "it cannot park a slow group off the step and probe it back",
+    "drop": "a parked group computes nothing, so nothing measures it back: parking is for good, chosen "
+            "only with run.quotas=drop",
     "repartition": "a group's layer split is fixed when its torchrun job starts",
     "shrink": "a group re-forms a smaller plan only when it lost a rank (parallel.on_rank_loss=replan), "
               "not around a slow one",
@@ -53,6 +58,8 @@ LOST_REFUSED = {
     "reweight": "the group lost a rank",
 }
 EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused too under that setting
+DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline)"  # why the others are refused
+QUOTAS = ("speed", "equal", "drop")  # config run.quotas: what a Slow group's quota becomes
 
 
 @dataclass(frozen=True)
@@ -75,32 +82,38 @@ def group_shape(cfg: Config) -> GroupShape:
                       cfg.run.steps, float(p.reform_seconds))
 
 
-def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, follow_speed: bool) -> GroupPlanner | None:
+def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, quotas: str) -> GroupPlanner | None:
     """A planner for groups the scheduler covers (TP x PP groups, one-rank groups included), else None:
-    groups sharded with FSDP (dp_shard > 1) or no shape given (quota weights then follow speed as before)."""
+    groups sharded with FSDP (dp_shard > 1) or no shape given (quota weights then follow speed as before).
+    `quotas` is config run.quotas (one of QUOTAS)."""
     if shape is None:
         return None
     topology = Topology(replicas, shape.group_size, shape.group_size, tp=shape.tp, pp=shape.pp)
     if topology.dp_shard != 1 or shape.layers < shape.pp:
         return None
-    return GroupPlanner(shape, full_plan(topology, shape.layers), log, follow_speed)
+    return GroupPlanner(shape, full_plan(topology, shape.layers), log, quotas)
 
 
 class GroupPlanner:
     """Call `on_verdicts(changes, timings, predictor, members)` with each committed step's verdict changes;
     `weight_of(group, speed)` for the quota weight a group's measured speed becomes."""
 
-    def __init__(self, shape: GroupShape, full: Plan, log: EventLog, follow_speed: bool):
+    def __init__(self, shape: GroupShape, full: Plan, log: EventLog, quotas: str):
+        if quotas not in QUOTAS:
+            raise ValueError(f"quotas={quotas!r}: expected one of {QUOTAS}")
         self.shape, self.full, self.log = shape, full, log
-        self.refused = dict(REFUSED) if follow_speed else {**REFUSED, "reweight": EQUAL}
+        self.quotas = quotas
         self.reweighted: dict[int, float] = {}  # group -> its speed when its applied option was reweight
+        self.parked: set[int] = set()  # groups whose applied option was drop (run.quotas=drop): for good
         self.shrunk: dict[int, Plan] = {}  # group -> the plan it runs after losing a rank (shrink applied)
         self.was_shrunk: dict[int, Plan] = {}  # shrunk groups since declared dead (their ranks may be back)
         self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
 
     def weight_of(self, group: int, speed: float) -> float:
-        """`speed` while the group's last applied option is reweight; a shrunk group's plan weight (the
-        cost model's predicted speed of its smaller plan); else 1.0 (keep: equal quotas)."""
+        """`speed` while the group's last applied option is reweight; PARKED once dropped; a shrunk
+        group's plan weight (the cost model's predicted speed of its smaller plan); else 1.0 (keep)."""
+        if group in self.parked:
+            return PARKED
         if group in self.reweighted:
             return speed
         return self.shrunk[group].weight if group in self.shrunk else 1.0
@@ -108,9 +121,12 @@ class GroupPlanner:
     def resume(self, published: Mapping[int, float], shrunk: Mapping[int, Plan] | None = None) -> None:
         """A coordinator taking over: `shrunk` (the store's `keys.shrunk`, as `shrunk_plans` left it) runs its
         smaller plans; the other groups whose published weight is below 1 were reweighted by the leader
-        before (its decisions are in the event log already; they are not made again)."""
+        before, and those published as PARKED were dropped (their decisions are in the event log already;
+        they are not made again)."""
         self.shrunk = dict(shrunk or {})
-        self.reweighted = {g: w for g, w in published.items() if w < 1.0 and g not in self.shrunk}
+        self.parked = {g for g, w in published.items() if w == PARKED}
+        self.reweighted = {g: w for g, w in published.items()
+                           if w < 1.0 and g not in self.shrunk and g not in self.parked}
 
     def shrunk_plans(self) -> dict[int, Plan]:
         """Every group shrunk and not yet back at its full plan (running shrunk, or declared dead since):
@@ -125,6 +141,7 @@ class GroupPlanner:
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
         self.reweighted.pop(group, None)
+        self.parked.discard(group)
         if group in self.shrunk:
             self.was_shrunk[group] = self.shrunk.pop(group)
 
@@ -201,14 +218,22 @@ class GroupPlanner:
             horizon = max(1.0, float(self.shape.steps - c.step))
             d = scheduling.decide(c.replica, plans, self.full, self.full.ranks, speeds, setting, horizon,
                                   peers=len(plans) > 1)
-            r = scheduling.restrict(d, self.refused)
+            r = scheduling.restrict(d, self._refused(slow))
             if r.applied.kind == "reweight":
                 self.reweighted[c.replica] = speed
             else:
                 self.reweighted.pop(c.replica, None)
+            if r.applied.kind == "drop":
+                self.parked.add(c.replica)
             self.log.emit("group_plan", step=c.step, replica=c.replica, why="slow" if slow else "healthy again",
                           speed=round(speed, 4), located=False,
                           per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+
+    def _refused(self, slow: bool) -> dict[str, str]:
+        """What a Slow (or Healthy-again) decision may not apply, and why, under config run.quotas."""
+        if self.quotas == "drop" and slow:
+            return {k: DROP for k in scheduling.KINDS if k != "drop"}
+        return {**REFUSED, **({} if self.quotas == "speed" else {"reweight": EQUAL if self.quotas == "equal" else DROP})}
 
     def _setting(self, timings: Mapping[int, Sequence[MicrobatchTiming]], predictor: Predictor
                  ) -> tuple[stepcost.Setting | None, str, float]:

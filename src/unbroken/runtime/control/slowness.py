@@ -33,8 +33,11 @@ class SlownessMonitor:
     """Call `poll(epoch)` every beat round of the coordinator (a round trip, plus two for each step
     committed since); `forget(r)` when a member is declared dead."""
 
-    def __init__(self, store: TCPStore, log: EventLog, follow_speed: bool, planner: GroupPlanner | None = None):
-        self.store, self.log, self.follow_speed, self.planner = store, log, follow_speed, planner
+    def __init__(self, store: TCPStore, log: EventLog, quotas: str, planner: GroupPlanner | None = None):
+        """`quotas` is config run.quotas: "speed" publishes weights that follow speed, "drop" (with a
+        planner) those that park a Slow group, "equal" none."""
+        self.store, self.log, self.planner = store, log, planner
+        self.follow_speed = quotas == "speed" or (quotas == "drop" and planner is not None)
         self.detector = Detector()
         self.next_step = 0
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)

@@ -177,7 +177,7 @@ def _serve(cfg: Config, store: Store, address: str, log: EventLog, out: Path) ->
     r, c, m = cfg.run, cfg.coord, cfg.metrics
     return serve(store, address, r.replicas, log,
                  lambda s: Coordinator(s, r.replicas, log, c.heartbeat_timeout, c.progress_timeout,
-                                       c.startup_timeout, follow_speed=r.quotas == "speed",
+                                       c.startup_timeout, quotas=r.quotas,
                                        beat_every=c.heartbeat_interval, group_size=cfg.parallel.group_size,
                                        shape=group_shape(cfg)),
                  c.heartbeat_interval, until_finished=True,

@@ -80,7 +80,8 @@ class Replan(LiveDetect):
                     "the detector sees each group's slowest live rank (per-rank timings); the Slow rank is "
                     "located exactly",
                     "a group dropped for a Slow rank is seen healthy recover_steps steps after its episode "
-                    "ends, then heals (rejoin_seconds) and rejoins",
+                    "ends, then heals (rejoin_seconds) and rejoins (the runtime parks it for good: "
+                    "run.quotas=drop, nothing measures a parked group back)",
                     "the step in flight at a fail-stop is recovered at each group's slowest rank's factor"]}
 
     def end_fields(self) -> dict[str, Any]:
