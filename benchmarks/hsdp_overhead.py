@@ -4,9 +4,9 @@ Both sides do the same work (benchmarks/_hsdp_baseline.py): R replica groups of 
 sharded with FSDP2 over each group's ranks, the same M microbatches a step (M/R a group, each rank its
 share of every microbatch's sequences), a SUM reduction with token loss weights, AdamW, one torch thread a
 process. unbroken runs through its own CLI and launcher: a coordinator, one real torchrun job per group,
-heartbeats and the store protocol on every rank, a reduce-scatter per microbatch inside the group (the
-accumulator keeps each microbatch's sum for in-step recovery) and a fault-tolerant all-reduce of each
-shard across groups per step, digests and events. The baseline is one torch job on a (replicate, shard)
+heartbeats and the store protocol on every rank, one reduce-scatter per step inside the group (on the
+last microbatch, as the baseline) and a fault-tolerant all-reduce of each shard across groups per step,
+digests and events. The baseline is one torch job on a (replicate, shard)
 mesh with gradient sync only on a replica's last microbatch: what a torchtitan user runs without fault
 tolerance.
 
@@ -18,8 +18,14 @@ the figure is the median of the rounds' ratios with a 95% bootstrap interval, an
 What the ratio leaves out: start-up (torchrun agents, imports, the first `fully_shard`), failures and
 recovery. On the 2-core development machine 2 x 2 ranks are 4 trainer processes on 2 cores, so every
 millisecond of unbroken's control plane (coordinator, torchrun agents, heartbeat and sidecar threads) is
-taken from the training: the figure is then the control plane's CPU share plus the per-microbatch
-reduce-scatters, an upper bound on what a GPU node (a device a rank, host cores to spare) would see.
+taken from the training: the figure is then the control plane's CPU share plus what the trainers
+themselves add, an upper bound on what a GPU node (a device a rank, host cores to spare) would see. So
+the CPU each side spends a step is measured too (/proc, per thread, over the same windows) and split:
+the trainers' main threads, their other threads, and the control plane (coordinator, launcher, torchrun
+agents), with `ratio hsdp_overhead_main_thread_cpu` (the trainers' main threads: the step's critical path
+where helper threads and the control plane have cores of their own, as on a GPU node), `..._trainer_cpu`
+(the trainer processes, every thread) and `..._total_cpu` (everything) printed before the headline. On
+2 saturated cores the wall-clock ratio follows the total CPU ratio.
 
 With --exact both sides reduce in float64: unbroken's exact mode, and the baseline's FSDP2 with
 `MixedPrecisionPolicy(reduce_dtype=torch.float64)` (the same reduce-scatter and all-reduce bytes), so the
@@ -45,10 +51,12 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead.py and the baseline, from anywhere
+import _cpu  # noqa: E402
 import _hsdp_baseline  # noqa: E402
 from overhead import LONG, Side, bootstrap_ci, start_baseline, start_unbroken  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
+from unbroken.events import read_events  # noqa: E402
 
 
 def start_hsdp(tmp: Path, args: argparse.Namespace) -> Side:
@@ -113,8 +121,42 @@ def main() -> None:
     console.print(f"pooled: {pooled['unbroken'] / pooled['fsdp2 hsdp']:.3f}; median of rounds "
                   f"{statistics.median(ratios):.3f} (95% bootstrap interval {lo:.3f}-{hi:.3f}); "
                   f"wall time {time.time() - t_start:.0f} s")
+    cpu = {s.name: cpu_per_step(s, trainers) for s, trainers in
+           ((unb, worker_pids(tmp / "unbroken")), (base, {p.pid for p in base.procs}))}
+    c = Table(title="CPU ms a step, summed over processes (every window; /proc, benchmarks/_cpu.py)",
+              title_justify="left")
+    for col in ("system", "trainer main", "trainer threads", "control", "total"):
+        c.add_column(col, justify="left" if col == "system" else "right")
+    for name, v in cpu.items():
+        c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in ("trainer main", "trainer threads", "control")),
+                  f"{1e3 * sum(v.values()):.1f}")
+    console.print(c)
+    trainer = {n: v["trainer main"] + v["trainer threads"] for n, v in cpu.items()}
+    console.print("control = the coordinator, launcher and torchrun agents: on a GPU node they run on host "
+                  "cores the trainers do not use; here they take CPU from the trainers")
     shutil.rmtree(tmp, ignore_errors=True)
+    main = {n: v["trainer main"] for n, v in cpu.items()}
+    print(f"ratio hsdp_overhead_main_thread_cpu {main['unbroken'] / main['fsdp2 hsdp']:.3f}")
+    print(f"ratio hsdp_overhead_trainer_cpu {trainer['unbroken'] / trainer['fsdp2 hsdp']:.3f}")
+    print(f"ratio hsdp_overhead_total_cpu {sum(cpu['unbroken'].values()) / sum(cpu['fsdp2 hsdp'].values()):.3f}")
     print(f"ratio hsdp_overhead {statistics.median(ratios):.3f}")
+
+
+def worker_pids(out: Path) -> set[int]:
+    """The trainer processes of an unbroken run: each rank's `worker_start` record names its pid."""
+    return {r["pid"] for r in read_events(out / "events.jsonl") if r["event"] == "worker_start"}
+
+
+def cpu_per_step(side: Side, trainers: set[int]) -> dict[str, float]:
+    """CPU seconds a step by role (_cpu.by_role) over all of `side`'s windows: their CPU over the steps
+    that ended inside them."""
+    times = sorted(side.times())
+    steps = sum(sum(1 for t in times if a <= t <= b) for a, b in side.windows)
+    total = {"trainer main": 0.0, "trainer threads": 0.0, "control": 0.0}
+    for used in side.cpu:
+        for k, v in _cpu.by_role(used, trainers).items():
+            total[k] += v
+    return {k: v / max(1, steps) for k, v in total.items()}
 
 
 if __name__ == "__main__":

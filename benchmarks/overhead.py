@@ -72,6 +72,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _ddp_baseline when run from anywhere
+import _cpu  # noqa: E402
 import _ddp_baseline  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
@@ -89,6 +90,7 @@ class Side:
     def __init__(self, name: str, procs: list[subprocess.Popen], times):
         self.name, self.procs, self.times = name, procs, times
         self.windows: list[tuple[float, float]] = []  # (thawed at, frozen at), time.time()
+        self.cpu: list[dict[tuple[int, int], float]] = []  # per window: (pid, tid) -> CPU s it ran (_cpu.py)
 
     def pids(self) -> list[int]:
         """Every live process of the run: the started ones and their descendants."""
@@ -115,11 +117,14 @@ class Side:
             time.sleep(0.2)
 
     def run_window(self, seconds: float) -> None:
+        pids = self.pids()
+        before = _cpu.snapshot(pids)  # frozen: nothing runs between this read and the thaw
         self.signal(signal.SIGCONT)
         t0 = time.time()
         time.sleep(seconds)
         self.signal(signal.SIGSTOP)
         self.windows.append((t0, time.time()))
+        self.cpu.append(_cpu.spent(before, _cpu.snapshot(pids)))
         self.check()
 
     def window_intervals(self, settle: int) -> list[list[float]]:
