@@ -206,16 +206,19 @@ TENSOR = ["--replicas", "2", "--parallel.group_size=2", "--parallel.tp=2", "--st
           "--parallel.reform_seconds=0.1"]
 
 
-def test_a_tensor_parallel_group_goes_on_shrunk_within_float32_tolerance(tmp_path):
-    """2 groups of 2 TP ranks: rank 1 of group 1 dies at step 3; group 1 goes on as its rank 0 running the
-    whole model (each TP rank's rows and columns taken from group 0's ranks, one heal each) and reduces
-    each TP rank's part of the gradients in that rank's family. TP 2 -> 1 adds the heads' and units' partial
-    sums in another order, so the run is not bitwise: the scheduler's event says so, and every step's loss
-    stays within 1e-5 (relative) of a plain one-process loop's (no unbroken code) over 16 steps."""
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute; {HOLD}", base=TENSOR)
-    one(events, "fault", kind="kill", replica=1, rank=1)
+@pytest.mark.parametrize("phase,rank", [("compute", 1), ("allreduce", 0), ("commit", 1)])
+def test_a_tensor_parallel_group_goes_on_shrunk_within_float32_tolerance(tmp_path, phase, rank):
+    """2 groups of 2 TP ranks: rank `rank` of group 1 dies at step 3 in `phase` (the optimizer phase: the
+    grow-back test below); group 1 goes on as its other rank running the whole model (each TP rank's rows
+    and columns taken from group 0's ranks, one heal each) and reduces each TP rank's part of the
+    gradients in that rank's family. TP 2 -> 1 adds the heads' and units' partial sums in another order,
+    so the run is not bitwise: the scheduler's event says so, and every step's loss stays within 1e-5
+    (relative) of a plain one-process loop's (no unbroken code) over 16 steps."""
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank={rank},step=3,phase={phase}; {HOLD}", base=TENSOR)
+    fault = one(events, "fault", kind="kill", replica=1, rank=rank)
+    assert (fault["step"], fault["phase"]) == (3, phase)
     plan = one(events, "group_plan", replica=1, why="rank lost")
-    assert (plan["applied"], plan["plan"]) == ("shrink", "tp1 pp1 [2]")
+    assert (plan["applied"], plan["plan"], plan["alive"]) == ("shrink", "tp1 pp1 [2]", [1 - rank])
     assert plan["trajectory"].startswith("within float32 tolerance")
     one(events, "join", replica=1, shrunk=True)
     heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e.get("shrunk")]
