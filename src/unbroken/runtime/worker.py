@@ -360,10 +360,13 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     at once after a `leave`) and for a step boundary: up to the start-up timeout."""
     if alive is not None:
         nonce = f"shrink-{os.getpid()}-{who.group}"
+    # The optimizer's state tensors to load into, before asking: its one step imports torch._dynamo
+    # (~1 CPU-s, AdamW's first step), which done after the request landed in the survivors' steps around
+    # the admission on a shared host, the window the rejoin's stall is measured over (benchmarks/rejoin.py).
+    materialize(parts.model, parts.optimizer)
     if who.rank == 0:
         coord.ask_to_join(nonce, restart, alive)
     wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
-    materialize(parts.model, parts.optimizer)  # the optimizer's state tensors to load into, off the donor's path
     admitted = coord.admitted(nonce, wait)
     if admitted < 0:
         log.emit("shrink_refused", replica=who.group, alive=alive)
