@@ -28,9 +28,7 @@ def quotas(total: int, members: Sequence[int], weights: Mapping[int, float] | No
         if total:
             raise ValueError("no members to take the work")
         return {}
-    parked = {m for m in members if weights and weights.get(m) == PARKED}
-    if len(parked) == len(members):
-        parked = set()
+    parked = _parked(members, weights)
     given = [weights[m] for m in members if weights and weights.get(m, 0) > 0]
     fallback = sum(given) / len(given) if given else 1.0
     w = {m: (0.0 if m in parked else weights[m] if weights and weights.get(m, 0) > 0 else fallback)
@@ -45,6 +43,12 @@ def quotas(total: int, members: Sequence[int], weights: Mapping[int, float] | No
     return q
 
 
+def _parked(members: Sequence[int], weights: Mapping[int, float] | None) -> set[int]:
+    """The members weighted PARKED, or none if that is every member (someone must do the work)."""
+    parked = {m for m in members if weights and weights.get(m) == PARKED}
+    return set() if len(parked) == len(set(members)) else parked
+
+
 def assign(num_microbatches: int, members: Sequence[int], weights: Mapping[int, float] | None = None) -> tuple[int, ...]:
     """Owners at the start of a step: contiguous blocks of microbatches, in replica-id order.
 
@@ -55,7 +59,8 @@ def assign(num_microbatches: int, members: Sequence[int], weights: Mapping[int, 
     stays in the epoch reducing a zero share (its state stays in step) but is no longer measured.
     """
     q = quotas(num_microbatches, members, weights)
-    active = [m for m in sorted(q) if not (weights and weights.get(m) == PARKED)] or sorted(q)
+    parked = _parked(members, weights)
+    active = [m for m in sorted(q) if m not in parked]
     if num_microbatches >= len(active):
         for m in active:
             if q[m] == 0:
