@@ -37,7 +37,7 @@ class SlownessMonitor:
         """`quotas` is config run.quotas: "speed" publishes weights that follow speed, "drop" (with a
         planner) those that park a Slow group, "equal" none."""
         self.store, self.log, self.planner = store, log, planner
-        self.follow_speed = quotas == "speed" or (quotas == "drop" and planner is not None)
+        self.publishes = quotas == "speed" or (quotas == "drop" and planner is not None)
         self.detector = Detector()
         self.next_step = 0
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
@@ -77,7 +77,7 @@ class SlownessMonitor:
                 if self.planner is not None:  # a group's speed moves its quotas only while it is reweighted
                     speeds = {r: self.planner.weight_of(r, v) for r, v in speeds.items()}
                 total = sum(len(t) for t in timings.values())  # every microbatch is held once: M
-                if self.follow_speed and worth_replanning(total, sorted(timings), self.published, speeds):
+                if self.publishes and worth_replanning(total, sorted(timings), self.published, speeds):
                     self._publish(speeds)
             self.next_step += 1
 
@@ -91,7 +91,7 @@ class SlownessMonitor:
         if r is None or r.applied.kind != "shrink":
             return "drop"
         self._save_shrunk()
-        if self.follow_speed:
+        if self.publishes:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})
         return "shrink"
 
@@ -102,7 +102,7 @@ class SlownessMonitor:
             return
         self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
         self._save_shrunk()
-        if self.follow_speed and self.published.get(group, 1.0) != 1.0:
+        if self.publishes and self.published.get(group, 1.0) != 1.0:
             self._publish({**self.published, group: 1.0})
 
     def _save_shrunk(self) -> None:

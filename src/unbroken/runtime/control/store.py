@@ -1,9 +1,9 @@
 """Connecting to the coordinator's store and the reads every process makes of it.
 
 Owns: `connect` (one client per thread: TCPStore clients are not thread-safe), the one-round-trip
-`read` of a key that may be missing, `get_written` of one that is not yet written, `get_json`, and the two verdict-time reads that the launcher and
-the coordinator share: `last_committed` and `finished_among`. Does not own: key names (keys.py) or a
-member's protocol on the store (coordination.py).
+`read` of a key that may be missing, `get_written` of one not yet written, `get_json`, and the two
+verdict-time reads that the launcher and the coordinator share: `last_committed` and `finished_among`.
+Does not own: key names (keys.py) or a member's protocol on the store (coordination.py).
 """
 from __future__ import annotations
 
