@@ -2,25 +2,27 @@
 
 Calibration run: 2 replicas, 10 steps, replica 0 twice as slow in steps 5-7 (how=spin). Predicted run:
 replica 1 three times slower from step 5 to the end (how=spin: it keeps burning its share of the CPU, as
-a throttled device would). The calibration's episode measures how far this host's spin overshoots its
-factor (1.1x here: the spin evicts the caches the next microbatch refills), a cost like detection's.
+a throttled device would, until each span has taken 3x what its own unslowed spans took). The
+calibration's episode measures how far the injected slowness misses its factor (`_stretch`: ~1.0 now).
 sim/calibrate.predict_other reads the costs (a step's split into microbatch compute and sync) off the
-first run; of the second only its configuration, its fault spec and its speed before the fault (this
-shared machine's speed moves 2x between runs a minute apart: measured), and predicts the seconds from
-the fault to the last commit. Equal quotas in both, so the detector's choices are not part of it.
-Costs and the premise are read in wall time (`compute` events' `wall`): the simulator predicts seconds of
-the clock, while `seconds` is the device time the detector reads.
+first run; of the second only its configuration, its fault spec and its speed before the fault (the
+step period, and the slowed replica's own microbatch time: this shared machine's speed moves 2x between
+runs a minute apart, and a core's by 40% from step to step: measured), and predicts the seconds from the
+fault to the last commit. Equal quotas in both, so the detector's choices are not part of it. Costs and
+the premise are read in wall time (`compute` events' `wall`): the simulator predicts seconds of the
+clock, while `seconds` is the device time the detector reads.
 
 Measured: each window from the end of the step before the first fault to the end of the last step,
 read off the reductions' ends (sim/calibrate.boundaries), not the step records' times, which move by up
 to a step with who writes them.
 
-The premise: the simulator assumes a replica computes as fast after a peer dies as before. Unpinned on
-this shared host, the lone survivor took the freed CPU and computed its microbatches in 37 ms against
-61-70 ms beside its peer (measured), and a slowed replica's own compute sped up likewise once its peer
-waited at the step's end; so both runs pin each replica to a core of its own (--run.pin_cores), and both
-tests check the premise from the logs and skip, with the measured figures, where it does not hold. In
-the 11 runs of each test measured on 2026-11-26 none skipped."""
+The kill's premise: the simulator assumes a replica computes as fast after a peer dies as before.
+Unpinned on this shared host, the lone survivor took the freed CPU and computed its microbatches in
+37 ms against 61-70 ms beside its peer (measured); so both runs pin each replica to a core of its own
+(--run.pin_cores). Even pinned, a core here computes a microbatch in 24 ms or in 32-35 ms by what runs
+beside it (another VM's, or its peer's: measured on 2026-11-26), so the kill test checks the premise from
+the logs and skips, with the measured figures, where a survivor sped up by a fifth (3 of 6 runs that day).
+The slow test needs no such premise: the slowed replica's steps end with its own stretched compute."""
 from __future__ import annotations
 
 import statistics
@@ -42,16 +44,14 @@ def train(out, steps: int, faults: str) -> None:
 
 
 def within(p) -> None:
-    """The target: 15% (issue 22 item 6, open). Measured in 11 runs of each test here after the
-    calibration learned the spin's overshoot: slow 1.1-12.5%, kill 0-13.0%; but in a CI run (b228642's
-    successor, 3cad289) the slow prediction was 20.9% under. Above 15% but within 50% is therefore this
-    host's known gap: an expected failure that prints the measured error; beyond 50% the simulator is
-    wrong, a failure."""
+    """The target: 15% (issue 22 item 6). Measured on 2026-11-26 after the spin aimed at the replica's own
+    unslowed spans and the split charged sync beyond the busiest replica's compute: slow 0.7-1.5% in 5
+    runs, kill 1.7-8.4% in the 3 of 6 runs where the premise held (each in /tmp/calib/run.py's
+    configuration: this file's), and within 15% in 4 more of each under `pytest -n 2` beside the
+    pipeline tests."""
     print(f"predicted {p.predicted_wall:.2f} s, measured {p.measured_wall:.2f} s: {p.wall_error:.1%} off")
-    assert p.wall_error < 0.5, p
-    if p.wall_error >= 0.15:
-        pytest.xfail(f"predicted {p.predicted_wall:.2f} s against {p.measured_wall:.2f} s measured: "
-                     f"{p.wall_error:.0%} off, over the 15% target on this shared host")
+    assert p.wall_error < 0.15, (f"predicted {p.predicted_wall:.2f} s against {p.measured_wall:.2f} s measured: "
+                                 f"{p.wall_error:.0%} off")
 
 
 @pytest.mark.slow
@@ -62,13 +62,10 @@ def test_calibrated_on_one_run_predicts_another_with_a_slow_replica(tmp_path):
     train(tmp_path / "target", 14, "slow:replica=1,from=5,factor=3,how=spin")
     events = read_events(tmp_path / "target")
     mine = [e for e in events if e["event"] == "compute" and e["replica"] == 1]
-    slowed = statistics.median(e.get("wall", e["seconds"]) for e in mine if e["step"] >= 5)
-    before = statistics.median(e.get("wall", e["seconds"]) for e in mine if 1 <= e["step"] < 5)
-    assert slowed > 1.3 * before  # the stretch fired
-    if slowed / 3 < 0.8 * before:  # its own compute (the stretch is 3x it) sped up once its peer waited
-        pytest.skip(f"replica 1's own microbatch compute fell from {1e3 * before:.1f} ms to {1e3 * slowed / 3:.1f} ms "
-                    f"once slowed (its peer idles at the step's end): this host does not give each replica a "
-                    f"core of its own (the simulator's premise)")
+    slowed = statistics.median(e["seconds"] for e in mine if e["step"] >= 5)
+    before = statistics.median(e["seconds"] for e in mine if 1 <= e["step"] < 5)
+    # the stretch fired, at its factor of replica 1's own unslowed device time (faults.Injector.stretch)
+    assert 2.7 * before < slowed < 3.3 * before, (slowed, before)
     p = predict_other(tmp_path / "cal", tmp_path / "target")
     assert p.measured_tokens == p.predicted_tokens  # every step of the target committed, as predicted
     within(p)

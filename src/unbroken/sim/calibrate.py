@@ -3,8 +3,9 @@ prediction of that same run's wall time and committed tokens, and (predict_other
 other faults from the first one's costs.
 
 Owns: reading costs off a real log (step boundaries from the reductions that counted (`boundaries`),
-per-microbatch time from `compute` records, detection from fault -> member_dead, re-forming from
-member_dead -> recovery, start-up from run_start -> first step, slow injection's overshoot), turning its
+per-microbatch time and sync from step periods and the busiest replica's `compute` records, detection
+from fault -> member_dead, re-forming from member_dead -> recovery, start-up from run_start -> first
+step, how far slow injection misses its factor), turning its
 injected faults into a trace, and the comparison.
 Does not own: running the real trainer (runtime/) or the simulator's strategies; a real run is predicted
 with `unbroken_live`, the strategy the trainer implements.
@@ -85,11 +86,15 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
     clean = gaps or [r["step_time"] for r in steps if r["step"] not in fault_steps] or \
         [r["step_time"] for r in steps]
     step_time = statistics.median(clean)
-    compute = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute" and r.get("step") not in fault_steps
-               and not any(f.kind == "slow" and f.slows(r["replica"], r["step"]) for f in spec)]
     per_replica = -(-M // R)
-    t_mb = statistics.median(compute) if compute else step_time / per_replica
-    t_mb = min(t_mb, step_time / per_replica)
+    # A step's sync is what its period spends beyond the busiest replica's compute (the reduction, the
+    # optimizer, the records), not beyond a median replica's: two replicas' computes differ by up to 40%
+    # here from step to step (measured: 24 ms against 34 ms a microbatch, each on a core of its own), and
+    # that imbalance is no fixed cost: a slowed replica's steps end with its own compute, not its peer's.
+    critical = _busiest(recs, {s for s in ends if s < first and s - 1 in ends})
+    sync = statistics.median(step_time - c for c in critical) if critical else 0.0
+    sync = min(max(sync, 0.0), step_time)
+    t_mb = (step_time - sync) / per_replica
     t0 = steps[0]["t"] - steps[0]["step_time"]  # the simulated clock starts when step 0 starts
     dead = [r for r in recs if r["event"] == "member_dead"]
     detect = [d["t"] - f["t"] for f in faults for d in dead[:1] if d["t"] >= f["t"]]
@@ -101,7 +106,7 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
         "name": f"calibrated-{Path(run_dir).name}", "source": str(run_dir),
         "cluster": {"dp": R, "tp": 1, "pp": 1, "gpus_per_node": 1},
         "workload": {"microbatches": M, "tokens_per_microbatch": max(1, steps[0]["tokens"] // M),
-                     "microbatch_seconds": t_mb, "sync_seconds": max(0.0, step_time - per_replica * t_mb),
+                     "microbatch_seconds": t_mb, "sync_seconds": sync,
                      "duration_hours": 3 * wall / 3600 + 1 / 3600},
         "costs": {"detect_seconds": statistics.median(detect) if detect else DEFAULT_DETECT,
                   "reform_seconds": max(0.0, reform[0]) if reform else 0.0, "restart_seconds": t0 - start["t"],
@@ -113,17 +118,37 @@ def scenario_from_run(run_dir: str | Path) -> Calibration:
                        sum(r["tokens"] for r in steps), _stretch(recs, spec))
 
 
+def _busiest(recs: list[dict[str, Any]], steps: set[int]) -> list[float]:
+    """Per step of `steps`: the wall seconds of compute of the replica that computed longest in it."""
+    per: dict[tuple[int, int], float] = {}
+    for r in recs:
+        if r["event"] == "compute" and r.get("step") in steps:
+            key = (r["step"], r["replica"])
+            per[key] = per.get(key, 0.0) + r.get("wall", r["seconds"])
+    busiest: dict[int, float] = {}
+    for (step, _), seconds in per.items():
+        busiest[step] = max(busiest.get(step, 0.0), seconds)
+    return list(busiest.values())
+
+
+def _own_speed(recs: list[dict[str, Any]], replica: int, before: int) -> float | None:
+    """A replica's median microbatch wall seconds over steps 1 .. before-1 (step 0 left out: warm-up)."""
+    mine = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute" and r["replica"] == replica
+            and 1 <= r["step"] < before]
+    return statistics.median(mine) if mine else None
+
+
 def _first_faulted(spec: tuple[Fault, ...], default: float) -> float:
     """The first step a fault of the spec touches (a slow stretch: its first slowed step)."""
     return min((f.start if f.kind == "slow" else f.step for f in spec), default=default)
 
 
 def _stretch(recs: list[dict[str, Any]], spec: tuple[Fault, ...]) -> dict[str, float]:
-    """How far this host's slow injection overshoots its factor, per `how`: the slowed replica's median
+    """How far this host's slow injection misses its factor, per `how`: the slowed replica's median
     microbatch wall time while slowed, over its own before the episode (step 0 left out: warm-up), over
-    the factor. On this 2-core host a how=spin episode of factor 3 measured 3.35x (1.12): the spin's
-    Python loop evicts the caches the next microbatch's kernels then refill (measured: the unstretched
-    compute itself took 15% longer between spins). A GPU's device-side spin would not."""
+    the factor. how=spin aims at F x the replica's own unslowed device time (runtime/faults.py), so it
+    measures ~1.0 (0.998 and 1.04 here); it was 1.12 when the spin burned (F-1) x each slowed span's own
+    compute, which the spin itself had slowed (its caches refilled after each spin)."""
     ratios: dict[str, list[float]] = {}
     for f in spec:
         if f.kind != "slow":
@@ -184,7 +209,8 @@ def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Predic
     from their first to their last step) and the machine's
     speed in that minute: its median step period before its first fault, which scales the calibrated
     compute and sync (a shared machine's speed drifts 2x between runs a minute apart; so the figure is
-    what the faults cost, not how fast the host was). Measured and predicted (`*_wall`): seconds from
+    what the faults cost, not how fast the host was), and a slowed replica's own microbatch time before
+    its fault (a slowed replica is F times as slow as itself: `own` below). Measured and predicted (`*_wall`): seconds from
     the end of the step before the first fault to the end of the last step (`boundaries`); start-up is
     not simulated. Raises ValueError if either log lacks steps, or the target a fault after its step 3."""
     cal = scenario_from_run(calibration_dir)
@@ -202,7 +228,14 @@ def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Predic
     scale = statistics.median(gaps) / cal_step  # this minute's host speed against the calibration's
     mb, sync = w.microbatch_seconds * scale, w.sync_seconds * scale
     step_time = -(-M // R) * mb + sync
-    trace = [_predicted_fault(f, n, step_time, -(-M // R) * mb, sync, cal.stretch.get(f.how, 1.0))
+    # A slowed replica is F times as slow as it itself was before (faults.Injector.stretch aims at its own
+    # unslowed spans), which need not be the median replica's speed: its own, read off the target's steps
+    # before the fault, scales the factor the simulator applies to the common microbatch time.
+    def own(f: Fault) -> float:
+        speed = _own_speed(recs, f.replica, f.start) if f.kind == "slow" else None
+        return speed / mb if speed else 1.0
+
+    trace = [_predicted_fault(f, n, step_time, -(-M // R) * mb, sync, cal.stretch.get(f.how, 1.0) * own(f))
              for f in spec if f.kind in ("slow", "kill", "hang")]
     tree: dict[str, Any] = {
         "name": f"predicted-{Path(target_dir).name}", "source": str(target_dir),
