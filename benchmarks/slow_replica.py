@@ -4,7 +4,8 @@ Owns: running both quota policies and a failure-free run alternately through unb
 real processes, reading each run's throughput from its event log, and the ideal it is measured against.
 Does not own: detection (the coordinator's detector decides the speeds from measured device times; it
 never sees the fault spec) or the slowness injection (runtime/faults.py, how=spin: the slow replica
-burns (factor-1) x each microbatch's CPU time in its computing thread, as a core throttled by `factor`).
+burns CPU time in its computing thread until each microbatch has taken `factor` x its own unslowed
+ones, as a core throttled by `factor`).
 
 Setup: R replicas (default 2: one per core of this 2-core machine, as one trainer per GPU on a node),
 replica R-1 slowed `--factor` (2x) from step 0, fixed-length sequences (every microbatch holds the same
@@ -42,7 +43,9 @@ The wall-clock figures are printed above it (`ratio of_ideal_wall_clock`); on a 
 core per replica they are the throughput.
 
 Last line: `ratio of_ideal VALUE` = the device-time ideal over the speed-quota runs' median device-time
-step (target >= 0.95); the equal-quota figure just above it, against the same ideal. Also leaves out:
+step (target >= 0.95), the whole run, transient included; above it the equal-quota figure against the
+same ideal, and `ratio of_ideal_steady_state`: the speed-quota runs from the step their quotas first
+matched the speeds to the end (the steady state, the transient left out). Also leaves out:
 runs longer than --steps (a longer run amortises the same transient further), and a slowdown that
 starts mid-run (the predictor then knows the healthy speed already; from step 0 it learns it meanwhile).
 Usage: python benchmarks/slow_replica.py [--rounds 2] [--steps 60] [--microbatches 12] [--factor 2]
@@ -76,10 +79,11 @@ def declared_slow(records: list[dict], slow: int) -> int | None:
                  and r["new"] == "slow"), None)
 
 
-def measure(records: list[dict], slow: int) -> dict[str, object]:
-    """The whole run after its first commit: step time (commit of step 0 to commit of the last step, over
-    the steps between: the detection transient included), the median wall time of a healthy replica's
-    microbatch (the run's unit), and the quotas per step."""
+def measure(records: list[dict], slow: int, start: int = 1) -> dict[str, object]:
+    """Steps `start` .. last (1: the whole run after its first commit, the detection transient included):
+    step time (commit of step start-1 to commit of the last step, over the steps between), the median
+    wall time of a healthy replica's microbatch over the whole run (the run's unit), the quotas per step
+    (all steps), and the device-time critical path per step over the same steps."""
     t = {r["step"]: r["t"] for r in records if r["event"] == "step"}
     owners = {r["step"]: r["owners"] for r in records if r["event"] == "step"}
     last = max(t)
@@ -92,8 +96,9 @@ def measure(records: list[dict], slow: int) -> dict[str, object]:
     for r in computes:
         busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
     unit = statistics.median(r["seconds"] for r in computes if r["replica"] != slow)
-    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in range(1, last + 1)) / last
-    return {"step": (t[last] - t[0]) / last, "healthy": statistics.median(healthy), "quotas": quotas,
+    n = last - start + 1
+    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in range(start, last + 1)) / n
+    return {"step": (t[last] - t[start - 1]) / n, "healthy": statistics.median(healthy), "quotas": quotas,
             "device_path": path / unit}
 
 
@@ -127,6 +132,7 @@ def main() -> None:
     modes = ("speed", "equal", "none")  # none: the failure-free run the ideal is scaled from
     units: dict[str, list[float]] = {q: [] for q in modes}  # per run: step time / median healthy mb
     paths: dict[str, list[float]] = {q: [] for q in modes}  # per run: device-time critical path, same unit
+    steady: dict[str, list[float]] = {"speed": []}  # the same from the step its quotas first matched
     rows = []
     with tempfile.TemporaryDirectory(prefix="slow-replica-") as tmp:
         for rnd in range(args.rounds):
@@ -144,6 +150,8 @@ def main() -> None:
                 first = next((n for n, q in enumerate(qs) if q == tuple(match or ())), None)
                 units[quotas].append(step / t_h)
                 paths[quotas].append(m["device_path"])
+                if quotas == "speed" and first is not None and first < args.steps - 1:
+                    steady[quotas].append(measure(records, slow, max(1, first))["device_path"])
                 rows.append((rnd + 1, quotas, declared, first, qs[-1], step, t_h, step / t_h))
                 console.print(f"round {rnd + 1} {quotas:>5}: slow declared at step {declared}, matching quotas "
                               f"from step {first}, step {1e3 * step:.1f} ms = {step / t_h:.2f} healthy "
@@ -171,6 +179,11 @@ def main() -> None:
                   f"load, leaves out all-reduce, commit and optimizer): failure-free {p_ff:.2f}, speed quotas "
                   f"{p_speed:.2f}, equal quotas {p_equal:.2f} healthy microbatches; of ideal "
                   f"{p_ideal / p_speed:.3f} (speed), {p_ideal / p_equal:.3f} (equal)")
+    p_steady = statistics.median(steady["speed"]) if steady["speed"] else None
+    if p_steady is not None:
+        console.print(f"steady state (speed quotas, from the step the quotas first matched to the end; the "
+                      f"transient left out): device-time critical path {p_steady:.2f} healthy microbatches, "
+                      f"of ideal {p_ideal / p_steady:.3f}")
     console.print("per run, wall-clock step in healthy microbatches: " + ", ".join(
         f"{q} {[round(u, 2) for u in units[q]]}" for q in modes))
     console.print(f"wall time {time.time() - t_start:.0f} s")
@@ -178,6 +191,8 @@ def main() -> None:
     print(f"ratio of_ideal_equal_quotas_wall_clock {ideal / n_equal:.3f}")
     print(f"ratio of_ideal_wall_clock {ideal / n_speed:.3f}")
     print(f"ratio of_ideal_equal_quotas {p_ideal / p_equal:.3f}")
+    if p_steady is not None:
+        print(f"ratio of_ideal_steady_state {p_ideal / p_steady:.3f}")
     print(f"ratio of_ideal {p_ideal / p_speed:.3f}")
 
 
