@@ -12,9 +12,15 @@ Owns: what "nothing lost, nothing counted twice" means for a log, checked from t
     a problem;
   - exactly once: each copy's owners cover microbatches 0..M-1, each once, and the owners are the
     commit epoch's members;
+  - each generation's copies are contiguous from its first step to its last, a later generation's
+    first copy is the step after the one its trainers restored (`restored`; step 0 where it started
+    over), and the last generation reaches step N-1: a restart that rolled back to step n and then
+    lost the record of a step after n is incomplete even where an earlier generation's copy exists;
   - the owners did what the record says: each owner computed, in that step and generation, every
     microbatch it is credited with (its `compute` records), and reduced in the commit epoch (its
-    `reduce ok` record); otherwise a microbatch was credited without being computed;
+    `reduce ok` record) exactly the microbatches it is credited with (the record's `microbatches`,
+    written by the member itself, where the coordinator wrote the owners); otherwise a microbatch was
+    credited without being computed, or reduced without being credited;
   - every member applied the same parameters (`applied` digests of the step and generation agree).
 Does not own: reading the log (events.py), comparing two runs (report.compare), or simulated logs
 (sim/audit.py).
@@ -72,9 +78,12 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int, ranks: ra
     # A replica group of several ranks: each rank computes its share of the group's microbatches and
     # reduces (and applies) its own shard, so each check below holds per rank.
     computed: dict[tuple, set[int]] = defaultdict(set)  # (gen, step, replica, rank) -> microbatches
-    reduced: set[tuple[int, int, int, int, int]] = set()  # (gen, step, epoch, replica, rank) with a reduce ok
+    # (gen, step, epoch, replica, rank) with a reduce ok -> the microbatches it reduced (None: a log
+    # written before reduce records named them)
+    reduced: dict[tuple[int, int, int, int, int], frozenset[int] | None] = {}
     applied: dict[tuple[int, int, int], set[str]] = defaultdict(set)  # (gen, step, rank) -> state digests
     copies: list[tuple[int, dict[str, Any]]] = []  # (gen, step record)
+    restored: dict[int, int] = {}  # gen -> the step its trainers restored (none: it started from step 0)
     gen = 0
     for r in records:
         kind = r["event"]
@@ -84,11 +93,15 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int, ranks: ra
             for rank in r.get("shards", [r.get("rank", 0)]):  # a shrunk group's rank computes every shard's
                 computed[gen, r["step"], r["replica"], rank].add(r["microbatch"])
         elif kind == "reduce" and r.get("ok"):
-            reduced.add((gen, r["step"], r["epoch"], r["replica"], r.get("rank", 0)))
+            held = r.get("microbatches")
+            reduced[gen, r["step"], r["epoch"], r["replica"], r.get("rank", 0)] = \
+                None if held is None else frozenset(held)
         elif kind == "applied":
             applied[gen, r["step"], r.get("rank", 0)].add(r.get("state_digest") or r.get("param_digest"))
         elif kind == "step":
             copies.append((gen, r))
+        elif kind == "restored":  # a trainer of this generation loaded the state after step r["step"]
+            restored[gen] = min(restored.get(gen, r["step"]), r["step"])
     problems: list[str] = []
     seen: dict[tuple[int, int], int] = {}
     for g, r in copies:
@@ -103,6 +116,7 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int, ranks: ra
     for (g, s), n in sorted(seen.items()):
         if n > 1:
             problems.append(f"step {s}: recorded {n} times in generation {g}")
+    problems += _generations(sorted(seen), n_steps, restored)
     recorded = {s for _, s in seen}
     absent = [s for s in range(n_steps) if s not in recorded]
     if absent:
@@ -110,6 +124,32 @@ def _exactly_once(records: list[dict[str, Any]], n_steps: int, m: int, ranks: ra
     extra = sorted(s for s in recorded if not 0 <= s < n_steps)
     if extra:
         problems.append(f"steps outside 0..{n_steps - 1}: {extra}")
+    return problems
+
+
+def _generations(copies: list[tuple[int, int]], n_steps: int, restored: dict[int, int]) -> list[str]:
+    """Each generation's copies (`copies`: sorted (generation, step)) contiguous from its first step to its
+    last; a later generation's first copy the step after the one its trainers restored (`restored`; none
+    restored: step 0); the last generation reaching step N-1 (a generation that recorded nothing is left
+    out: it committed nothing)."""
+    steps: dict[int, list[int]] = defaultdict(list)
+    for g, s in copies:
+        steps[g].append(s)
+    problems = []
+    for g, ss in sorted(steps.items()):
+        gaps = [s for s in range(ss[0], ss[-1] + 1) if s not in set(ss)]
+        if gaps:
+            problems.append(f"generation {g}: steps without a record between its first and last: {_ranges(gaps)}")
+        expected = restored[g] + 1 if g in restored else 0
+        if g > 0 and ss[0] != expected:
+            problems.append(f"generation {g} restored the state after step {expected - 1} but its first step "
+                            f"record is step {ss[0]}" if g in restored else
+                            f"generation {g} restored nothing (it started over) but its first step record is step {ss[0]}")
+    if steps:
+        g, last = max(steps), steps[max(steps)][-1]
+        if last < n_steps - 1:
+            problems.append(f"the last generation ({g}) ends at step {last}, not {n_steps - 1}: steps "
+                            f"{_ranges(list(range(last + 1, n_steps)))} of its run were never recorded")
     return problems
 
 
@@ -132,6 +172,9 @@ def _check_copy(r: dict[str, Any], g: int, m: int, computed, reduced, applied, r
             problems.append(f"replica {o}{who} is credited with microbatches {never} it never computed")
         if (g, s, epoch, o, rank) not in reduced:
             problems.append(f"replica {o}{who} has no successful reduce in the commit epoch {epoch}")
+        elif reduced[g, s, epoch, o, rank] not in (None, frozenset(mbs)):
+            problems.append(f"replica {o}{who} reduced microbatches {sorted(reduced[g, s, epoch, o, rank])} in "
+                            f"the commit epoch {epoch}, but is credited with {sorted(mbs)}")
     digests = applied.get((g, s, rank), set())
     if len(digests) != 1:
         problems.append(f"members{who} applied {len(digests)} different parameter digests")

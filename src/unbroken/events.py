@@ -27,7 +27,7 @@ their fields:
                  waited: s spent waiting for a peer's decision or a new epoch in the step)
   compute        step, replica, epoch, microbatch, seconds, wall, tokens, sumsq   (one per microbatch;
                  seconds: device time, what the detector reads (runtime/devicetime.py); wall: wall time)
-  reduce         step, replica, epoch, seconds, ok, wait
+  reduce         step, replica, epoch, seconds, ok, wait; microbatches (ok: the ones it reduced)
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
   member_dead    replica, epoch (the new epoch without it), reason

@@ -423,7 +423,7 @@ class Trainer:
                 return rec.ReduceFailed(epoch, str(e))
             results.append(result.tensor)
             self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True,
-                          seconds=round(result.seconds, 6), **tag)
+                          seconds=round(result.seconds, 6), microbatches=list(held), **tag)
         self.reduced = results if self.standin else results[0]
         return rec.Reduced(epoch)
 
