@@ -1,7 +1,11 @@
 """Bad input through the real CLI (`python -m unbroken.cli`, a fresh process each): exit code 2, exactly
 one stderr line `unbroken: error: ...` naming the offending token, no traceback, and nothing started —
-no run directory, no events.jsonl."""
+no run directory, no events.jsonl. On hand-made logs, too, the line between bad input (a log that is
+corrupt or holds no run: exit 2) and what audit and compare find in a readable log (exit 1)."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +90,71 @@ def test_unwritable_out_is_one_line(tmp_path):
     out = tmp_path / "FILE" / "run"
     line = assert_one_line_error(unbroken("train", *SMALL, "--out", str(out), timeout=25), "run.out=")
     assert str(out) in line and "Traceback" not in line
+
+
+def write_run(run: Path, steps: int = 4, only: set[int] | None = None) -> Path:
+    """A hand-made finished run of one replica and one microbatch a step that the audit passes (with
+    `only`: just those steps recorded), and its config.json."""
+    run.mkdir(parents=True)
+    recs = [{"event": "run_start", "t": 0.0, "schema": 1, "replicas": 1, "steps": steps, "microbatches": 1,
+             "exact": True, "seed": 0, "faults": "", "run_id": "run-x", "group_size": 1},
+            {"event": "epoch", "t": 0.0, "epoch": 0, "members": [0]}]
+    for s in sorted(only) if only is not None else range(steps):
+        mb = {"step": s, "replica": 0, "epoch": 0}
+        recs += [{"event": "compute", "t": s + 0.1, **mb, "microbatch": 0, "seconds": 0.1, "tokens": 8},
+                 {"event": "reduce", "t": s + 0.2, **mb, "seconds": 0.01, "ok": True, "wait": 0.0},
+                 {"event": "applied", "t": s + 0.3, "step": s, "replica": 0, "state_digest": "ab"},
+                 {"event": "step", "t": s + 0.5, "step": s, "loss": 5.0 - s / 10, "microbatches": 1, "replicas": 1,
+                  "members": [0], "epoch": 0, "tokens": 8, "param_digest": f"d{s}", "owners": {"0": [0]}}]
+    recs.append({"event": "run_end", "t": steps + 1.0, "ok": True, "steps_committed": steps, "error": None})
+    (run / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "config.json").write_text(json.dumps({"run": {"replicas": 1, "steps": steps, "microbatches": 1,
+                                                         "exact": True, "seed": 0, "faults": ""}}))
+    return run
+
+
+def edit_line(run: Path, n: int, edit) -> None:
+    """Replace line `n` (1-based) of the run's log by `edit(line)`."""
+    ls = (run / "events.jsonl").read_text().splitlines(keepends=True)
+    ls[n - 1] = edit(ls[n - 1])
+    (run / "events.jsonl").write_text("".join(ls))
+
+
+@pytest.mark.parametrize("command", ["report", "status"])
+def test_report_and_status_on_a_corrupt_middle_line(tmp_path, command):
+    run = write_run(tmp_path / "run")
+    assert unbroken(command, str(run), timeout=25).returncode == 0  # the log as written reads fine
+    (run / "report.png").unlink(missing_ok=True)
+    edit_line(run, 4, lambda line: "garbage\n")
+    r = unbroken(command, str(run), timeout=25)
+    assert_one_line_error(r, f"{run / 'events.jsonl'}: line 4 is not an event record")
+    assert "Traceback" not in r.stderr and not (run / "report.png").exists()
+
+
+def test_compare_with_a_step_record_lacking_loss(tmp_path):
+    ref, run = write_run(tmp_path / "ref"), write_run(tmp_path / "run")
+    n = next(n for n, line in enumerate((run / "events.jsonl").read_text().splitlines(), 1)
+             if '"event": "step", "t": 2.5' in line)
+    edit_line(run, n, lambda line: json.dumps({k: v for k, v in json.loads(line).items() if k != "loss"}) + "\n")
+    for a, b in ((ref, run), (run, ref)):
+        r = unbroken("compare", str(a), str(b), timeout=25)
+        line = assert_one_line_error(r, f"{run / 'events.jsonl'}: the record of step 2 lacks loss")
+        assert "Traceback" not in r.stderr and not r.stdout, line  # no table, no half a report
+
+
+def test_audit_names_the_missing_steps_of_a_run_holding_only_step_7(tmp_path):
+    """A finding in a readable log: exit 1, not bad input."""
+    run = write_run(tmp_path / "run", steps=12, only={7})
+    r = unbroken("audit", str(run), timeout=25)
+    assert r.returncode == 1 and not r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert sum("steps without a record: 0-6, 8-11 (of 0..11)" in line for line in r.stdout.splitlines()) == 1, r.stdout
+
+
+def test_compare_counts_the_steps_run_start_configured(tmp_path):
+    """12 steps configured, only step 7 recorded (and identical): 1 of 12, not of 8 (the highest step
+    recorded, plus one), and the run counts as incomplete."""
+    a, b = (write_run(tmp_path / name, steps=12, only={7}) for name in ("a", "b"))
+    r = unbroken("compare", str(a), str(b), timeout=25)
+    assert r.returncode == 1 and not r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.splitlines()[-1] == "identical: 1/12 steps (a run is incomplete)", r.stdout
+    assert "incomplete: run B: 11 of 12 steps have no record (first: 0)" in r.stdout.splitlines()

@@ -73,7 +73,9 @@ def coordinator(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def compare(a: str, b: str, rtol: float | None) -> int:
-    """Exit 0 only if both runs are complete and every step matches (digests, or losses within rtol)."""
+    """Exit 0 only if both runs are complete and every step matches (digests, or losses within rtol); 1
+    if not; 2 (ConfigError) if either is no run (no events.jsonl, an empty one or one without run_start)
+    or its log is corrupt (a line that does not parse, a step record lacking step, loss or param_digest)."""
     for d in (a, b):
         if not (Path(d) / "events.jsonl").is_file():
             raise ConfigError(f"{d!r} is not a run directory (no events.jsonl)")
@@ -97,7 +99,9 @@ def compare(a: str, b: str, rtol: float | None) -> int:
 
 
 def audit(run: str) -> int:
-    """Exit 0 only if the run is complete and every microbatch of every step was reduced exactly once."""
+    """Exit 0 only if the run is complete and every microbatch of every step was reduced exactly once;
+    1 if the audit finds problems in a run's log; 2 (ConfigError) if there is no run to audit: no
+    events.jsonl, an empty one or one without run_start, a corrupt line, no usable config.json."""
     from unbroken.audit import audit_run, run_config
     if not (Path(run) / "events.jsonl").is_file():
         raise ConfigError(f"{run!r} is not a run directory (no events.jsonl)")
@@ -109,6 +113,8 @@ def audit(run: str) -> int:
         raise ConfigError(str(e)) from None
     try:
         problems = audit_run(run, config)
+        if problems:  # one of them may be that the log holds no run at all: bad input, not a finding
+            report.run_start(read_events(run), run)
     except CorruptLog as e:
         raise ConfigError(str(e)) from None
     for p in problems:
