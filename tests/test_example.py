@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.runtime.test_recovery_e2e import assert_killed
 from unbroken.events import read_events
 from unbroken.report import audit
 
@@ -37,6 +38,13 @@ def test_custom_model_survives_a_kill(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["steps_committed"] == 12 and summary["members_lost"] == 1, summary
     assert summary["faults"] == 1
+    events = read_events(out)
+    # the kill fired in replica 1's step-3 all-reduce, and took it out: declared dead, absent from the
+    # members of step 3 and every later step
+    assert_killed(events, (1, 3, "allreduce"))
+    # ...and step 3 committed without it: none of its microbatches reduced by replica 1
+    step3 = next(e for e in events if e["event"] == "step" and e["step"] == 3)
+    assert "1" not in step3["owners"] and 1 not in step3["members"], step3
     # it learned: a model that never learns stays near ln(256) = 5.545, its loss at step 0
     losses = [e["loss"] for e in sorted(read_events(out), key=lambda e: e.get("step", -1)) if e["event"] == "step"]
     assert losses[0] > 5.0 and summary["final_loss"] < losses[0] - 1.0, losses

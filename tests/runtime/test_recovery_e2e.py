@@ -108,6 +108,10 @@ def test_hang_is_detected_and_the_zombie_fenced(reference, tmp_path):
                       "--coord.progress_timeout=120")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=1)
+    # the hang fired: replica 2 stopped itself in step 3's all-reduce, for 3 s (its `fault` record)
+    hung = [(e["replica"], e["step"], e["phase"], e["seconds"]) for e in events
+            if e["event"] == "fault" and e["kind"] == "hang"]
+    assert hung == [(2, 3, "allreduce", 3)], hung
     dead = [e for e in events if e["event"] == "member_dead"]
     assert dead[0]["replica"] == 2 and "heartbeat" in dead[0]["reason"]
     fenced = [e for e in events if e["event"] == "fenced"]

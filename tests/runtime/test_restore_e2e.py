@@ -55,13 +55,32 @@ def why_not_restored(events, out) -> str:
             f"agents: {lines}")
 
 
+def redone_after_restart(events, restart, step, steps: int = 12) -> None:
+    """The whole-job `restart` record took the run back to `step`: the generation it began recorded
+    every step after `step`, from step + 1 to the run's last (of `steps`), and each step the generation
+    before it had committed past `step` was lost with the crash and recorded again (a copy on each side
+    of the restart)."""
+    at = events.index(restart)
+    before = [e["step"] for e in events[:at] if e["event"] == "step"]
+    after = [e["step"] for e in events[at:] if e["event"] == "step"]
+    assert after == list(range(step + 1, steps)), (step, after)
+    assert all(s in after for s in before if s > step), (step, before, after)
+
+
 def test_crash_all_resumes_from_memory_at_the_last_snapshot(reference, tmp_path):
     out, events = run(tmp_path, "crash-all:step=6", *XOR2)
     on_trajectory(reference, out)
+    # the crash fired on every trainer as step 6 began, and the job restarted from memory after it
+    (crash,) = [e for e in events if e["event"] == "fault"]
+    assert (crash["kind"], crash["step"], crash["replicas"]) == ("crash-all", 6, [0, 1, 2, 3]), crash
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["source"] == "memory" and events.index(crash) < events.index(restart), restart
     got = restored(events, "memory", reference, out)
     # a snapshot from before the crash (the newest whose parity was complete: saves are skipped, never
     # waited on, while parity lags), loaded bit-exactly: restored() checked its digest
     assert len(got) >= 4 and len({e["step"] for e in got}) == 1 and 0 <= got[0]["step"] <= 5
+    # the work after that snapshot was lost: every later step was run again after the restart
+    redone_after_restart(events, restart, got[0]["step"])
 
 
 def test_node_loss_rebuilt_from_xor_parity(reference, tmp_path):
@@ -120,9 +139,18 @@ def test_restart_disk_baseline_loses_the_work_since_the_checkpoint(reference, tm
     out, events = run(tmp_path, "kill:replica=2,step=7,phase=compute", "--run.recovery=restart-disk",
                       "--checkpoint.every=3")
     on_trajectory(reference, out)
+    # the kill fired in replica 2's step-7 compute, the replica was lost, and the whole job restarted
+    # from disk for it
+    (kill,) = [e for e in events if e["event"] == "fault"]
+    assert (kill["kind"], kill["replica"], kill["step"], kill["phase"]) == ("kill", 2, 7, "compute"), kill
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["source"] == "disk" and restart["reason"].startswith("1 of 4 replicas lost"), restart
+    assert 2 in {e["replica"] for e in events if e["event"] == "member_dead"}
     # checkpoints at 0, 3, 6: the newest *complete* one (an async save of 6 may still be on its way)
     got = restored(events, "disk", reference, out)
-    assert len(got) >= 4 and got[0]["step"] in (3, 6)
+    assert len(got) >= 4 and len({e["step"] for e in got}) == 1 and got[0]["step"] in (3, 6)
+    # the work since that checkpoint was lost: steps 4-6 (or none past 6) were recorded again
+    redone_after_restart(events, restart, got[0]["step"])
 
 
 def test_live_node_loss_then_crash_all_restores_adopted_shares(reference, tmp_path):
@@ -136,8 +164,25 @@ def test_live_node_loss_then_crash_all_restores_adopted_shares(reference, tmp_pa
     out, events = run(tmp_path, f"node:node=1,step=3; crash-all:step=8; {slow}", *XOR2,
                       "--coord.progress_timeout=120")
     on_trajectory(reference, out)
+    # node 1 (replicas 2 and 3) was lost as step 3 began, and the run went on live: both were declared
+    # dead, with no restart, before the crash of every trainer as step 8 began
+    node, crash = (next(e for e in events if e["event"] == "fault" and e["kind"] == kind)
+                   for kind in ("node", "crash-all"))
+    assert (node["node"], node["step"], node["replicas"]) == (1, 3, [2, 3]), node
+    assert crash["step"] == 8, crash
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert events.index(node) < events.index(crash) < events.index(restart) and restart["source"] == "memory"
+    dead = [e for e in events[events.index(node):events.index(crash)] if e["event"] == "member_dead"]
+    assert sorted(e["replica"] for e in dead) == [2, 3], dead
     got = restored(events, "memory", reference, out)
-    assert len(got) >= 4 and 3 <= got[0]["step"] <= 7  # adopted shares kept snapshots after the loss
+    assert len(got) >= 4 and len({e["step"] for e in got}) == 1 and 3 <= got[0]["step"] <= 7
+    # adopted shares kept snapshots after the loss: the step restored was snapshotted before the crash,
+    # dead replica 2's share by survivor 0 and 3's by 1 (policy.snapshotting.share_owner); no log record
+    # names an adoption, the `snapshot` records' replica/share pairs are what says so
+    s = got[0]["step"]
+    wrote = {(e["replica"], e["share"]) for e in events[:events.index(restart)]
+             if e["event"] == "snapshot" and e["step"] == s}
+    assert wrote == {(0, 0), (1, 1), (0, 2), (1, 3)}, (s, wrote)
 
 
 def test_bad_snapshot_config_is_one_line(tmp_path):
@@ -155,4 +200,11 @@ def test_failure_before_any_snapshot_starts_over_exactly(reference, tmp_path):
     out, events = run(tmp_path, "kill:replica=1,step=0,phase=compute", "--run.recovery=restart-memory",
                       "--snapshot.enabled=true")
     on_trajectory(reference, out)
+    # the kill fired in replica 1's step-0 compute, and the job restarted with no step committed and no
+    # snapshot taken before it
+    (kill,) = [e for e in events if e["event"] == "fault"]
+    assert (kill["kind"], kill["replica"], kill["step"], kill["phase"]) == ("kill", 1, 0, "compute"), kill
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert events.index(kill) < events.index(restart), restart
+    assert not [e for e in events[:events.index(restart)] if e["event"] in ("step", "snapshot")]
     assert len(restored(events, "scratch")) >= 4

@@ -16,14 +16,16 @@ BEYOND_RUNTIME: dict[str, str] = {
     # the runtime runs TP inside pipeline stages, rank = stage x tp + TP index, as the simulator's groups;
     # and so did their snapshots and DCP checkpoints: tests/runtime/test_pp_tp_persist.py)
     # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
-    # declares a group Slow or Healthy again (executing keep or reweight) and when a group of 2 pipeline
+    # declares a group Slow or Healthy again (executing keep or reweight, and under --run.quotas=drop
+    # dropping a Slow group: parked for good, tests/runtime/test_slow_pp.py) and when a group of 2 pipeline
     # stages or 2 TP ranks, or a TP x PP group, loses a rank (executing drop or shrink onto one survivor,
     # and growing back)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
                   "re-forming several survivors into a smaller multi-rank plan, moving layers off a slow "
-                  "stage, dropping a slow group off the step (the runtime executes keep and reweight for a "
-                  "slow group; for a group that lost a rank, drop or shrink onto one survivor, and grow back "
-                  "tested for groups of 2 ranks), "
+                  "stage, taking a group dropped for slowness back onto the step once it recovers (the "
+                  "runtime executes keep and reweight for a slow group, and under --run.quotas=drop drops it "
+                  "for good: a parked group computes nothing, so nothing measures it back; for a group that "
+                  "lost a rank, drop or shrink onto one survivor, and grow back tested for groups of 2 ranks), "
                   "with the slow rank inside a group located exactly (the runtime's detector times a group by "
                   "its slowest stage)",
     "hosts": "many hosts (the runtime's cluster path, one torchrun job per host, is tested on one machine)",
