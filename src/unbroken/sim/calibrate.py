@@ -153,12 +153,11 @@ def _stretch(recs: list[dict[str, Any]], spec: tuple[Fault, ...]) -> dict[str, f
     for f in spec:
         if f.kind != "slow":
             continue
-        mine = [(r["step"], r.get("wall", r["seconds"])) for r in recs if r["event"] == "compute"
-                and r["replica"] == f.replica]
-        before = [w for s, w in mine if 1 <= s < f.start]
-        during = [w for s, w in mine if f.slows(f.replica, s)]
+        before = _own_speed(recs, f.replica, f.start)
+        during = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute"
+                  and f.slows(r["replica"], r["step"])]
         if before and during:
-            ratios.setdefault(f.how, []).append(statistics.median(during) / statistics.median(before) / f.factor)
+            ratios.setdefault(f.how, []).append(statistics.median(during) / before / f.factor)
     return {how: statistics.median(r) for how, r in ratios.items()}
 
 
