@@ -60,24 +60,25 @@ def test_spin_is_seen_on_the_device_clock_sleep_only_on_the_wall_clock(tmp_path)
 
 
 def test_spin_stretches_to_factor_times_the_unslowed_spans_not_the_slowed_compute(tmp_path):
-    """A slowed span whose own compute ran slower than the replica's unslowed ones (on a CPU the spin
-    evicts the caches the next microbatch refills) ends at F x the unslowed time for its tokens: 3 x
-    0.02 s, not 3 x its own 0.035 s (the old rule's 0.105 s)."""
+    """A slowed span whose own compute ran slower than the replica's unslowed ones of the same work (on a
+    CPU the spin evicts the caches the next microbatch refills) ends at F x the unslowed time: 3 x
+    0.02 s, not 3 x its own 0.035 s (the old rule's 0.105 s); work of a shape never seen unslowed is
+    stretched to F x its own time."""
     log = EventLog(tmp_path / "events.jsonl", who="test")
     clock = DeviceClock(torch.device("cpu"), threads=1)
     inj = Injector(parse("slow:replica=0,from=3,factor=3,how=spin", 1, 5), 0, log)
     for step in range(3):  # unslowed: 0.02 s for 100 tokens each
         span = clock.start()
         busy(0.02)
-        inj.stretch(step, span, 100)
+        inj.stretch(step, span, 100, 800)
         assert span.stop()[0] < 0.03
     span = clock.start()
     busy(0.035)  # this microbatch's own compute, slower than the unslowed ones
-    inj.stretch(3, span, 100)
+    inj.stretch(3, span, 100, 800)
     assert 0.058 <= span.stop()[0] < 0.08
     span = clock.start()
-    busy(0.01)  # half the tokens: half the unslowed time, stretched 3x
-    inj.stretch(4, span, 50)
+    busy(0.01)  # a shape never seen unslowed: 3x its own time
+    inj.stretch(4, span, 50, 400)
     assert 0.029 <= span.stop()[0] < 0.045
 
 

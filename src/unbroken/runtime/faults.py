@@ -3,8 +3,8 @@
 Owns: firing the faults of `faultspec` that target this replica. kill = SIGKILL of this process; hang =
 SIGSTOP of this process, with a detached `sh` that sends SIGCONT after `for` seconds (so the zombie path
 runs for real); slow = stretch each microbatch's compute by `factor`: how=spin burns device time (CPU time on a CPU) in
-the computing thread until the span has spent `factor` x what the replica's unslowed spans spent for as
-many tokens, as a throttled device; how=sleep sleeps (factor-1) x its wall time, which only wall clocks see. Does not own: detection —
+the computing thread until the span has spent `factor` x what the replica's unslowed spans of the same
+work spent (else `factor` x its own time), as a throttled device; how=sleep sleeps (factor-1) x its wall time, which only wall clocks see. Does not own: detection —
 nothing here is visible to the coordinator or the detector except through time and signals.
 """
 from __future__ import annotations
@@ -40,9 +40,10 @@ class Injector:
         self.tag = {"rank": rank} if rank else {}
         self.pending = [f for f in ours if f.kind in ("kill", "hang", "tear")]
         self.slow = [f for f in ours if f.kind == "slow"]
-        # device seconds per token of this replica's last unslowed spans: what a slowed span is stretched
-        # against (kept only where a slow fault targets this process: on a GPU reading it synchronizes)
-        self.per_token: deque[float] = deque(maxlen=16)
+        # device seconds of this replica's last unslowed spans, per shape of work (tokens, sum of squared
+        # sequence lengths): what a slowed span of the same shape is stretched against (kept only where a
+        # slow fault targets this process: on a GPU reading it synchronizes)
+        self.unslowed: dict[tuple[int, int], deque[float]] = {}
 
     def at(self, step: int, phase: str) -> None:
         """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
@@ -64,32 +65,34 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGSTOP)
                 self.log.emit("woke", replica=self.me, step=step, phase=phase)
 
-    def stretch(self, step: int, span: Span, tokens: int = 0) -> None:
-        """After a microbatch's compute (`tokens` of them; several microbatches for a pipeline schedule),
-        still inside its timed `span`: make it F times as long as it would be unslowed. Call once per span.
+    def stretch(self, step: int, span: Span, tokens: int = 0, sumsq: int = 0) -> None:
+        """After a microbatch's compute (`tokens` tokens whose sequence lengths' squares sum to `sumsq`;
+        several microbatches for a pipeline schedule), still inside its timed `span`: make it F times as
+        long as it would be unslowed. Call once per span.
 
         how=spin burns device time on the span's own clock (devicetime.py) until the span has spent F x
-        the replica's unslowed device time for as many tokens (the median per token over its last 16
-        unslowed spans; without any yet, F x the span's own time so far): more CPU time in the computing
-        thread, as a core throttled by F would need, so the detector sees it, and under contention it also
-        takes longer in wall time, as real slow work would. Why against the unslowed spans and not (F-1) x
-        this span's own compute: on a CPU the spin itself slows the next microbatch's kernels (its
-        caches are refilled after each spin; measured here: a factor-2 episode took 2.26x and a factor-3
-        one 3.78x the unslowed compute under the old rule, an overshoot that grew with F), so the
-        slowed compute is not the unslowed one, and F x it is not what a device F times slower takes.
+        the replica's unslowed device time for work of the same shape (the median of its last 16 unslowed
+        spans of these tokens and sumsq); where it has seen no such span (variable-length sequences
+        rarely repeat a shape), F x the span's own time so far. More CPU time in the computing thread, as
+        a core throttled by F would need, so the detector sees it, and under contention it also takes
+        longer in wall time, as real slow work would. Why against the unslowed spans where it can: on a
+        CPU the spin itself slows the next microbatch's kernels (its caches are refilled after each
+        spin; measured here: a factor-2 episode took 2.26x and a factor-3 one 3.35-3.78x the unslowed
+        compute under the own-time rule, an overshoot that grew with F), so the slowed compute is not
+        the unslowed one, and F x it is not what a device F times slower takes.
         how=sleep sleeps (F-1) x the span's wall time: wall time only, which the detector does not read (it
         emulates a host-side stall, e.g. a slow data loader, not a slow device)."""
         if not self.slow:
             return
         slowing = [f for f in self.slow if f.slows(self.me, step)]
+        seen = self.unslowed.get((tokens, sumsq))
         if not slowing:
             if tokens > 0:
-                self.per_token.append(span.so_far() / tokens)
+                self.unslowed.setdefault((tokens, sumsq), deque(maxlen=16)).append(span.so_far())
             return
         worst = max(slowing, key=lambda f: f.factor)
         if worst.how == "spin":
-            unslowed = statistics.median(self.per_token) * tokens if self.per_token and tokens > 0 \
-                else span.so_far()
+            unslowed = statistics.median(seen) if seen else span.so_far()
             span.burn(worst.factor * unslowed - span.so_far())
         else:
             time.sleep(max(0.0, (time.perf_counter() - span.wall0) * (worst.factor - 1.0)))

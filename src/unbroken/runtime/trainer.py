@@ -344,7 +344,7 @@ class Trainer:
             loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, work.tokens)
             loss.backward()
             work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the record sums ranks' shares
-            self.faults.stretch(step, span, mb.tokens)
+            self.faults.stretch(step, span, mb.tokens, mb.sumsq)
             seconds, wall = span.stop()
             work.timings[i] = (mb.tokens, mb.sumsq, seconds)
             self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
@@ -371,7 +371,7 @@ class Trainer:
         span = self.clock.start()
         for loss in self.stages.run(mbs, [loss_weight(mb.tokens, work.tokens) for mb in mbs], before, after):
             work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the last stage's, in order
-        self.faults.stretch(step, span, sum(mb.tokens for mb in mbs))
+        self.faults.stretch(step, span, sum(mb.tokens for mb in mbs), sum(mb.sumsq for mb in mbs))
         seconds, wall = span.stop()
         # The group's time is its slowest stage's: a stage waiting on a slow peer's send blocks without
         # spending device time, so rank 0's own clock (the one in the done record) would never show a slow
