@@ -66,7 +66,7 @@ def main() -> None:
     add_pipeline_args(ap)
     args = ap.parse_args()
     t0 = time.time()
-    base = pipeline_base(args, f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=spin")
+    base = pipeline_base(args, f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=throttle")
     modes = {"reweight": {"quotas": "speed"}, "drop": {"quotas": "drop"}, "equal": {"quotas": "equal"}}
     got = alternate(args.rounds, modes, base, "slow pp", measure, lambda rnd, mode, m: (
         f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}): scheduler chose {m['decision']} at "

@@ -3,7 +3,7 @@
 Owns: running both quota policies and a failure-free run alternately through unbroken's own launcher on
 real processes, reading each run's throughput from its event log, and the ideal it is measured against.
 Does not own: detection (the coordinator's detector decides the speeds from measured device times; it
-never sees the fault spec) or the slowness injection (runtime/faults.py, how=spin: the slow replica
+never sees the fault spec) or the slowness injection (runtime/faults.py, how=throttle: the slow replica
 burns CPU time in its computing thread until each microbatch has taken `factor` x its own unslowed
 ones, as a core throttled by `factor`).
 
@@ -126,7 +126,7 @@ def main() -> None:
         console.print(f"M = {args.microbatches}: quotas cannot match speeds {speeds} exactly; "
                       f"rounding costs some of the ideal")
     base = dict(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
-                faults=f"slow:replica={slow},from=0,factor={args.factor:g},how=spin",
+                faults=f"slow:replica={slow},from=0,factor={args.factor:g},how=throttle",
                 model__n_layer=args.n_layer, model__n_embd=args.n_embd, model__block_size=args.seq_len,
                 data__batch_size=args.batch_size, data__seq_len=str(args.seq_len))
     modes = ("speed", "equal", "none")  # none: the failure-free run the ideal is scaled from

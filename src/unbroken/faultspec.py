@@ -5,7 +5,8 @@
     kill:replica=1,step=10,phase=allreduce      SIGKILL the replica's process at that point
     hang:replica=2,step=14,phase=compute,for=8  SIGSTOP it there, SIGCONT after `for` seconds
     slow:replica=0,from=5,factor=2[,to=9][,how=spin]   stretch each microbatch's compute by `factor`
-                                                (how=sleep, the default, or spin: burn the CPU meanwhile)
+                                                (how=sleep, the default; spin: burn the CPU meanwhile;
+                                                throttle: burn it to F x the unslowed time of the same work)
     node:node=1,step=12                         lose node 1 (its snapshot agent, its memory, its trainers)
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
@@ -42,7 +43,7 @@ class Fault:
     start: int = 0  # slow: first slowed step
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
     node: int | None = None
-    how: str = "sleep"  # slow: how the stretch passes, "sleep" or "spin" (see README)
+    how: str = "sleep"  # slow: how the stretch passes, "sleep", "spin" or "throttle" (see README)
     rank: int = 0  # kill, hang, slow: which rank of the replica group
 
     def slows(self, replica: int, step: int) -> bool:
@@ -144,8 +145,8 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, 
     if "to" in kv:
         f["stop"] = _int(kv, "to", part, 0, steps + 1)
     if "how" in kv:
-        if kv["how"] not in ("sleep", "spin"):
-            raise FaultSpecError(f"how={kv['how']!r} is neither sleep nor spin in {part!r}")
+        if kv["how"] not in ("sleep", "spin", "throttle"):
+            raise FaultSpecError(f"how={kv['how']!r} is not sleep, spin or throttle in {part!r}")
         f["how"] = kv["how"]
     return Fault(**f)
 

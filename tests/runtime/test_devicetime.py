@@ -66,7 +66,7 @@ def test_spin_stretches_to_factor_times_the_unslowed_spans_not_the_slowed_comput
     stretched to F x its own time."""
     log = EventLog(tmp_path / "events.jsonl", who="test")
     clock = DeviceClock(torch.device("cpu"), threads=1)
-    inj = Injector(parse("slow:replica=0,from=3,factor=3,how=spin", 1, 5), 0, log)
+    inj = Injector(parse("slow:replica=0,from=3,factor=3,how=throttle", 1, 5), 0, log)
     for step in range(3):  # unslowed: 0.02 s for 100 tokens each
         span = clock.start()
         busy(0.02)

@@ -1,7 +1,7 @@
 """The simulator, calibrated on one real run, predicts what another real run's faults cost within 15%.
 
-Calibration run: 2 replicas, 10 steps, replica 0 twice as slow in steps 5-7 (how=spin). Predicted run:
-replica 1 three times slower from step 5 to the end (how=spin: it keeps burning its share of the CPU, as
+Calibration run: 2 replicas, 10 steps, replica 0 twice as slow in steps 5-7 (how=throttle). Predicted run:
+replica 1 three times slower from step 5 to the end (how=throttle: it keeps burning its share of the CPU, as
 a throttled device would, until each span has taken 3x what its own unslowed spans took). The
 calibration's episode measures how far the injected slowness misses its factor (`_stretch`: ~1.0 now).
 sim/calibrate.predict_other reads the costs (a step's split into microbatch compute and sync) off the
@@ -60,8 +60,8 @@ def within(p) -> None:
 @pytest.mark.alone
 @pytest.mark.timeout(250)
 def test_calibrated_on_one_run_predicts_another_with_a_slow_replica(tmp_path):
-    train(tmp_path / "cal", 10, "slow:replica=0,from=5,to=8,factor=2,how=spin")
-    train(tmp_path / "target", 14, "slow:replica=1,from=5,factor=3,how=spin")
+    train(tmp_path / "cal", 10, "slow:replica=0,from=5,to=8,factor=2,how=throttle")
+    train(tmp_path / "target", 14, "slow:replica=1,from=5,factor=3,how=throttle")
     events = read_events(tmp_path / "target")
     mine = [e for e in events if e["event"] == "compute" and e["replica"] == 1]
     slowed = statistics.median(e["seconds"] for e in mine if e["step"] >= 5)
