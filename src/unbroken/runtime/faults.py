@@ -42,8 +42,9 @@ class Injector:
         self.slow = [f for f in ours if f.kind == "slow"]
         # device seconds of this replica's last unslowed spans, per shape of work (tokens, sum of squared
         # sequence lengths): what a slowed span of the same shape is stretched against (kept only where a
-        # slow fault targets this process: on a GPU reading it synchronizes)
+        # how=throttle fault targets this process: on a GPU reading it synchronizes)
         self.unslowed: dict[tuple[int, int], deque[float]] = {}
+        self.aims = any(f.how == "throttle" for f in self.slow)  # only throttle reads them
 
     def at(self, step: int, phase: str) -> None:
         """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
@@ -88,13 +89,13 @@ class Injector:
         if not self.slow:
             return
         slowing = [f for f in self.slow if f.slows(self.me, step)]
-        seen = self.unslowed.get((tokens, sumsq))
         if not slowing:
-            if tokens > 0:
+            if tokens > 0 and self.aims:
                 self.unslowed.setdefault((tokens, sumsq), deque(maxlen=16)).append(span.so_far())
             return
         worst = max(slowing, key=lambda f: f.factor)
         if worst.how == "throttle":
+            seen = self.unslowed.get((tokens, sumsq))
             unslowed = statistics.median(seen) if seen else span.so_far()
             span.burn(worst.factor * unslowed - span.so_far())
         elif worst.how == "spin":
