@@ -133,6 +133,10 @@ class ParallelConfig:
     # local launcher, on_rank_loss=replan: seconds after a rank's torchrun agent ended before a replacement
     # agent starts for it (a spare host arriving: the group re-forms at its full plan); < 0: never
     replace_after: float = -1.0
+    # where each rank computes: "auto" (CUDA where its process sees a GPU, else CPU), "cpu" or "cuda". On a
+    # GPU a group's ranks talk over NCCL (gloo for the step protocol's CPU tensors); the cross-group
+    # fault-tolerant all-reduce stays on gloo (runtime/parallel/device.py says why). Not yet run on a GPU.
+    device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,7 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.reform_seconds >= 0, f"parallel.reform_seconds={p.reform_seconds}: must be >= 0"),
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
+        (p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: expected auto, cpu or cuda"),
         (p.on_rank_loss in ("drop", "replan"), f"parallel.on_rank_loss={p.on_rank_loss!r}: expected drop or replan"),
         (p.on_rank_loss == "drop" or (g >= 2 and pp * tp == g),
          f"parallel.on_rank_loss=replan with parallel.group_size={g}, pp={pp}, tp={tp}: re-planning at run time "

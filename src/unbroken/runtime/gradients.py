@@ -46,7 +46,8 @@ class Accumulator:
         self._slot = {id(p): i for i, p in enumerate(params)}
         self.sizes = [local(p).numel() for p in params]  # this rank's shard of each (all of it in DP)
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]  # each one's start in `buffer`
-        self.buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype)
+        # on the parameters' device: gradients are added in place, and a step's reduction reads it there
+        self.buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype, device=local(params[0]).device if params else None)
         # When the buffer has the parameters' dtype (float32 mode), each `.grad` *is* a view of it, as
         # DDP's gradient_as_bucket_view: backward accumulates in place (AccumulateGrad adds into a
         # defined grad: 0 + g1 + g2 ..., the same float32 sums as copying), so nothing is copied.
@@ -114,7 +115,7 @@ class Accumulator:
         elif self.sharded:
             # One float32 copy into kept DTensor gradients: building 28 DTensors a step cost ~2 ms.
             if self._grads is None:
-                self._flat = torch.empty(self.buffer.numel(), dtype=self.params[0].dtype)
+                self._flat = torch.empty(self.buffer.numel(), dtype=self.params[0].dtype, device=self.buffer.device)
                 self._grads = [self._as_grad(p, view) for p, view in zip(self.params, self._split(self._flat))]
             self._flat.copy_(reduced)
             for p, g in zip(self.params, self._grads):
@@ -140,8 +141,8 @@ def _chunks(params: list[nn.Parameter]):
     cost ~3 us of dispatch each, ~0.1 ms a digest for 28 parameters, more than xxh3 takes to hash them.)"""
     for p in params:
         t = local(p).detach()
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            t = t.to(torch.float32).contiguous()
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            t = t.to("cpu", torch.float32).contiguous()  # a GPU's parameters are hashed from a host copy
         yield t.numpy()  # C-contiguous: the hashes read its buffer as bytes
 
 

@@ -48,7 +48,7 @@ from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, E
 from unbroken.runtime.control.coordination import Coordination, Decision, GroupLost, Plan, lost_rank
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
-from unbroken.runtime.gradients import Accumulator, param_digest, quick_param_digest, unique_parameters
+from unbroken.runtime.gradients import Accumulator, local, param_digest, quick_param_digest, unique_parameters
 from unbroken.runtime.parallel.parallelize import reduced_shards
 from unbroken.runtime.parallel.pipeline import Stages
 from unbroken.runtime.parallel.standin import StandIn
@@ -97,7 +97,8 @@ class Trainer:
         if self.standin:
             self.tag["shards"] = list(self.holds)
         self.params = unique_parameters(self.model)
-        self.clock = DeviceClock(self.params[0].device, cfg.run.threads)
+        self.device = local(self.params[0]).device  # where microbatches go (worker.build put the model there)
+        self.clock = DeviceClock(self.device, cfg.run.threads)
         dtype = torch.float64 if cfg.run.exact else torch.float32
         # A group's ranks under --exact take the float64 reduce-scatter output itself (FSDP2 would round
         # it to float32 in .grad): summed over a step's batches, rounded once, as one-rank groups do.
@@ -341,7 +342,7 @@ class Trainer:
             seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
             if self.standin:
                 self.standin.seed = mix(self.cfg.run.seed, step, i)  # and per stage, as a pipeline seeds it
-            loss = self.model(mb.x, mb.y) * loss_weight(mb.tokens, work.tokens)
+            loss = self.model(mb.x.to(self.device), mb.y.to(self.device)) * loss_weight(mb.tokens, work.tokens)
             loss.backward()
             work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the record sums ranks' shares
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)

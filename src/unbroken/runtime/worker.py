@@ -33,9 +33,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from torch.distributed import DistStoreError, PrefixStore
 
 from unbroken.config import Config, ConfigError, store_url_problem
@@ -53,6 +54,7 @@ from unbroken.runtime.persist.state import materialize
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.collectives import keep
+from unbroken.runtime.parallel.device import backend, bind, nccl_environment, resolve
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.trainer import Parts, Trainer
@@ -85,6 +87,7 @@ class Placement:
     generation: int
     resume: str  # memory | disk | scratch after a whole-job restart; "" for a fresh start
     run_id: str
+    device: str = "cpu"  # this rank's torch device, bound (device.bind) once at start-up: "cuda:1"
 
 
 def answers(address: str, timeout_s: float) -> None:
@@ -153,16 +156,19 @@ def default_factories() -> Factories:
                      optimizer=optimizer)
 
 
-def build(cfg: Config, factories: Factories, who: Identity, group) -> Parts:
-    """The model (as this rank holds it), data and optimizer over the replica group's own process group
-    (`intra_group`; None for one-rank groups). The thread count is the same on every replica, so kernels
-    sum in the same order; the seed makes the initial parameters identical."""
+def build(cfg: Config, factories: Factories, who: Identity, group, device=None) -> Parts:
+    """The model (as this rank holds it, on `device`: CPU when None), data and optimizer over the replica
+    group's own process group (`intra_group`; None for one-rank groups). The thread count is the same on
+    every replica, so kernels sum in the same order; the seed makes the initial parameters identical."""
     import torch
 
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
+    device = torch.device("cpu") if device is None else device
     shape = (cfg.data.batch_size, int(cfg.data.seq_len)) if cfg.parallel.pp > 1 else None  # config: a number
-    model, stages = parallelize(factories.model(cfg), cfg.topology(), group, cfg.run.exact, who.rank, shape)
+    # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
+    model, stages = parallelize(factories.model(cfg).to(device), cfg.topology(), group, cfg.run.exact, who.rank,
+                                shape, device)
     data = factories.data(cfg)
     return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group, stages)
 
@@ -176,6 +182,10 @@ def run(factories: Factories) -> int:
         who = Identity.from_env(os.environ, where.cfg.topology())
         if not 0 <= who.group < where.cfg.run.replicas:
             raise ConfigError(f"--group {who.group}: the run has replica groups 0..{where.cfg.run.replicas - 1}")
+        device = bind(resolve(where.cfg.parallel.device), os.environ)  # before any group or CUDA tensor
+        if device.type == "cuda":
+            nccl_environment(os.environ)
+        where = replace(where, device=str(device))
     except (ConfigError, TopologyError) as e:
         print(f"unbroken: error: {e}", file=sys.stderr)
         return 2
@@ -226,7 +236,9 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
                         host=cfg.parallel.on_rank_loss == "replan" and cfg.run.restarts == 0
                         and "TORCHELASTIC_RUN_ID" in os.environ)
     try:
-        group = None if shrinking else intra_group(who.group_size, cfg.coord.collective_timeout)
+        device = torch.device(where.device)
+        group = None if shrinking else intra_group(who.group_size, cfg.coord.collective_timeout,
+                                                   backend=backend(device), device=device)
         joining, nonce = agree(group, joining, restart, me)
         if joining and not shrinking and who.rank == 0 and not coord.is_dead():
             # torchrun stopped every process of this group before it started us: the coordinator need not
@@ -234,7 +246,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             coord.leave("its ranks were restarted by torchrun")
         if not joining:
             heartbeat.start()
-        parts = build_standin(cfg, factories) if shrinking else build(cfg, factories, who, group)
+        parts = build_standin(cfg, factories, device) if shrinking else build(cfg, factories, who, group, device)
         mine = signature(cfg, parts)
         if who.rank == 0 and not shrinking and coord.claim_signature(mine) != mine:
             raise ConfigError(f"replica group {me}'s config or model differs from the run's (signature "
@@ -311,13 +323,13 @@ def stale_parameters() -> dict[str, int]:
     return {"parameters": len(live), "elements": sum(p.numel() for p in live)}
 
 
-def build_standin(cfg: Config, factories: Factories) -> Parts:
+def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
     """A shrunk group's one rank: the whole model (its state comes from a peer group's ranks by healing, so
     the seed matters only for determinism), every stage's or TP rank's shard index held (standin.py)."""
     import torch
 
     torch.manual_seed(cfg.run.seed)
-    model = factories.model(cfg)
+    model = factories.model(cfg).to(torch.device("cpu") if device is None else device)
     standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp)
     return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
 

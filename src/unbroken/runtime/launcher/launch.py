@@ -240,6 +240,8 @@ def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: i
            "UNBROKEN_RESTORE_MAX": str(recorded),
            # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           # group r's ranks take GPUs r x G + their rank (modulo the GPUs: runtime/parallel/device.py)
+           "UNBROKEN_DEVICE_BASE": str(r * cfg.parallel.group_size),
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
     if cfg.parallel.on_rank_loss == "replan":  # a torchrun agent per rank, as a group spanning hosts
         return _start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env)

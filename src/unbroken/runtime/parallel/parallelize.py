@@ -38,7 +38,8 @@ from unbroken.runtime.parallel.pipeline import Stages, split
 from unbroken.topology import Topology, TopologyError
 
 
-def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = None) -> ProcessGroup | None:
+def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = None, backend: str = "gloo",
+                device: torch.device | None = None) -> ProcessGroup | None:
     """The replica group's own process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), or None for one-rank groups. Call once per process, before `parallelize`.
 
@@ -46,7 +47,9 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     torchrun keeps its agent's store across restarts, and a restarted group that reused the keys of the
     attempt before hung in init_process_group (5 of 6 tries, REFERENCE.md). A membership change (a
     replaced rank's agent joining, parallel.on_rank_loss=replan) restarts workers without counting an
-    attempt: those agents do not share their store, so each round's rank 0 serves a fresh one."""
+    attempt: those agents do not share their store, so each round's rank 0 serves a fresh one.
+    `backend`: device.backend's ("gloo"; on a GPU "cpu:gloo,cuda:nccl"); `device`: the rank's bound GPU,
+    given to NCCL up front (device_id) so that its communicator is on that device, not on GPU 0."""
     if group_size == 1:
         return None
     env = dict(os.environ if env is None else env)
@@ -64,19 +67,21 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     # restarted for a membership change still attempt 0): one prefix, or the two never meet
     restart = 0 if unshared else int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     attempt = PrefixStore(keys.attempt_prefix(restart, env.get("TORCHELASTIC_RUN_ID", "")), store)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    gpu = device if device is not None and device.type == "cuda" else None
     dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                            timeout=timeout)
+                            timeout=timeout, device_id=gpu)
     return dist.group.WORLD
 
 
 def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
-                rank: int = 0, shape: tuple[int, int] | None = None) -> tuple[nn.Module, Stages | None]:
+                rank: int = 0, shape: tuple[int, int] | None = None,
+                device: torch.device | None = None) -> tuple[nn.Module, Stages | None]:
     """(The module this rank trains, its pipeline stage or None). Call once, after the model's construction
     (seeded: identical on every rank) and before building the optimizer over the module's parameters.
     `group` is the replica group's own process group (`intra_group`; None for one-rank groups); `rank`
     this rank's index in it; `shape` (rows, tokens) of every microbatch, needed when topology.pp > 1 (the
-    stages pass activations of one static shape). Raises TopologyError for a layout it cannot apply."""
+    stages pass activations of one static shape); `device` the rank's (the model already on it; CPU when
+    None). Raises TopologyError for a layout it cannot apply."""
     if topology.group_size == 1:
         return model, None
     if group is None or group.size() != topology.group_size:
@@ -84,7 +89,7 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu") if device is None else device
     if topology.pp > 1:
         if topology.dp_shard > 1 or shape is None:
             raise TopologyError(f"pp={topology.pp}: pipeline stages with FSDP2 inside them are not built (group_size "
@@ -98,10 +103,10 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             # torchtitan's (pp, tp) mesh over the group, TP innermost (topology.coords): each stage's tp
             # ranks split its blocks, and stage s's TP rank t sends to stage s+1's TP rank t over the
             # "pp" dimension's group. Every rank creates every sub-group, in the same order.
-            mesh = init_device_mesh(device, (topology.pp, topology.tp), mesh_dim_names=("pp", "tp"))
+            mesh = init_device_mesh(device.type, (topology.pp, topology.tp), mesh_dim_names=("pp", "tp"))
             model, pipe = _tensor_parallel(model, mesh["tp"], topology.tp), mesh.get_group("pp")
-        return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss)
-    mesh = DeviceMesh.from_group(group, device)
+        return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device)
+    mesh = DeviceMesh.from_group(group, device.type)
     if topology.tp > 1:
         if topology.dp_shard > 1:
             raise TopologyError(f"tp={topology.tp}: only a group of tensor-parallel ranks alone (group_size = tp) "

@@ -107,15 +107,16 @@ class Stages:
 
     def __init__(self, model: nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
                  tied: Tied, shape: tuple[int, int], width: int, vocab: int,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | None = None):
         """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
-        `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss."""
+        `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss; `device`:
+        the rank's (the model already on it; CPU when None)."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group
         self.first, self.last = stage == 0, stage == stages - 1
         B, T = shape
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.device = torch.device("cpu") if device is None else device
         # Shapes given up front: the stage's metadata is static, so no schedule ever runs an inference
         # forward/backward of its own (it would call the loss and touch .grad outside our accounting).
         # Hidden states carry gradients (requires_grad: the stage derives the gradients' buffers from it).
@@ -160,9 +161,10 @@ class Stages:
         self._stash = {id(p): [] for p, _ in self.tied if p is not None}
         losses: list[torch.Tensor] = []
         if self.first:
-            self._schedule.step(torch.cat([mb.x for mb in microbatches]), return_outputs=False)
+            self._schedule.step(torch.cat([mb.x for mb in microbatches]).to(self.device), return_outputs=False)
         elif self.last:
-            self._schedule.step(target=torch.cat([mb.y for mb in microbatches]), losses=losses, return_outputs=False)
+            self._schedule.step(target=torch.cat([mb.y for mb in microbatches]).to(self.device), losses=losses,
+                                return_outputs=False)
         else:
             self._schedule.step(return_outputs=False)
         if self._forwards != n or (self.last and self._losses != n):
@@ -209,7 +211,7 @@ class Stages:
 
     def _sum_tied(self, n: int) -> None:
         for p, shape in self.tied:
-            parts = torch.stack(self._stash[id(p)]) if p is not None else torch.zeros(n, *shape)
+            parts = torch.stack(self._stash[id(p)]) if p is not None else torch.zeros(n, *shape, device=self.device)
             if parts.shape[0] != n:
                 raise RuntimeError(f"pipeline stage {self.index}: {parts.shape[0]} gradients of a tied weight "
                                    f"for {n} microbatches")

@@ -68,7 +68,7 @@ def _sliced(param: nn.Parameter, dim: int, index: torch.Tensor | None) -> Slice:
         return Slice(param, ghost=param)
     shape = list(param.shape)
     shape[dim] = len(index)
-    return Slice(param, dim, index, torch.empty(shape, dtype=param.dtype))
+    return Slice(param, dim, index.to(param.device), torch.empty(shape, dtype=param.dtype, device=param.device))
 
 
 def pipeline_layout(model: nn.Module, stages: int) -> list[list[Slice]]:

@@ -95,7 +95,8 @@ def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
     t0 = time.perf_counter()
     pg = forming.get(gone)
     params, tensors, _ = shard() if shard else _whole(model, optimizer)
-    flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+    # on the host: the heal group is gloo, and AdamW's `step` is a CPU scalar beside a GPU's CUDA moments
+    flat = torch.cat([t.reshape(-1).to("cpu", torch.float32) for t in tensors])
     digest = torch.tensor(list(bytes.fromhex(quick_param_digest(params))), dtype=torch.uint8)
     pg.barrier().wait()  # the group formed on both sides: what follows is the transfer
     t1 = time.perf_counter()
