@@ -18,7 +18,11 @@ BASE = ["--replicas", "4", "--steps", "12", "--microbatches", "8", "--exact", "-
 
 
 def unbroken(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run the `unbroken` CLI as a user would, in a fresh process."""
+    """Run the `unbroken` CLI as a user would, in a fresh process. A run's ranks compute on the CPU unless
+    the test names a device: the suite's groups are several gloo ranks a host, which on a GPU machine
+    would share its one GPU under NCCL (refused); the `gpu` tests ask for CUDA."""
+    if args and args[0] in ("train", "coordinator") and not any(a.startswith("--parallel.device") for a in args):
+        args = (*args, "--parallel.device=cpu")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "unbroken.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -1,4 +1,4 @@
-"""Fault-tolerant cross-replica collectives: one real gloo (or NCCL) group per membership epoch.
+"""Fault-tolerant cross-replica collectives: one real gloo group per membership epoch.
 
 Owns: forming the epoch's group on a fresh store prefix, running an all-reduce on a *copy* of the caller's
 buffer, and turning a dead peer, a timeout or a membership change into a typed outcome instead of a hang.
@@ -10,6 +10,12 @@ not free a blocked all-reduce. So formation and the collective run asynchronousl
 thread, which releases the GIL; the collective as async Work), the caller waits on them while watching
 the membership epoch, and abandons both when the epoch moves. Abandoned groups keep their threads and sockets;
 we hold references so their destructors never run mid-operation; the process exits with os._exit.
+
+Gloo on a GPU too (it reduces CUDA tensors staged through host memory): an NCCL communicator forms lazily
+inside its first collective, so it could not be formed off the step's path as here, its work completes
+on the host before the GPU has run it, so an abandoned one is not free, and a peer's death needs the
+communicator aborted. An NCCL cross-group reduction would need all three handled (torchft's
+ProcessGroupBabyNCCL runs it in a subprocess for that reason); it is not built.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ class EpochGroup:
     """
 
     def __init__(self, store: Store, epoch: int, members: tuple[int, ...], me: int, timeout_s: float,
-                 backend: str = "gloo", shard: int = 0):
+                 shard: int = 0):
         self.epoch, self.members, self.me = epoch, members, me
         self.rank = members.index(me)
         self._pg: dist.ProcessGroup | None = None
@@ -57,12 +63,7 @@ class EpochGroup:
 
         def form() -> None:
             try:
-                if backend == "nccl":
-                    opts = dist.ProcessGroupNCCL.Options()
-                    opts._timeout = timeout
-                    self._pg = dist.ProcessGroupNCCL(prefix, self.rank, len(members), opts)
-                else:
-                    self._pg = dist.ProcessGroupGloo(prefix, self.rank, len(members), timeout)
+                self._pg = dist.ProcessGroupGloo(prefix, self.rank, len(members), timeout)
             except BaseException as e:  # noqa: BLE001 - surfaced to the caller as CollectiveError
                 self._error = e
 
