@@ -184,6 +184,9 @@ def main() -> None:
         console.print(f"steady state (speed quotas, from the step the quotas first matched to the end; the "
                       f"transient left out): device-time critical path {p_steady:.2f} healthy microbatches, "
                       f"of ideal {p_ideal / p_steady:.3f}")
+    else:  # said, rather than a ratio line that silently goes missing
+        console.print("steady state: not reached: in no speed-quota run did the quotas match the speeds before "
+                      "the last step (no `ratio of_ideal_steady_state` line; try more --steps)")
     console.print("per run, wall-clock step in healthy microbatches: " + ", ".join(
         f"{q} {[round(u, 2) for u in units[q]]}" for q in modes))
     console.print(f"wall time {time.time() - t_start:.0f} s")

@@ -18,7 +18,7 @@ from unbroken import report, runplot, runreport
 from unbroken.api import make_config
 from unbroken.config import ConfigError, load, parse_overrides
 from unbroken.status import wide_console
-from unbroken.events import CorruptLog, read_events
+from unbroken.events import read_events
 
 console = Console()
 
@@ -79,10 +79,7 @@ def compare(a: str, b: str, rtol: float | None) -> int:
     for d in (a, b):
         if not (Path(d) / "events.jsonl").is_file():
             raise ConfigError(f"{d!r} is not a run directory (no events.jsonl)")
-    try:
-        cmp = report.compare(a, b, rtol)
-    except CorruptLog as e:
-        raise ConfigError(str(e)) from None
+    cmp = report.compare(a, b, rtol)  # a corrupt log: CorruptLog, a ConfigError (one line, exit 2)
     table = Table(title=f"{a}  vs  {b}")
     for col in ("step", "loss A", "loss B", "digest", f"rtol {rtol}" if rtol is not None else ""):
         table.add_column(col)
@@ -111,12 +108,9 @@ def audit(run: str) -> int:
         raise ConfigError(f"{run!r} has no config.json: cannot tell what the run was meant to do") from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    try:
-        problems = audit_run(run, config)
-        if problems:  # one of them may be that the log holds no run at all: bad input, not a finding
-            report.run_start(read_events(run), run)
-    except CorruptLog as e:
-        raise ConfigError(str(e)) from None
+    problems = audit_run(run, config)  # a corrupt log: CorruptLog, a ConfigError (one line, exit 2)
+    if problems:  # one of them may be that the log holds no run at all: bad input, not a finding
+        report.run_start(read_events(run), run)
     for p in problems:
         print(p)
     print(f"audit: {len(problems)} problems")

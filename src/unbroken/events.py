@@ -103,6 +103,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.config import ConfigError
+
 
 SCHEMA_VERSION = 1
 
@@ -130,8 +132,9 @@ class EventLog:
         os.close(self._fd)
 
 
-class CorruptLog(ValueError):
-    """A line of the log that does not parse and is not a torn last line: the log cannot be trusted."""
+class CorruptLog(ConfigError):
+    """A line of the log that does not parse and is not a torn last line: the log cannot be trusted. A
+    ConfigError: a command given such a log says so in one line and exits 2, as for any bad input."""
 
 
 @dataclass(frozen=True)

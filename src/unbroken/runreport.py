@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.table import Table
 
 from unbroken.config import ConfigError
-from unbroken.events import SCHEMA_VERSION, CorruptLog, read_events
+from unbroken.events import SCHEMA_VERSION, read_events
 from unbroken.runview import Incident, RunView
 
 
@@ -37,10 +37,7 @@ def timeline(run: str | Path, name: str | None = None) -> Timeline:
     if not (path / "events.jsonl").is_file():
         raise ConfigError(f"{str(run)!r} is not a run directory (no events.jsonl)")
     view = RunView()
-    try:
-        view.feed(read_events(path))
-    except CorruptLog as e:  # a line other than a torn last one does not parse: names the file and line
-        raise ConfigError(str(e)) from None
+    view.feed(read_events(path))  # CorruptLog (a ConfigError) names the file and line that does not parse
     if view.t0 is None:
         raise ConfigError(f"{str(run)!r} is not a run directory (its events.jsonl has no run_start)")
     if view.schema > SCHEMA_VERSION:

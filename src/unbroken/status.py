@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from unbroken.config import ConfigError
-from unbroken.events import CorruptLog, read_events
+from unbroken.events import read_events
 from unbroken.runview import RunView
 
 
@@ -39,10 +39,7 @@ def _from_dir(path: Path) -> dict[str, Any]:
     if not (path / "events.jsonl").is_file():
         raise ConfigError(f"{str(path)!r} is not a run directory (no events.jsonl)")
     view = RunView(history=False)
-    try:
-        view.feed(read_events(path))
-    except CorruptLog as e:  # a line other than a torn last one does not parse: names the file and line
-        raise ConfigError(str(e)) from None
+    view.feed(read_events(path))  # CorruptLog (a ConfigError) names the file and line that does not parse
     if view.t0 is None:
         raise ConfigError(f"{str(path)!r} is not a run directory (its events.jsonl has no run_start)")
     view.checkpoint_step = _checkpoint_step(path, view.run_id)
