@@ -83,14 +83,25 @@ def test_kill_prediction_where_each_replica_has_a_core(tmp_path):
         events = read_events(tmp_path / run)
         kill = next(e for e in events if e["event"] == "fault")
         assert [e["replica"] for e in events if e["event"] == "member_dead"] == [kill["replica"]]
-    # The premise, where the prediction uses it: the target's survivor computes after the kill as fast as
-    # it did before it (the calibration's costs are read before its kill, or are detection and re-forming).
-    own = [(e["step"], e.get("wall", e["seconds"])) for e in events if e["event"] == "compute" and e["replica"] == 1]
-    before = statistics.median(w for s, w in own if 1 <= s < kill["step"])
-    after = statistics.median(w for s, w in own if s > kill["step"])
-    if not 0.8 * before <= after <= 1.25 * before:  # either way: a core freed, or a neighbour's load
-        pytest.skip(f"the survivor's microbatch compute moved from {1e3 * before:.1f} ms beside its peer to "
-                    f"{1e3 * after:.1f} ms alone: this host does not give each replica a core of its own, "
-                    f"at a constant speed (the simulator's premise)")
+    # The premise, where the prediction uses it: the target's survivor computes alone after the kill at the
+    # speed it had beside its peer (the prediction takes that speed, the median before the kill; the
+    # calibration's costs are read before its kill, or are detection and re-forming). Checked step by step
+    # after the kill: in CI (c29bef6) the survivor's medians over the run's halves held within the band
+    # while it sped from ~33 ms to ~22 ms a microbatch at step 14 of 18 (a neighbour's load gone), and the
+    # prediction, made at the speed before, was 28% off.
+    own: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "compute" and e["replica"] == 1 and e["step"] >= 1 and e["step"] != kill["step"]:
+            own.setdefault(e["step"], []).append(e.get("wall", e["seconds"]))
+    before = statistics.median(w for s, ws in own.items() if s < kill["step"] for w in ws)
+    after = [s for s in own if s > kill["step"]]
+    moved = {s: round(statistics.median(own[s]) / before, 2) for s in sorted(after)
+             if not 0.8 <= statistics.median(own[s]) / before <= 1.25}  # either way: a core freed, or a neighbour's load
+    # a step or two off moves the run's time by a few percent; a shift that lasts (4 of 9 steps in that CI
+    # run) moves the prediction's premise
+    if len(moved) > len(after) // 4:
+        pytest.skip(f"the survivor's microbatch compute moved from {1e3 * before:.1f} ms (median before the kill) "
+                    f"after it, at steps {moved} (step: its median over that, of {len(after)} steps): this host "
+                    f"does not give each replica a core of its own at a constant speed (the simulator's premise)")
     p = predict_other(tmp_path / "cal", tmp_path / "target")
     within(p)
