@@ -91,10 +91,18 @@ def slowdown_run(tmp_path) -> None:
     assert fired and others
     # The spin is real CPU work in the computing thread: replica 2's device time per token is ~1.3x its peers'.
     per_token = lambda es: sorted(e["seconds"] / e["tokens"] for e in es)[len(es) // 2]  # noqa: E731
-    assert 1.15 < per_token(fired) / per_token(others) < 1.5, per_token(fired) / per_token(others)
+    ratio = per_token(fired) / per_token(others)
+    if not 1.15 < ratio < 1.5:
+        raise failing(f"the slowed replica's device time per token was {ratio:.2f}x its peers'", events)
     verdicts = [(e["step"], e["replica"], e["new"]) for e in events if e["event"] == "verdict"]
     slow = [s for s, rep, new in verdicts if new == "slow"]
-    assert slow and all(rep == 2 for s, rep, new in verdicts if new == "slow"), verdicts
+    # Through `failing` as the targets below: on a host whose speed moved fleet-wide (regime records) a
+    # healthy replica was declared Slow in CI (at 5ec57e0: replica 1 at step 19, in a run with 0.66x and
+    # 1.36x moves of every replica's device time), where it must fail at once on a steady host.
+    if not slow:
+        raise failing(f"replica 2 never declared slow: {verdicts}", events)
+    if not all(rep == 2 for s, rep, new in verdicts if new == "slow"):
+        raise failing(f"a replica other than the slowed one declared slow: {verdicts}", events)
     # By design a sustained 1.3x reaches Slow on its 3rd step (CUSUM 3 x (0.26 - 0.077) = 0.55 >= 0.45);
     # step-to-step noise of device time (replica-step log-sd ~0.05 here) makes it later at times: the 4th
     # in 1 of 4 runs on a loaded host, the 5th once in a full-suite run. The issue's target (3 steps) is
