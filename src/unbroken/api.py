@@ -49,12 +49,10 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
         if f.kind in ("node", "corrupt", "tear") and not cfg.snapshot.enabled:
             raise ConfigError(f"--faults: {f.kind} needs in-memory snapshots (--snapshot.enabled=true)")
     check_paths(cfg)
-    if cfg.parallel.device == "cuda":
-        import torch  # only then: the CPU path does not pay its import (~2 s) in the launching process
+    if cfg.parallel.device == "cuda":  # only then: the CPU path does not import torch (~2 s) here
+        from unbroken.runtime.parallel.device import resolve
 
-        if not torch.cuda.is_available():
-            raise ConfigError("parallel.device='cuda': no CUDA device is visible here "
-                              "(torch.cuda.is_available() is False)")
+        resolve("cuda")  # ConfigError where this host sees no GPU, as each trainer would say at its start
     return cfg
 
 
