@@ -52,9 +52,19 @@ def measure(records: list[dict]) -> dict:
     return {"wall": sum(tokens.values()) / (steps[last]["t"] - steps[FROM - 1]["t"]),
             "device": sum(tokens.values()) / sum(path.values()), "path": path, "tokens": tokens,
             "steady_from": max(heals) + 1 if heals else None,
+            "measured": next((r for r in records if r["event"] == "group_plan_measured"), None),
             "applied": plans[0]["applied"] if plans else "none (drop)",
             "weight": plans[0]["applied_weight"] if plans else 0.0,
             "last_quotas": "/".join(f"{g}:{len(v)}" for g, v in sorted(steps[last]["owners"].items()))}
+
+
+def against(e: dict | None) -> str:
+    """The coordinator's `group_plan_measured` figures beside their predictions, for a round's line."""
+    if e is None:
+        return ""
+    return (f"; shrink measured against predicted: re-plan {e['measured_replan_seconds']} s vs "
+            f"{e['predicted_replan_seconds']} s, moved {e['moved_bytes']} B vs {e['predicted_moved_bytes']} B, "
+            f"weight {e['measured_weight']} vs {e['predicted_weight']}")
 
 
 def steady(m: dict, first: int) -> float:
@@ -80,7 +90,7 @@ def main() -> None:
     got = alternate(args.rounds, modes, base, "replan", measure, lambda rnd, mode, m: (
         f"round {rnd + 1} {mode:>6}: applied {m['applied']} (weight {m['weight']}), last quotas "
         f"{m['last_quotas']}; {m['wall']:.0f} committed tokens/s wall clock, {m['device']:.0f} per "
-        f"device-time critical-path second"))
+        f"device-time critical-path second{against(m['measured'])}"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
     print(f"2 groups x PP 2, group 1's rank 1 killed at step {FROM} and never replaced, M={args.microbatches}, "

@@ -53,6 +53,30 @@ def one(events: list[dict], event: str, **fields) -> dict:
     return found[0]
 
 
+def assert_measured(events: list[dict], why: str, heals: list[dict], required: bool = True) -> None:
+    """The coordinator's `group_plan_measured` for group 1's re-plan (`why`) names what the joiner's heals
+    (`heals`, its joiner-side events) moved and when the last ended, beside the decision's predictions,
+    over group 1's first 3 committed steps after the heal. Where fewer steps were left (`required`
+    False: a grow back's window is timed by a sleep), there must be none."""
+    plan = one(events, "group_plan", replica=1, why=why)
+    healed = heals[0]["step"]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    after = [s for s in sorted(records) if s > healed and "1" in records[s]["owners"]]
+    found = [e for e in events if e["event"] == "group_plan_measured" and e["replica"] == 1 and e["why"] == why]
+    if len(after) < 3 and not required:
+        assert not found, found
+        return
+    (m,) = found
+    assert (m["applied"], m["plan"], m["steps"]) == (plan["applied"], plan["plan"], after[:3])
+    assert m["predicted_weight"] == plan["applied_weight"]
+    # a stand-in is one process (rank 0) healing every shard index; a grown group's ranks heal their own
+    assert m["healed_ranks"] == (1 if plan["applied"] == "shrink" else len({e.get("rank", 0) for e in heals}))
+    assert m["moved_bytes"] == sum(e["bytes"] for e in heals) > 0
+    # from the decision to the joiner's last heal, as the event log's own clock saw both (same host)
+    assert abs(m["measured_replan_seconds"] - (max(e["t"] for e in heals) - plan["t"])) < 0.5, m
+    assert m["measured_weight"] > 0 and m["measured_step_seconds"] > 0 and m["predicted_step_seconds"] > 0
+
+
 # alone (no other test on the host meanwhile): under 2 test workers' load these runs found two races of the
 # shrink (a joiner counted into the step it left, a record written twice), fixed since; the timing of their
 # windows (heal before the end, quotas published while shrunk) is still that of a quiet host
@@ -86,6 +110,7 @@ def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pi
     assert stand_in and all(e.get("shards") == [0, 1] for e in stand_in)
     assert sorted({e["microbatch"] for e in stand_in if e["step"] == shrunk_steps[0]}) == \
         records[shrunk_steps[0]]["owners"]["1"]
+    assert_measured(events, "rank lost", heals)  # the shrink's cost, measured beside its prediction
     # ... and the run never left the failure-free pipeline trajectory, through the loss and the shrink
     assert digests(out) == digests(pipeline_reference)
 
@@ -146,6 +171,8 @@ def assert_grown_back(events: list[dict], out: Path, dead: list[dict], shrank: b
     regrown = {e.get("rank", 0) for e in events if e["event"] == "compute" and e["replica"] == 1
                and e["step"] > healed and "shards" not in e}
     assert regrown == {0, 1}  # both ranks compute again, each its own shard
+    if shrank:
+        assert_measured(events, "ranks back", heals, required=False)
     if full.startswith("tp1"):
         cfg = Config.from_json((out / "config.json").read_text())
         want, _, _ = plain_loop(cfg, split=False, digest=staged(2))

@@ -396,12 +396,15 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     early = [forming(likely, j) for j, _ in shards]
     step, chosen, plan = coord.heal_offer(admitted, wait)
     heartbeat.at(step, "heal")
+    received = 0
     for (j, shard), ready in zip(shards, early):
         got, seconds, transfer = receive(ready if chosen == likely else forming(chosen, j), parts.model,
                                          parts.optimizer, shard)
+        received += got
         log.emit("heal", replica=who.group, donor=chosen, step=step, bytes=got, seconds=round(seconds, 6),
                  transfer=round(transfer, 6), side="joiner",
                  **({"rank": j} if who.group_size > 1 else {}), **({"shrunk": True} if standin else {}))
+    coord.report_healed(admitted, who.rank, received)
     return step + 1, plan
 
 

@@ -324,6 +324,11 @@ class Coordination:
         offer = json.loads(self.store.get(keys.heal(self.me, admitted)))
         return offer["step"], offer["donor"], Plan.loads(offer["plan"])
 
+    def report_healed(self, admitted: int, rank: int, received: int) -> None:
+        """The joiner's rank `rank`: every heal of its admission in epoch `admitted` is done, `received`
+        bytes in all (the coordinator measures a re-plan's cost from it: replancost.py). Once, after them."""
+        self.store.set(keys.healed(self.me, admitted, rank), json.dumps({"bytes": received, "t": time.time()}))
+
     def claim_signature(self, signature: str) -> str:
         """Compare-and-set the run's config-and-model signature; returns the one that stands."""
         return self.store.compare_set(keys.signature(), "", signature).decode()

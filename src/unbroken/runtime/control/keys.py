@@ -201,6 +201,12 @@ def heal_failed(group: int, epoch: int) -> str:
     return f"heal/{group}/{epoch}/failed"
 
 
+def healed(group: int, epoch: int, rank: int) -> str:
+    """A joiner rank's report once every heal of its admission in `epoch` is done: {"bytes", "t" (its
+    time.time())}, for the coordinator's measured re-plan cost (replancost.py)."""
+    return f"heal/{group}/{epoch}/done/{rank}"
+
+
 def heal_prefix(group: int, epoch: int, donor: int, shard: int) -> str:
     """Where donor `donor`'s rank `shard` and the joiner's rank `shard` form their two-rank group."""
     return f"heal/{group}/{epoch}/pg/{donor}/{shard}/"

@@ -177,15 +177,18 @@ class GroupPlanner:
                       "within float32 tolerance (a TP degree change reorders float32 sums)", **r.record())
         return r
 
-    def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor) -> None:
+    def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor
+                      ) -> scheduling.Restricted | None:
         """A group that ran shrunk rejoins with every rank (its replaced rank's agent re-formed it at its full
         plan): the scheduler's view of that change, logged as a `group_plan` event (`why: "ranks back"`);
-        what it executed is the grow (the full group healed from a peer and admitted). Call at admission."""
+        what it executed is the grow (the full group healed from a peer and admitted). Returns the
+        restricted decision, or None when the group had not run shrunk or the cost model cannot be set
+        up (nothing logged then). Call at admission."""
         # a coordinator that took over knows a group declared dead before it led as shrunk, not was_shrunk
         before = self.was_shrunk.pop(group, None) or self.shrunk.pop(group, None)
         setting, source, seconds = self._setting(self.timings, predictor)
         if before is None or setting is None:
-            return
+            return None
         plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != group}
         plans.update({g: p for g, p in self.shrunk.items() if g in plans})
         plans[group] = before
@@ -194,6 +197,7 @@ class GroupPlanner:
         r = scheduling.restrict(d, {k: why for k, why in LOST_REFUSED.items() if k != "grow"})
         self.log.emit("group_plan", step=step, replica=group, why="ranks back", alive=sorted(self.full.ranks),
                       per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+        return r
 
     def on_verdicts(self, changes: Sequence[VerdictChange], timings: Mapping[int, Sequence[MicrobatchTiming]],
                     predictor: Predictor, members: Sequence[int]) -> None:

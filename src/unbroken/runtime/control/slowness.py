@@ -11,6 +11,7 @@ slowness reaches this module only as longer measured times, never as a flag.
 from __future__ import annotations
 
 import json
+import time
 
 from torch.distributed import TCPStore
 
@@ -20,6 +21,7 @@ from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.workload import worth_replanning
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.epochwatch import publish_weights
+from unbroken.runtime.control.replancost import Measurer, Pending, fields
 from unbroken.runtime.control.replanning import GroupPlanner, plans_from, plans_json
 from unbroken.runtime.control.store import read
 
@@ -43,6 +45,7 @@ class SlownessMonitor:
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
         self.replayed = -1  # steps up to here are replayed (catch_up): their events were logged before
+        self.measurer = Measurer()  # shrinks and grows applied, until measured (replancost.py)
 
     def catch_up(self) -> None:
         """For a coordinator taking over (etcd standby): rebuild the detector from the last REPLAY_STEPS
@@ -79,6 +82,8 @@ class SlownessMonitor:
                 total = sum(len(t) for t in timings.values())  # every microbatch is held once: M
                 if self.publishes and worth_replanning(total, sorted(timings), self.published, speeds):
                     self._publish(speeds)
+                for p in self.measurer.observe(self.next_step, timings):
+                    self._measured(p)
             self.next_step += 1
 
     def rank_lost(self, group: int, alive: list[int], members: list[int]) -> str:
@@ -90,6 +95,7 @@ class SlownessMonitor:
         r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
         if r is None or r.applied.kind != "shrink":
             return "drop"
+        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(), (0,))  # a stand-in: rank 0
         self._save_shrunk()
         if self.publishes:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})
@@ -100,7 +106,10 @@ class SlownessMonitor:
         published now), and the scheduler's view of it logged. Call from the admission round."""
         if self.planner is None:
             return
-        self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
+        r = self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
+        if r is not None and r.applied.kind == "grow":
+            self.measurer.begin(group, "ranks back", r.applied, self.next_step, time.time(),
+                                range(self.planner.shape.group_size))
         self._save_shrunk()
         if self.publishes and self.published.get(group, 1.0) != 1.0:
             self._publish({**self.published, group: 1.0})
@@ -117,7 +126,16 @@ class SlownessMonitor:
         self.published = weights
         self.log.emit("quotas", step=self.next_step, weights={str(r): w for r, w in sorted(weights.items())})
 
+    def _measured(self, p: Pending) -> None:
+        """Log `group_plan_measured` for `p`, with the heal reports its joiner's ranks wrote for the epoch
+        that admitted it (a few reads, once per shrink or grow)."""
+        admitted = int(read(self.store, keys.joined(p.group)) or -1)
+        reports = [read(self.store, keys.healed(p.group, admitted, j)) for j in p.ranks]
+        self.log.emit("group_plan_measured", step=p.seen[-1][0],
+                      **fields(p, [json.loads(r) for r in reports if r is not None]))
+
     def forget(self, replica: int) -> None:
+        self.measurer.forget(replica)
         self.detector.forget(replica)
         if self.planner is not None:
             self.planner.forget(replica)

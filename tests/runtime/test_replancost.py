@@ -1,0 +1,100 @@
+"""A re-plan's measured cost beside its prediction (runtime/control/replancost.py): the figures from committed
+steps' timings and the joiner's heal reports, and the coordinator's `group_plan_measured` event, without
+processes (a HashStore stands in for the coordinator's store). The torchrun path: tests/runtime/test_shrink.py."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from torch.distributed import HashStore
+
+from unbroken.events import EventLog, read_events
+from unbroken.policy.plans import Plan
+from unbroken.policy.predictor import MicrobatchTiming
+from unbroken.policy.scheduling import Option
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.replancost import MEASURE_STEPS, Measurer, fields, step_figures
+from unbroken.runtime.control.replanning import GroupShape, planner_for
+from unbroken.runtime.control.slowness import SlownessMonitor
+
+OPTION = Option("shrink", Plan(1, (2,), ((0,),), weight=0.5), 0.3, 0.12, 4096.0, 0.31, (0, 0, 1))
+
+
+def mbs(n: int, seconds: float, tokens: int = 256) -> list[MicrobatchTiming]:
+    return [MicrobatchTiming(tokens, tokens * 64.0, seconds)] * n
+
+
+def test_step_figures_are_relative_speed_per_token_and_the_largest_group_time():
+    # group 1: 2 microbatches at 0.04 s against groups 0 and 2 at 0.01-0.02 s per 256 tokens
+    timings = {0: mbs(4, 0.01), 1: mbs(2, 0.04), 2: mbs(2, 0.02), 3: []}  # 3 parked: computes nothing
+    weight, critical = step_figures(1, timings)
+    assert weight == pytest.approx((256 / 0.04) / ((256 / 0.01 + 256 / 0.02) / 2))
+    assert critical == pytest.approx(0.08)  # group 1's 2 x 0.04 s, more than group 0's 4 x 0.01 s
+    assert step_figures(0, {0: mbs(4, 0.01)}) == (None, pytest.approx(0.04))  # nobody to compare with
+
+
+def test_a_measurement_spans_the_group_s_first_steps_on_its_plan_and_reads_the_heal_reports():
+    m = Measurer()
+    m.begin(1, "rank lost", OPTION, step=5, decided_at=100.0, ranks=(0,))
+    assert m.observe(4, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}) == []  # before the decision: not the new plan
+    assert m.observe(5, {0: mbs(8, 0.01)}) == []  # the group is not back yet
+    assert m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}) == []
+    assert m.observe(7, {0: mbs(4, 0.01), 1: mbs(4, 0.025)}) == []
+    (p,) = m.observe(8, {0: mbs(4, 0.01), 1: mbs(4, 0.02)})
+    assert m.pending == {} and m.observe(9, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}) == []  # measured once
+    e = fields(p, [{"bytes": 5000, "t": 101.25}])
+    assert e["steps"] == [6, 7, 8] and len(e["steps"]) == MEASURE_STEPS and e["decided_step"] == 5
+    assert (e["applied"], e["plan"], e["why"]) == ("shrink", "tp1 pp1 [2]", "rank lost")
+    assert e["measured_replan_seconds"] == pytest.approx(1.25) and e["predicted_replan_seconds"] == 0.12
+    assert (e["moved_bytes"], e["predicted_moved_bytes"], e["healed_ranks"]) == (5000, 4096, 1)
+    assert e["measured_weight"] == pytest.approx(0.5) and e["predicted_weight"] == 0.5  # median of .5 .4 .5
+    assert e["measured_step_seconds"] == pytest.approx(0.08) and e["predicted_step_seconds"] == 0.3
+    unreported = fields(p, [])  # the joiner's rank never said its heal was done: unknown, not zero
+    assert unreported["measured_replan_seconds"] is None and unreported["moved_bytes"] is None
+
+
+def test_a_group_declared_dead_before_it_is_measured_is_not_reported():
+    m = Measurer()
+    m.begin(1, "ranks back", OPTION, step=5, decided_at=100.0, ranks=(0, 1))
+    m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.01)})
+    m.forget(1)
+    assert [m.observe(s, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}) for s in (7, 8, 9)] == [[], [], []]
+
+
+def committed(store, step: int, groups: dict[int, float]) -> None:
+    """Step `step` committed in epoch 0 by `groups` (group -> seconds per microbatch), 4 microbatches each."""
+    store.set(keys.decision(step, 0), "commit@0")
+    for g, seconds in groups.items():
+        store.set(keys.done(step, 0, g), json.dumps({"timings": [[256, 256 * 64, seconds]] * 4}))
+    store.set(keys.last_commit(), str(step))
+
+
+def test_the_coordinator_logs_a_shrink_s_measured_cost_beside_its_prediction(tmp_path):
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000, reform_seconds=0.1)
+    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
+    for s in range(6):
+        committed(store, s, {0: 0.01, 1: 0.01})
+    monitor.poll(0)
+    monitor.forget(1)  # group 1 lost a rank and was declared dead
+    before = time.time()
+    assert monitor.rank_lost(1, [0], [0]) == "shrink"
+    store.set(keys.joined(1), "2")  # admitted in epoch 2; its stand-in healed 9000 bytes
+    store.set(keys.healed(1, 2, 0), json.dumps({"bytes": 9000, "t": before + 0.75}))
+    committed(store, 6, {0: 0.01})  # the heal's step: group 1 not computing yet
+    for s in range(7, 7 + MEASURE_STEPS + 2):
+        committed(store, s, {0: 0.01, 1: 0.02})  # the stand-in runs both stages: half the speed
+    monitor.poll(0)
+    (plan,) = [e for e in read_events(tmp_path) if e["event"] == "group_plan" and e["why"] == "rank lost"]
+    (measured,) = [e for e in read_events(tmp_path) if e["event"] == "group_plan_measured"]
+    assert measured["replica"] == 1 and measured["steps"] == [7, 8, 9] and measured["step"] == 9
+    assert measured["applied"] == plan["applied"] == "shrink" and measured["plan"] == plan["plan"]
+    assert measured["predicted_weight"] == plan["applied_weight"]
+    assert measured["measured_weight"] == pytest.approx(0.5)
+    assert measured["moved_bytes"] == 9000 and measured["healed_ranks"] == 1
+    assert 0 < measured["measured_replan_seconds"] <= 0.75 + (time.time() - before)
+    assert measured["measured_step_seconds"] == pytest.approx(0.08)
