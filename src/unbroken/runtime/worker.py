@@ -383,6 +383,7 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     if admitted < 0:
         log.emit("shrink_refused", replica=who.group, alive=alive)
         return -1, None
+    coord.incarnation = str(admitted)  # its survivors claim a stand-in for this incarnation (claim_standin)
     heartbeat.start()
     standin = parts.standin
     shards = [(j, lambda j=j: standin.heal_tensors(j, parts.optimizer)) for j in range(standin.count)] \

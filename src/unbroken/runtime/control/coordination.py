@@ -79,6 +79,8 @@ class Coordination:
         self._members: dict[int, tuple[int, ...]] = {}
         self._staged: tuple[int, int, tuple[int, ...]] | None = None  # the done record last written
         self._calm: tuple[int, int] | None = None  # (epoch, latest): the epochs after it only admit
+        # this process's incarnation of its group: "start", or the epoch that admitted it (set by the join)
+        self.incarnation = "start"
 
     def group_store(self) -> Store:
         """A store for one epoch's collective group to rendezvous on: a client of its own when we can
@@ -291,10 +293,11 @@ class Coordination:
 
     def claim_standin(self) -> bool:
         """Whether this survivor of its group's lost rank is the one that goes on as the whole group (the
-        first to claim for the group's current incarnation); the others must leave. Call once, after the
-        group broke; a group of 2 ranks has one survivor, so its claim always wins."""
-        incarnation = (read(self.store, keys.joined(self.me)) or b"start").decode()
-        return self.store.add(keys.standin(self.me, incarnation), 1) == 1
+        first to claim for its own incarnation, `incarnation`); the others must leave. Call once, after
+        the group broke. A group of 2 ranks has one survivor, whose claim wins, unless its group already
+        went on without it: a rank that broke late (stuck 30 s in its group's first rendezvous, its peer
+        long since shrunk) claims for the incarnation it belonged to, not the stand-in's, and leaves."""
+        return self.store.add(keys.standin(self.me, self.incarnation), 1) == 1
 
     def was_admitted(self, group: int | None = None) -> bool:
         """Whether this group (or `group`) was admitted into the run before (it joined, or shrank): a
