@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unbroken
+from tests.runtime._detector_targets import failing, once_more_if_the_host_moved
 from unbroken.events import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # device time: its noise on a quiet host
@@ -17,39 +18,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.alone]  # device time: its noise on 
 # sequence lengths, so the workload itself moves microbatch times (the predictor must explain it).
 DEMO = ["--replicas", "4", "--microbatches", "8", "--exact", "--run.progress=false", "--data.seq_len=variable",
         "--coord.run_timeout=120"]
-
-
-def once_more_if_the_host_moved(check, attempt: int, moved_before: bool = False) -> None:
-    """Run `check(attempt)`; if one of the detector's targets fails (an error made by `failing`), run it
-    once more. If that attempt fails too, the test fails, unless the host moved in both attempts (a
-    `regime` record: every replica's device time moved together by more than 15%, the host, not a
-    replica, changed speed; seen on this shared VM in 3 of 4 full-suite runs on 2026-11-25, with
-    fleet-wide shifts of 0.76x-1.42x): then it is an expected failure, with what the host did in its
-    reason, as the calibration tests skip when the host lacks their premise.
-
-    Why once more on any target: on 2026-11-26 this host's device time per token spread around each
-    step's fleet median with a replica-step log-sd of 0.13-0.17 in every run (the detector is designed
-    for ~0.05), and one full-suite run (at 6c96962) saw a healthy replica declared Slow in a run without
-    a fleet-wide move. Two failures in a row still fail."""
-    try:
-        check(attempt)
-    except AssertionError as e:
-        if not hasattr(e, "host_moved"):  # not a detector target: the run itself went wrong
-            raise
-        if attempt:
-            if e.host_moved and moved_before:
-                pytest.xfail(f"on a host whose device time moved fleet-wide in both attempts ({e.shifts}): "
-                             f"{str(e)[:300]}")
-            raise
-        print(f"attempt 1 failed (host moved: {e.host_moved}); once more: {str(e)[:300]}")
-        once_more_if_the_host_moved(check, attempt + 1, e.host_moved)
-
-
-def failing(message: str, events: list[dict]) -> AssertionError:
-    e = AssertionError(message)
-    e.shifts = [round(r["factor"], 2) for r in events if r["event"] == "regime"]  # fleet-wide device-time moves
-    e.host_moved = bool(e.shifts)
-    return e
 
 
 @pytest.mark.timeout(280)
