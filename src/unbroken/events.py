@@ -57,7 +57,8 @@ their fields:
   group_plan_measured  step (the last measured), replica, why, applied (shrink|grow), plan, decided_step,
                  steps, then each prediction beside its measurement: predicted_/measured_replan_seconds,
                  predicted_moved_bytes / moved_bytes, predicted_/measured_weight, predicted_/measured_step_
-                 seconds; healed_ranks   (the coordinator, once a re-planned group has committed its first
+                 seconds; healed_ranks; quota_weight (a shrink under run.quotas=speed: the weight its
+                 quotas follow from then on, its measured speed; null: unchanged)   (the coordinator, once a re-planned group has committed its first
                  3 steps on the new plan; what each figure counts: runtime/control/replancost.py)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)

@@ -98,3 +98,46 @@ def test_the_coordinator_logs_a_shrink_s_measured_cost_beside_its_prediction(tmp
     assert measured["moved_bytes"] == 9000 and measured["healed_ranks"] == 1
     assert 0 < measured["measured_replan_seconds"] <= 0.75 + (time.time() - before)
     assert measured["measured_step_seconds"] == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("stand_in_seconds", [0.01, 0.004])
+def test_a_shrunk_group_s_quota_follows_its_measured_speed(tmp_path, stand_in_seconds):
+    """Under run.quotas=speed the measured speed replaces the cost model's weight (0.5 predicted for one
+    rank running both stages) and is published: a stand-in as fast as its peers gets equal quotas, one
+    measured faster (a TP group shrunk on this host measured 2.0-2.5x) more. A successor resumes it."""
+    monitor, events = shrunk_then_measured(tmp_path, stand_in_seconds)
+    (measured,) = [e for e in events if e["event"] == "group_plan_measured"]
+    assert measured["quota_weight"] == round(0.01 / stand_in_seconds, 2) != measured["predicted_weight"]
+    assert monitor.planner.shrunk_plans()[1].weight == measured["quota_weight"]
+    assert [e["weights"] for e in events if e["event"] == "quotas"][-1]["1"] == measured["quota_weight"]
+
+
+def test_a_shrunk_group_the_detector_reweighted_keeps_the_detector_s_weight(tmp_path):
+    """A stand-in at half its peers' speed is declared Slow within the 3 measured steps and reweighted to
+    its speed: the measurement then changes nothing (quota_weight null), the detector's weight stands."""
+    monitor, events = shrunk_then_measured(tmp_path, 0.02)
+    (slow,) = [e for e in events if e["event"] == "group_plan" and e["why"] == "slow"]
+    assert slow["replica"] == 1 and slow["applied"] == "reweight"
+    (measured,) = [e for e in events if e["event"] == "group_plan_measured"]
+    assert measured["quota_weight"] is None and measured["measured_weight"] == pytest.approx(0.5)
+    assert monitor.planner.weight_of(1, 0.42) == 0.42  # reweighted: its quota follows the detector
+
+
+def shrunk_then_measured(tmp_path, stand_in_seconds: float) -> tuple[SlownessMonitor, list[dict]]:
+    """Group 1 shrunk after 6 healthy steps, then MEASURE_STEPS steps at `stand_in_seconds` a microbatch
+    against group 0's 0.01: the monitor and its events."""
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000, reform_seconds=0.1)
+    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
+    for s in range(6):
+        committed(store, s, {0: 0.01, 1: 0.01})
+    monitor.poll(0)
+    monitor.forget(1)
+    assert monitor.rank_lost(1, [0], [0]) == "shrink"
+    for s in range(6, 6 + MEASURE_STEPS):
+        committed(store, s, {0: 0.01, 1: stand_in_seconds})
+    monitor.poll(0)
+    return monitor, read_events(tmp_path)

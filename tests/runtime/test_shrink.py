@@ -75,6 +75,14 @@ def assert_measured(events: list[dict], why: str, heals: list[dict], required: b
     # from the decision to the joiner's last heal, as the event log's own clock saw both (same host)
     assert abs(m["measured_replan_seconds"] - (max(e["t"] for e in heals) - plan["t"])) < 0.5, m
     assert m["measured_weight"] > 0 and m["measured_step_seconds"] > 0 and m["predicted_step_seconds"] > 0
+    # a shrink's quotas follow the measured speed from then on (clamped), unless the detector reweighted it
+    if plan["applied"] == "shrink" and m["quota_weight"] is not None:
+        assert m["quota_weight"] == round(min(max(m["measured_weight"], 0.1), 4.0), 2)
+    elif plan["applied"] == "shrink":
+        assert [e for e in events if e["event"] == "group_plan" and e["replica"] == 1 and e["why"] == "slow"
+                and e["applied"] == "reweight" and e["step"] <= m["step"]], m
+    else:
+        assert m["quota_weight"] is None  # a grow's quotas are equal again (ranks back)
 
 
 # alone (no other test on the host meanwhile): under 2 test workers' load these runs found two races of the
@@ -197,7 +205,8 @@ def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     healed = next(e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e["replica"] == 1
                   and not e.get("shrunk"))["step"]
     records = {e["step"]: e for e in events if e["event"] == "step"}
-    # quotas: fewer microbatches while shrunk (its plan's weight ~0.5), equal again once grown back
+    # quotas: fewer microbatches while shrunk (its plan's weight ~0.5, then its measured speed), equal
+    # again once grown back
     assert any(len(records[s]["owners"].get("1", [])) == 1 for s in range(4, healed))
     assert_grown_back(events, out, dead)
 

@@ -25,6 +25,8 @@ What is measured, and what the prediction beside it counts:
                   whole step (the pipeline bubble, TP and PP links at the stated H100 speeds, the sync);
                   a device clock does not run while a stage waits, so the measured figure has neither the
                   bubble nor communication.
+The measured weight of a shrink becomes the group's quota weight under run.quotas=speed
+(replanning.GroupPlanner.measured): its quota follows its new speed, not the model's guess at it.
 A coordinator that takes over (etcd standby) does not resume pending measurements: the leader's
 decisions stay unmeasured.
 """

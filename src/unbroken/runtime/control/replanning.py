@@ -59,6 +59,7 @@ LOST_REFUSED = {
 }
 EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused too under that setting
 DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline)"  # why the others are refused
+MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measured speed may take (`measured`)
 QUOTAS = ("speed", "equal", "drop")  # config run.quotas: what a Slow group's quota becomes
 
 
@@ -127,6 +128,20 @@ class GroupPlanner:
         self.parked = {g for g, w in published.items() if w == PARKED}
         self.reweighted = {g: w for g, w in published.items()
                            if w < 1.0 and g not in self.shrunk and g not in self.parked}
+
+    def measured(self, group: int, speed: float | None) -> float | None:
+        """A shrunk group's measured speed relative to its peers (`group_plan_measured`, replancost.py)
+        becomes its quota weight under run.quotas=speed, in place of the cost model's prediction: its
+        quota follows its new speed. Returns the weight set, or None where nothing changes (other quota
+        settings; a group not running shrunk, or reweighted or parked by the detector since). Clamped to
+        [MEASURED_MIN, MEASURED_MAX]: one measurement over 3 steps of a noisy host must not zero a group
+        or hand it every microbatch. Call once per measurement, before the step's weights are published."""
+        if (self.quotas != "speed" or speed is None or group not in self.shrunk or group in self.reweighted
+                or group in self.parked):
+            return None
+        weight = round(min(max(speed, MEASURED_MIN), MEASURED_MAX), 2)
+        self.shrunk[group] = replace(self.shrunk[group], weight=weight)
+        return weight
 
     def shrunk_plans(self) -> dict[int, Plan]:
         """Every group shrunk and not yet back at its full plan (running shrunk, or declared dead since):

@@ -73,6 +73,8 @@ class SlownessMonitor:
                 if self.planner is not None:
                     self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)], timings,
                                              self.detector.predictor, sorted(timings))
+                for p in self.measurer.observe(self.next_step, timings):  # before the speeds: a measured
+                    self._measured(p)  # shrunk group's quota weight is its measured speed from now on
                 # Written only when the quotas they give are predicted to be worth it: members cache
                 # the weights for their plan proposals (a proposal that differs from the agreed plan
                 # can cost a redo), and jitter in the estimates must not move microbatches to and fro.
@@ -82,8 +84,6 @@ class SlownessMonitor:
                 total = sum(len(t) for t in timings.values())  # every microbatch is held once: M
                 if self.publishes and worth_replanning(total, sorted(timings), self.published, speeds):
                     self._publish(speeds)
-                for p in self.measurer.observe(self.next_step, timings):
-                    self._measured(p)
             self.next_step += 1
 
     def rank_lost(self, group: int, alive: list[int], members: list[int]) -> str:
@@ -131,8 +131,11 @@ class SlownessMonitor:
         that admitted it (a few reads, once per shrink or grow)."""
         admitted = int(read(self.store, keys.joined(p.group)) or -1)
         reports = [read(self.store, keys.healed(p.group, admitted, j)) for j in p.ranks]
-        self.log.emit("group_plan_measured", step=p.seen[-1][0],
-                      **fields(p, [json.loads(r) for r in reports if r is not None]))
+        record = fields(p, [json.loads(r) for r in reports if r is not None])
+        weight = self.planner.measured(p.group, record["measured_weight"]) if p.option.kind == "shrink" else None
+        if weight is not None:
+            self._save_shrunk()
+        self.log.emit("group_plan_measured", step=p.seen[-1][0], quota_weight=weight, **record)
 
     def forget(self, replica: int) -> None:
         self.measurer.forget(replica)
