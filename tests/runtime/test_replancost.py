@@ -70,7 +70,9 @@ def committed(store, step: int, groups: dict[int, float]) -> None:
     store.set(keys.last_commit(), str(step))
 
 
-def test_the_coordinator_logs_a_shrink_s_measured_cost_beside_its_prediction(tmp_path):
+def shrunk(tmp_path) -> tuple[HashStore, SlownessMonitor]:
+    """A coordinator's monitor of 2 groups of 2 pipeline stages after 6 healthy steps, group 1 then
+    declared dead for a lost rank and shrunk onto its survivor (the scheduler's choice, asserted)."""
     store = HashStore()
     store.set(keys.members(0), json.dumps([0, 1]))
     store.set(keys.weights(), "{}")
@@ -81,8 +83,13 @@ def test_the_coordinator_logs_a_shrink_s_measured_cost_beside_its_prediction(tmp
         committed(store, s, {0: 0.01, 1: 0.01})
     monitor.poll(0)
     monitor.forget(1)  # group 1 lost a rank and was declared dead
-    before = time.time()
     assert monitor.rank_lost(1, [0], [0]) == "shrink"
+    return store, monitor
+
+
+def test_the_coordinator_logs_a_shrink_s_measured_cost_beside_its_prediction(tmp_path):
+    before = time.time()
+    store, monitor = shrunk(tmp_path)
     store.set(keys.joined(1), "2")  # admitted in epoch 2; its stand-in healed 9000 bytes
     store.set(keys.healed(1, 2, 0), json.dumps({"bytes": 9000, "t": before + 0.75}))
     committed(store, 6, {0: 0.01})  # the heal's step: group 1 not computing yet
@@ -126,17 +133,7 @@ def test_a_shrunk_group_the_detector_reweighted_keeps_the_detector_s_weight(tmp_
 def shrunk_then_measured(tmp_path, stand_in_seconds: float) -> tuple[SlownessMonitor, list[dict]]:
     """Group 1 shrunk after 6 healthy steps, then MEASURE_STEPS steps at `stand_in_seconds` a microbatch
     against group 0's 0.01: the monitor and its events."""
-    store = HashStore()
-    store.set(keys.members(0), json.dumps([0, 1]))
-    store.set(keys.weights(), "{}")
-    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
-    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000, reform_seconds=0.1)
-    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
-    for s in range(6):
-        committed(store, s, {0: 0.01, 1: 0.01})
-    monitor.poll(0)
-    monitor.forget(1)
-    assert monitor.rank_lost(1, [0], [0]) == "shrink"
+    store, monitor = shrunk(tmp_path)
     for s in range(6, 6 + MEASURE_STEPS):
         committed(store, s, {0: 0.01, 1: stand_in_seconds})
     monitor.poll(0)
