@@ -36,15 +36,17 @@ def test_step_figures_are_relative_speed_per_token_and_the_largest_group_time():
 
 def test_a_measurement_spans_the_group_s_first_steps_on_its_plan_and_reads_the_heal_reports():
     m = Measurer()
-    m.begin(1, "rank lost", OPTION, step=5, decided_at=100.0, ranks=(0,))
-    assert m.observe(4, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}) == []  # before the decision: not the new plan
-    assert m.observe(5, {0: mbs(8, 0.01)}) == []  # the group is not back yet
-    assert m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}) == []
-    assert m.observe(7, {0: mbs(4, 0.01), 1: mbs(4, 0.025)}) == []
-    (p,) = m.observe(8, {0: mbs(4, 0.01), 1: mbs(4, 0.02)})
-    assert m.pending == {} and m.observe(9, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}) == []  # measured once
+    m.begin(1, "rank lost", OPTION, step=3, decided_at=100.0, ranks=(0,), epoch=2)
+    assert m.observe(2, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}, 1) == []  # before the decision: not the new plan
+    # committed in the decision's epoch though read after it: the old plan's (a loss in the optimizer phase)
+    assert m.observe(3, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}, 2) == []
+    assert m.observe(5, {0: mbs(8, 0.01)}, 3) == []  # the group is not back yet
+    assert m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}, 3) == []
+    assert m.observe(7, {0: mbs(4, 0.01), 1: mbs(4, 0.025)}, 3) == []
+    (p,) = m.observe(8, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}, 3)
+    assert m.pending == {} and m.observe(9, {0: mbs(4, 0.01), 1: mbs(4, 0.02)}, 3) == []  # measured once
     e = fields(p, [{"bytes": 5000, "t": 101.25}])
-    assert e["steps"] == [6, 7, 8] and len(e["steps"]) == MEASURE_STEPS and e["decided_step"] == 5
+    assert e["steps"] == [6, 7, 8] and len(e["steps"]) == MEASURE_STEPS and e["decided_step"] == 3
     assert (e["applied"], e["plan"], e["why"]) == ("shrink", "tp1 pp1 [2]", "rank lost")
     assert e["measured_replan_seconds"] == pytest.approx(1.25) and e["predicted_replan_seconds"] == 0.12
     assert (e["moved_bytes"], e["predicted_moved_bytes"], e["healed_ranks"]) == (5000, 4096, 1)
@@ -56,10 +58,10 @@ def test_a_measurement_spans_the_group_s_first_steps_on_its_plan_and_reads_the_h
 
 def test_a_group_declared_dead_before_it_is_measured_is_not_reported():
     m = Measurer()
-    m.begin(1, "ranks back", OPTION, step=5, decided_at=100.0, ranks=(0, 1))
-    m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.01)})
+    m.begin(1, "ranks back", OPTION, step=5, decided_at=100.0, ranks=(0, 1), epoch=2)
+    m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}, 3)
     m.forget(1)
-    assert [m.observe(s, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}) for s in (7, 8, 9)] == [[], [], []]
+    assert [m.observe(s, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}, 3) for s in (7, 8, 9)] == [[], [], []]
 
 
 def committed(store, step: int, groups: dict[int, float]) -> None:

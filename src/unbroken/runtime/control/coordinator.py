@@ -138,15 +138,15 @@ class Coordinator:
         for g in range(self.replicas):
             if g not in self.membership.members and self.store.check([keys.join(g)]):
                 requests[g] = json.loads(self.store.get(keys.join(g)))
+        members, epoch = list(self.membership.members), self.membership.epoch
         for g, request in sorted(requests.items()):
             # survivors of a group that lost ranks (parallel.on_rank_loss=replan): the scheduler decides
-            if "alive" in request and self.slowness.rank_lost(g, request["alive"], list(self.membership.members)) \
-                    != "shrink":
+            if "alive" in request and self.slowness.rank_lost(g, request["alive"], members, epoch) != "shrink":
                 self.store.set(keys.admitted(g, request["nonce"]), "-1")  # refused: the survivor leaves
                 self.store.delete_key(keys.join(g))
                 del requests[g]
             elif "alive" not in request:  # a whole group: one that ran shrunk is back at its full plan
-                self.slowness.ranks_back(g, list(self.membership.members))
+                self.slowness.ranks_back(g, members, epoch)
         if not requests:
             return
         new = self.membership.admit(requests)

@@ -52,6 +52,7 @@ class Pending:
     step: int  # the coordinator's next step to read when it decided
     decided_at: float  # time.time() at the decision, s
     ranks: tuple[int, ...]  # the joiner's ranks that report their heals (a stand-in is rank 0)
+    epoch: int  # the epoch in force at the decision: the new plan's steps commit in later ones
     seen: tuple[tuple[int, float | None, float], ...] = ()  # (step, weight, critical path s) per step
 
 
@@ -76,19 +77,22 @@ class Measurer:
     def __init__(self) -> None:
         self.pending: dict[int, Pending] = {}
 
-    def begin(self, group: int, why: str, option: Option, step: int, decided_at: float, ranks: Sequence[int]) -> None:
-        self.pending[group] = Pending(group, why, option, step, decided_at, tuple(ranks))
+    def begin(self, group: int, why: str, option: Option, step: int, decided_at: float, ranks: Sequence[int],
+              epoch: int) -> None:
+        self.pending[group] = Pending(group, why, option, step, decided_at, tuple(ranks), epoch)
 
     def forget(self, group: int) -> None:
         self.pending.pop(group, None)
 
-    def observe(self, step: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> list[Pending]:
-        """Fold committed `step` into every pending group that computed in it; returns those now measured
-        over MEASURE_STEPS steps (and no longer pending). Call once per committed step, in step order."""
+    def observe(self, step: int, timings: Mapping[int, Sequence[MicrobatchTiming]], epoch: int) -> list[Pending]:
+        """Fold `step`, committed in `epoch`, into every pending group that computed in it; returns those
+        now measured over MEASURE_STEPS steps (and no longer pending). Call once per committed step, in
+        step order. A step committed in the decision's epoch or before is the old plan's, even when read
+        after the decision: a group lost in its optimizer phase had its step committed, timings and all."""
         done = []
         for g, p in list(self.pending.items()):
-            if step < p.step or not any(m.seconds > 0 for m in timings.get(g, ())):
-                continue  # before the decision, or a step the group did not compute in (parked, admitted later)
+            if step < p.step or epoch <= p.epoch or not any(m.seconds > 0 for m in timings.get(g, ())):
+                continue  # the old plan's, or a step the group did not compute in (parked, admitted later)
             p = self.pending[g] = replace(p, seen=p.seen + ((step, *step_figures(g, timings)),))
             if len(p.seen) >= MEASURE_STEPS:
                 done.append(self.pending.pop(g))

@@ -46,6 +46,7 @@ class SlownessMonitor:
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
         self.replayed = -1  # steps up to here are replayed (catch_up): their events were logged before
         self.measurer = Measurer()  # shrinks and grows applied, until measured (replancost.py)
+        self.commit_epoch = -1  # the epoch the step `_timings` last read committed in
 
     def catch_up(self) -> None:
         """For a coordinator taking over (etcd standby): rebuild the detector from the last REPLAY_STEPS
@@ -73,7 +74,7 @@ class SlownessMonitor:
                 if self.planner is not None:
                     self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)], timings,
                                              self.detector.predictor, sorted(timings))
-                for p in self.measurer.observe(self.next_step, timings):  # before the speeds: a measured
+                for p in self.measurer.observe(self.next_step, timings, self.commit_epoch):  # before the speeds: a measured
                     self._measured(p)  # shrunk group's quota weight is its measured speed from now on
                 # Written only when the quotas they give are predicted to be worth it: members cache
                 # the weights for their plan proposals (a proposal that differs from the agreed plan
@@ -86,22 +87,23 @@ class SlownessMonitor:
                     self._publish(speeds)
             self.next_step += 1
 
-    def rank_lost(self, group: int, alive: list[int], members: list[int]) -> str:
+    def rank_lost(self, group: int, alive: list[int], members: list[int], epoch: int = -1) -> str:
         """A group whose survivors `alive` ask to go on without its lost ranks: "shrink" (the scheduler
         chose it: the group's quota weight becomes its smaller plan's, published now) or "drop" (its
-        choice, or no planner). Call once per request, from the coordinator's admission round."""
+        choice, or no planner). Call once per request, from the coordinator's admission round, with the
+        `epoch` in force (a shrink's measurement counts only steps committed after it)."""
         if self.planner is None:
             return "drop"
         r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
         if r is None or r.applied.kind != "shrink":
             return "drop"
-        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(), (0,))  # a stand-in: rank 0
+        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(), (0,), epoch)  # a stand-in: rank 0
         self._save_shrunk()
         if self.publishes:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})
         return "shrink"
 
-    def ranks_back(self, group: int, members: list[int]) -> None:
+    def ranks_back(self, group: int, members: list[int], epoch: int = -1) -> None:
         """A group that ran shrunk is admitted at its full plan again: its quota weight back to equal (1.0,
         published now), and the scheduler's view of it logged. Call from the admission round."""
         if self.planner is None:
@@ -109,7 +111,7 @@ class SlownessMonitor:
         r = self.planner.on_ranks_back(group, self.next_step, members, self.detector.predictor)
         if r is not None and r.applied.kind == "grow":
             self.measurer.begin(group, "ranks back", r.applied, self.next_step, time.time(),
-                                range(self.planner.shape.group_size))
+                                range(self.planner.shape.group_size), epoch)
         self._save_shrunk()
         if self.publishes and self.published.get(group, 1.0) != 1.0:
             self._publish({**self.published, group: 1.0})
@@ -157,6 +159,7 @@ class SlownessMonitor:
         for e in range(epoch, -1, -1):  # the commit is usually in the newest epoch: search down
             decision = read(self.store, keys.decision(step, e))
             if decision is not None and decision.startswith(b"commit"):
+                self.commit_epoch = e
                 if e not in self.members:  # members/{e} never changes once written
                     self.members[e] = json.loads(self.store.get(keys.members(e)))
                 members = self.members[e]
