@@ -74,8 +74,9 @@ class SlownessMonitor:
                 if self.planner is not None:
                     self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)], timings,
                                              self.detector.predictor, sorted(timings))
-                for p in self.measurer.observe(self.next_step, timings, self.commit_epoch):  # before the speeds: a measured
-                    self._measured(p)  # shrunk group's quota weight is its measured speed from now on
+                # before the speeds: a measured shrunk group's quota weight is its measured speed from now on
+                for p in self.measurer.observe(self.next_step, timings, self.commit_epoch):
+                    self._measured(p)
                 # Written only when the quotas they give are predicted to be worth it: members cache
                 # the weights for their plan proposals (a proposal that differs from the agreed plan
                 # can cost a redo), and jitter in the estimates must not move microbatches to and fro.
@@ -97,7 +98,8 @@ class SlownessMonitor:
         r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
         if r is None or r.applied.kind != "shrink":
             return "drop"
-        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(), (0,), epoch)  # a stand-in: rank 0
+        # a stand-in is one process, rank 0, reporting every shard index's heal
+        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(), (0,), epoch)
         self._save_shrunk()
         if self.publishes:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})
