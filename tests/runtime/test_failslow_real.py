@@ -40,7 +40,7 @@ def failure_free_runs(tmp_path) -> None:
             [e for e in computes if not 0 < e["seconds"] <= e["wall"] + 1e-4][:3]
         slow = [e for e in events if e["event"] == "verdict" and e["new"] == "slow"]
         if slow:
-            raise failing(f"seed {seed}: declared slow {slow}", events)
+            raise failing(f"seed {seed}: declared slow {slow}", events, slow)
         owners = [e["owners"] for e in events if e["event"] == "step"]
         assert len(owners) == steps
         assert all(sorted(len(v) for v in o.values()) == [2, 2, 2, 2] for o in owners), owners
@@ -71,13 +71,14 @@ def slowdown_run(tmp_path) -> None:
         raise failing(f"the slowed replica's device time per token was {ratio:.2f}x its peers'", events)
     verdicts = [(e["step"], e["replica"], e["new"]) for e in events if e["event"] == "verdict"]
     slow = [s for s, rep, new in verdicts if new == "slow"]
+    wrong = [e for e in events if e["event"] == "verdict" and e["new"] == "slow" and e["replica"] != 2]
     # Through `failing` as the targets below: on a host whose speed moved fleet-wide (regime records) a
     # healthy replica was declared Slow in CI (at 5ec57e0: replica 1 at step 19, in a run with 0.66x and
     # 1.36x moves of every replica's device time), where it must fail at once on a steady host.
     if not slow:
         raise failing(f"replica 2 never declared slow: {verdicts}", events)
-    if not all(rep == 2 for s, rep, new in verdicts if new == "slow"):
-        raise failing(f"a replica other than the slowed one declared slow: {verdicts}", events)
+    if wrong:
+        raise failing(f"a replica other than the slowed one declared slow: {verdicts}", events, wrong)
     # By design a sustained 1.3x reaches Slow on its 3rd step (CUSUM 3 x (0.26 - 0.077) = 0.55 >= 0.45);
     # step-to-step noise of device time (replica-step log-sd ~0.05 here) makes it later at times: the 4th
     # in 1 of 4 runs on a loaded host, the 5th once in a full-suite run. The issue's target (3 steps) is

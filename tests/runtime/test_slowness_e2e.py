@@ -70,7 +70,7 @@ def slow_run(tmp_path) -> None:
     for events_of in (events, read_events(ref)):
         wrong = [e for e in events_of if e["event"] == "verdict" and e["new"] == "slow" and e["replica"] != SLOW]
         if wrong:
-            raise failing(f"a healthy replica declared slow: {wrong}", events_of)
+            raise failing(f"a healthy replica declared slow: {wrong}", events_of, wrong)
 
     # Trajectory: bit for bit the failure-free run's, step by step.
     cmp = compare(ref, out)
