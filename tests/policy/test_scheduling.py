@@ -90,8 +90,11 @@ def test_two_groups_of_two_ranks_shrink_to_one_rank_at_half_speed(tp, pp):
     # drop: group 1 pipelines all 12 (12 + pp-1 slots of 1 s); shrink: group 0 runs 4 at 2 s, group 1 8
     assert drop.step_seconds == pytest.approx(12 + pp - 1)
     assert d.chosen.step_seconds == pytest.approx(max(8 + pp - 1, 4 * 2))  # 1.5x for TP, 13/9 for PP
-    # rank 0 pulls what it lacks from rank 1 of the peer group: half the model's state
-    assert d.chosen.moved_bytes == pytest.approx(2e9)
+    # rank 0 missed the step it lost its peer in: it pulls the whole model's state from the peer group,
+    # its own stage's too; a live shrunk group growing back pulls only what the returning rank lacks
+    assert d.chosen.moved_bytes == pytest.approx(4e9)
+    back = S.decide(0, {0: d.chosen.plan, 1: full}, full, {0, 1}, {}, s, horizon_steps=math.inf)
+    assert back.chosen.kind == "grow" and back.chosen.moved_bytes == pytest.approx(2e9)
 
 
 def test_the_predictors_cost_model_sets_the_microbatch_time():
@@ -112,8 +115,10 @@ def test_a_lost_host_shrinks_the_pipeline_and_grows_back():
     drop = next(o for o in d.options if o.kind == "drop")
     assert d.chosen.kind == "shrink" and d.chosen.plan.tp == 8 and d.chosen.plan.pp == 3
     assert d.chosen.plan.ranks == frozenset(range(8, 32)) and d.chosen.step_seconds < drop.step_seconds
-    # each surviving rank pulls the layers it newly holds: 7 of 27 new layers' TP slice at most
-    assert d.chosen.moved_bytes > 0 and d.chosen.replan_seconds > s.hardware.reform_seconds
+    # each surviving rank missed the step the host was lost in: it pulls its whole new holding (its TP
+    # slice of its stage's layers): together the 3 stages' 24 ranks pull the whole model's state once
+    assert d.chosen.moved_bytes == pytest.approx(80 * s.model.state_bytes_per_layer)
+    assert d.chosen.replan_seconds > s.hardware.reform_seconds
     back = S.decide(0, {**plans, 0: d.chosen.plan}, full, set(range(32)), {}, s, horizon_steps=600)
     assert back.chosen.kind == "grow" and back.chosen.plan == full
     rec = back.record()

@@ -75,10 +75,16 @@ def options(group: int, plans: Mapping[int, P.Plan], full: P.Plan, alive: Collec
     mine = speeds.get(group, {})
     others = {g: p for g, p in plans.items() if g != group}
     sufficient = C.self_sufficient(current, alive, full)
+    # What the group's ranks hold is current only if the group kept stepping. One that lost a rank left
+    # the step it was in (its microbatches are redone elsewhere; its survivors leave the cross-group
+    # reduction), so its survivors' state misses that step's update and every rank of a re-formed plan
+    # pulls its whole holding (measured: a PP 2 -> 1 survivor received 1.64-1.70 MB, the whole model,
+    # where its lack alone was 0.79 MB predicted).
+    held = current if current is not None and current.ranks <= alive else None
     out: list[Option] = []
 
     def price(kind: str, plan: P.Plan | None, reform: bool) -> None:
-        moved = C.moved_bytes(current, plan, alive, full, s)
+        moved = C.moved_bytes(held, plan, alive, full, s)
         if moved and not (peers or sufficient):
             return  # the missing state is held by no survivor and there is no peer group to pull it from
         pull = max(moved.values(), default=0.0) / s.hardware.peer_bytes_per_s

@@ -14,9 +14,11 @@ What is measured, and what the prediction beside it counts:
                   differ by their NTP skew (milliseconds).
   moved_bytes     bytes the joiner's ranks received over every heal of the admission. Predicted: the
                   state the new plan's ranks lack (stepcost.moved_bytes: 16 B a block parameter, blocks
-                  only). A shrunk group's survivor rebuilds the whole model and pulls every shard index
-                  (standin.py), its own stage's too, and a heal moves parameters and Adam state (12 B a
-                  parameter, embeddings included): the two differ by design, and the event shows by how much.
+                  only); after a rank loss that is their whole holding, as the group missed a step
+                  (scheduling.options), and a shrunk group's survivor pulls every shard index
+                  (standin.py). A heal moves parameters and Adam state (12 B a parameter, embeddings
+                  included), so the two differ by that. A grow is predicted at what the returning ranks
+                  lack; this runtime's grow restarts the whole group, which re-pulls everything (~2x).
   weight          the group's tokens per device-second over the median of the other groups', the median
                   over its first MEASURE_STEPS committed steps on the new plan. Predicted: the plan's quota
                   weight (stepcost.rate), which its quotas follow. None without another group computing.
