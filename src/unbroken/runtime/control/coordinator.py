@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default="", help="where to look for the newest complete checkpoint")
     ap.add_argument("--store", default="", help="etcd://...: the run's state lives there (else: serve a TCPStore)")
     ap.add_argument("--lease-ttl", type=int, default=5, help="s: with etcd, a standby leads this long after a death")
+    ap.add_argument("--listen-fd", type=int, default=None,
+                    help="serve on this socket, bound to --port and listening (the launcher holds the port)")
     a = ap.parse_args(argv)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
     shape = GroupShape(a.group_size, *(float(v) if "." in v else int(v) for v in a.plan.split(","))) \
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                  takeover=current.check([keys.epoch()]))
     else:
         store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60), use_libuv=True)
+                         timeout=datetime.timedelta(seconds=60), use_libuv=True, master_listen_fd=a.listen_fd)
         address = f"{a.host}:{store.port}"
     print(f"UNBROKEN_STORE={address}", flush=True)
     # what the run is doing, for operators: /metrics, TensorBoard, the store's status snapshot

@@ -1,7 +1,7 @@
 """The local launcher: coordinator, snapshot agents, one worker process per replica group; then watch.
 
-Owns: the run directory (config.json, events.jsonl, logs/), starting processes with the environment a
-torchrun job per replica group would give them, reporting each worker's exit to the store (as a torchrun
+Owns: the run directory (config.json, events.jsonl, logs/), when processes start (how: starting.py),
+reporting each worker's exit to the store (as a torchrun
 agent sees its workers end), whole-job restarts (a new *generation*: fresh membership under the store
 prefix g{N}/, every trainer restarted and resumed from the agents' memory or the latest checkpoint), the
 launcher-side faults (chaos.py), live progress, summary.json, and killing everything it started.
@@ -15,13 +15,11 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed import DistError, PrefixStore
@@ -36,15 +34,14 @@ from unbroken.runtime.launcher.processes import AgentGroup, kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
-from unbroken.runtime.launcher.zygote import Forked, Zygote
+from unbroken.runtime.launcher.starting import DEFAULT_WORKER, fork_server, start_coordinator, start_worker
+from unbroken.runtime.launcher.zygote import Forked
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
 from unbroken.runtime.control.store import preflight as store_preflight
 from unbroken.runtime.control.epochwatch import wake
-from unbroken.runtime.control.replanning import group_shape
 from unbroken.runtime.control.metrics import preflight
 
-DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 MAX_RESTARTS = 20
 # Records the watch neither acts on nor shows: most of the log (a few per replica and step), so they
 # are skipped unparsed (every record starts with its kind, events.py).
@@ -87,16 +84,16 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                  run_id=run_id, group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     procs: list[subprocess.Popen | Forked] = []
     agents: AgentSet | None = None
-    zygote = _fork_server(cfg) if worker_cmd is None else None
+    zygote = fork_server(cfg) if worker_cmd is None else None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
     error: str | None = "launcher failed"
     restore_sigterm = _sigterm_interrupts()
     lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
     try:
-        coordinator, address = _start_coordinator(cfg, run_dir)
+        coordinator, address = start_coordinator(cfg, run_dir)
         procs.append(coordinator)
         if cfg.coord.store:  # etcd: standbys beside it; the run has lost its coordinator once all are gone
-            coordinator = _Coordinators([coordinator] + [_start_coordinator(cfg, run_dir, n)[0]
+            coordinator = _Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n)[0]
                                                          for n in range(1, 1 + cfg.coord.standbys)])
             procs.extend(coordinator.procs[1:])
         raw = connect(address)
@@ -119,7 +116,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
             log.emit("restart", generation=generation, reason=f"resumed after: {resume.reason}", source=source,
                      resumed=True)
         while True:
-            workers = {r: _start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
+            workers = {r: start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
                                         source, run_id, watch.last_step, zygote) for r in range(cfg.run.replicas)}
             procs.extend(workers.values())
             outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
@@ -191,110 +188,6 @@ def _restart(cfg: Config, raw, workers, agents: AgentSet | None, chaos: Chaos, l
 def _finish(cfg: Config, run_dir: Path, log: EventLog, t0: float, error: str | None) -> RunResult:
     ok, summary, error = finish_run(run_dir, cfg, log, t0, error)
     return RunResult(ok, run_dir, summary["steps_committed"], summary["last_committed_step"], error, summary)
-
-
-def _start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start the coordinator on a port chosen here, so workers start (and import torch) meanwhile;
-    their store clients retry until the server is up."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "unbroken.runtime.control.coordinator", "--replicas", str(cfg.run.replicas),
-           "--group-size", str(cfg.parallel.group_size),
-           "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
-           "--progress-timeout", str(cfg.coord.progress_timeout),
-           "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
-           "--plan", ",".join(map(str, astuple(group_shape(cfg))[1:])),  # all but group_size, passed above
-           "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
-           "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
-           "--tensorboard", cfg.metrics.tensorboard,
-           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else "",
-           "--store", cfg.coord.store,  # etcd: the coordinator binds nothing, the state lives there
-           "--lease-ttl", str(cfg.coord.lease_ttl)]
-    address = cfg.coord.store or f"127.0.0.1:{port}"
-    (run_dir / "coordinator.addr").write_text(f"{address}\n")  # for `unbroken status RUN_DIR`
-    name = f"coordinator{n}" if n else "coordinator"  # n > 0: a standby (etcd)
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / f"{name}.log", "ab"))
-    (run_dir / "logs" / f"{name}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
-    return p, address
-
-
-def _fork_server(cfg: Config) -> Zygote | None:
-    """The fork server for this run's trainers (zygote.py), started now so it imports while the coordinator
-    starts; None where trainers are not forked (`--run.launcher` direct or torchrun, groups of several
-    ranks: torchrun starts those)."""
-    if cfg.run.launcher != "fork" or cfg.parallel.group_size > 1:
-        return None
-    return Zygote.start(DEFAULT_WORKER[2], {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads),
-                                            "PYTHONUNBUFFERED": "1"})
-
-
-def _start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
-                  resume: str, run_id: str, recorded: int = -1,
-                  zygote: Zygote | None = None) -> subprocess.Popen | Forked:
-    env = {**os.environ, "UNBROKEN_STORE": address, "UNBROKEN_REPLICA": str(r), "UNBROKEN_RUN_DIR": str(run_dir),
-           "UNBROKEN_GENERATION": str(generation), "UNBROKEN_RESUME": resume, "UNBROKEN_RUN_ID": run_id,
-           # a restart restores no step past the last one with a record in the log: a snapshot can be
-           # sealed before its step's record is out, and a store lost with its coordinator takes the
-           # commit with it (`unbroken resume` would then miss that step's record)
-           "UNBROKEN_RESTORE_MAX": str(recorded),
-           # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           # group r's ranks take GPUs r x G + their rank (modulo the GPUs: runtime/parallel/device.py)
-           "UNBROKEN_DEVICE_BASE": str(r * cfg.parallel.group_size),
-           "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
-    if cfg.parallel.on_rank_loss == "replan":  # a torchrun agent per rank, as a group spanning hosts
-        return _start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env)
-    torchrun = cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1
-    if torchrun:  # the cluster's command: a torchrun
-        # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
-        # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
-    mine = None
-    if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
-        cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
-        mine = sorted({cores[(r * G + j) % len(cores)] for j in range(G)})
-    log = run_dir / "logs" / f"replica{r}.log"
-    if zygote is not None and zygote.usable():  # only for the default worker in one-rank groups (_fork_server)
-        p = zygote.spawn(cmd[3:], env, str(log), mine)
-    else:
-        pin = (lambda: os.sched_setaffinity(0, mine)) if mine else None  # runs in the child before exec
-        p = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, preexec_fn=pin)
-    (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
-    return p
-
-
-def _start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, job: str,
-                  env: dict[str, str]) -> AgentGroup:
-    """Group r as one torchrun agent per rank (`--nnodes=G --nproc-per-node=1`), rendezvousing (c10d) on the
-    coordinator's store, which outlives every trainer: where one agent per group (`--standalone`) stops
-    every rank when one dies, a rank here dies alone, and its group's survivor can go on shrunk
-    (parallel.on_rank_loss=replan). `job`, the rendezvous id, names run, generation and group; no restarts: a lost
-    rank is replaced by starting its agent again (which re-forms the group at its full plan). A lost
-    agent stays a participant of the rendezvous until its keep-alives lapse (3 x 1 s here; torch's
-    default 3 x 5 s): only then can a replacement's agent take its place."""
-    G = cfg.parallel.group_size
-    line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={address}",
-            "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
-            f"--rdzv-id={job}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
-
-    # torch 2.13's agents share the rendezvous store with their workers, publishing its address once per
-    # agent: after a membership change the new round's rank 0 may not publish it again, and the new agent
-    # waits forever (seen: a replacement rank hung in RendezvousStoreInfo.build). Unshared, rank 0 of every
-    # round publishes a fresh address, and the group's rank 0 serves its workers' store (intra_group).
-    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-    def start(j: int) -> subprocess.Popen:
-        log = run_dir / "logs" / (f"replica{r}.log" if j == 0 else f"replica{r}.agent{j}.log")
-        return subprocess.Popen(line, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-
-    group = AgentGroup([start(j) for j in range(G)], start)
-    (run_dir / "logs" / f"replica{r}.pid").write_text(str(group.pid))
-    return group
 
 
 def _cut_torn_line(events: Path) -> None:

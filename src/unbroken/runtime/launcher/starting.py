@@ -1,0 +1,145 @@
+"""How each process of a local run is started: the coordinator, the trainers' fork server, and each
+replica group's worker (a forked trainer, a process, a torchrun job, or a torchrun agent per rank).
+
+Owns: their command lines, the environment a torchrun job per replica group would give them, their log
+and pid files, core pinning (run.pin_cores) and the coordinator's port, held from its choice until the
+coordinator serves it. Does not own: when to start or stop them, or what their exits mean (launch.py),
+killing them (processes.py).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import astuple
+from pathlib import Path
+
+from unbroken.config import Config
+from unbroken.runtime.control.replanning import group_shape
+from unbroken.runtime.launcher.processes import AgentGroup
+from unbroken.runtime.launcher.zygote import Forked, Zygote
+
+DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
+
+
+def _listening() -> socket.socket:
+    """A loopback socket on a free port, listening, inheritable by a child; SO_REUSEADDR and the backlog
+    as TCPStore's own server sets them (its connections' TIME_WAIT must not block a later server)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    s.set_inheritable(True)
+    return s
+
+
+def start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subprocess.Popen, str]:
+    """Start the coordinator on a port chosen here, so workers start (and import torch) meanwhile;
+    their store clients retry until the server is up. The port is held from its choice on: a socket
+    bound and listening here, which the coordinator's store serves (`--listen-fd`), so no other process
+    (an outgoing connection's ephemeral port, another run) can take it while the coordinator imports
+    torch; where the address is etcd's, no socket is made. n > 0: a standby (etcd)."""
+    held = None if cfg.coord.store else _listening()
+    port = held.getsockname()[1] if held else 0
+    cmd = [sys.executable, "-m", "unbroken.runtime.control.coordinator", "--replicas", str(cfg.run.replicas),
+           "--group-size", str(cfg.parallel.group_size),
+           "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
+           "--progress-timeout", str(cfg.coord.progress_timeout),
+           "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
+           "--plan", ",".join(map(str, astuple(group_shape(cfg))[1:])),  # all but group_size, passed above
+           "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
+           "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
+           "--tensorboard", cfg.metrics.tensorboard,
+           "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else "",
+           "--store", cfg.coord.store,  # etcd: the coordinator binds nothing, the state lives there
+           "--lease-ttl", str(cfg.coord.lease_ttl), *(["--listen-fd", str(held.fileno())] if held else [])]
+    address = cfg.coord.store or f"127.0.0.1:{port}"
+    (run_dir / "coordinator.addr").write_text(f"{address}\n")  # for `unbroken status RUN_DIR`
+    name = f"coordinator{n}" if n else "coordinator"  # n > 0: a standby (etcd)
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / f"{name}.log", "ab"),
+                             pass_fds=(held.fileno(),) if held else ())
+    finally:
+        if held:
+            held.close()  # the coordinator holds its own copy: the port is free again once it exits
+    (run_dir / "logs" / f"{name}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
+    return p, address
+
+
+def fork_server(cfg: Config) -> Zygote | None:
+    """The fork server for this run's trainers (zygote.py), started now so it imports while the coordinator
+    starts; None where trainers are not forked (`--run.launcher` direct or torchrun, groups of several
+    ranks: torchrun starts those)."""
+    if cfg.run.launcher != "fork" or cfg.parallel.group_size > 1:
+        return None
+    return Zygote.start(DEFAULT_WORKER[2], {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads),
+                                            "PYTHONUNBUFFERED": "1"})
+
+
+def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
+                  resume: str, run_id: str, recorded: int = -1,
+                  zygote: Zygote | None = None) -> subprocess.Popen | Forked:
+    env = {**os.environ, "UNBROKEN_STORE": address, "UNBROKEN_REPLICA": str(r), "UNBROKEN_RUN_DIR": str(run_dir),
+           "UNBROKEN_GENERATION": str(generation), "UNBROKEN_RESUME": resume, "UNBROKEN_RUN_ID": run_id,
+           # a restart restores no step past the last one with a record in the log: a snapshot can be
+           # sealed before its step's record is out, and a store lost with its coordinator takes the
+           # commit with it (`unbroken resume` would then miss that step's record)
+           "UNBROKEN_RESTORE_MAX": str(recorded),
+           # the intra-group world of a replica group (one rank in data parallelism), as torchrun sets it
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           # group r's ranks take GPUs r x G + their rank (modulo the GPUs: runtime/parallel/device.py)
+           "UNBROKEN_DEVICE_BASE": str(r * cfg.parallel.group_size),
+           "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
+    if cfg.parallel.on_rank_loss == "replan":  # a torchrun agent per rank, as a group spanning hosts
+        return start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env)
+    torchrun = cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1
+    if torchrun:  # the cluster's command: a torchrun
+        # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
+        # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
+    mine = None
+    if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
+        cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
+        mine = sorted({cores[(r * G + j) % len(cores)] for j in range(G)})
+    log = run_dir / "logs" / f"replica{r}.log"
+    if zygote is not None and zygote.usable():  # only for the default worker in one-rank groups (fork_server)
+        p = zygote.spawn(cmd[3:], env, str(log), mine)
+    else:
+        pin = (lambda: os.sched_setaffinity(0, mine)) if mine else None  # runs in the child before exec
+        p = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, preexec_fn=pin)
+    (run_dir / "logs" / f"replica{r}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
+    return p
+
+
+def start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, job: str,
+                  env: dict[str, str]) -> AgentGroup:
+    """Group r as one torchrun agent per rank (`--nnodes=G --nproc-per-node=1`), rendezvousing (c10d) on the
+    coordinator's store, which outlives every trainer: where one agent per group (`--standalone`) stops
+    every rank when one dies, a rank here dies alone, and its group's survivor can go on shrunk
+    (parallel.on_rank_loss=replan). `job`, the rendezvous id, names run, generation and group; no restarts: a lost
+    rank is replaced by starting its agent again (which re-forms the group at its full plan). A lost
+    agent stays a participant of the rendezvous until its keep-alives lapse (3 x 1 s here; torch's
+    default 3 x 5 s): only then can a replacement's agent take its place."""
+    G = cfg.parallel.group_size
+    line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={address}",
+            "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
+            f"--rdzv-id={job}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
+
+    # torch 2.13's agents share the rendezvous store with their workers, publishing its address once per
+    # agent: after a membership change the new round's rank 0 may not publish it again, and the new agent
+    # waits forever (seen: a replacement rank hung in RendezvousStoreInfo.build). Unshared, rank 0 of every
+    # round publishes a fresh address, and the group's rank 0 serves its workers' store (intra_group).
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def start(j: int) -> subprocess.Popen:
+        log = run_dir / "logs" / (f"replica{r}.log" if j == 0 else f"replica{r}.agent{j}.log")
+        return subprocess.Popen(line, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+    group = AgentGroup([start(j) for j in range(G)], start)
+    (run_dir / "logs" / f"replica{r}.pid").write_text(str(group.pid))
+    return group
