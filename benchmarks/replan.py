@@ -52,7 +52,8 @@ def measure(records: list[dict]) -> dict:
     return {"wall": sum(tokens.values()) / (steps[last]["t"] - steps[FROM - 1]["t"]),
             "device": sum(tokens.values()) / sum(path.values()), "path": path, "tokens": tokens,
             "steady_from": max(heals) + 1 if heals else None,
-            "measured": next((r for r in records if r["event"] == "group_plan_measured"), None),
+            "measured": next((r for r in records if r["event"] == "group_plan_measured" and r["applied"] == "shrink"),
+                             None),
             "applied": plans[0]["applied"] if plans else "none (drop)",
             "weight": plans[0]["applied_weight"] if plans else 0.0,
             "last_quotas": "/".join(f"{g}:{len(v)}" for g, v in sorted(steps[last]["owners"].items()))}

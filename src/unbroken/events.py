@@ -54,12 +54,14 @@ their fields:
                  again (runtime/control/replanning.py), adding speed, located (false: it times whole
                  groups), per_microbatch_seconds, cost_source (predictor|measured median), applied (the
                  option it executed: keep|reweight), applied_weight, not_executable (kind -> why)
-  group_plan_measured  step (the last measured), replica, why, applied (shrink|grow), plan, decided_step,
-                 steps, then each prediction beside its measurement: predicted_/measured_replan_seconds,
-                 predicted_moved_bytes / moved_bytes, predicted_/measured_weight, predicted_/measured_step_
-                 seconds; healed_ranks; quota_weight (a shrink under run.quotas=speed: the weight its
-                 quotas follow from then on, its measured speed; null: unchanged)   (the coordinator, once a re-planned group has committed its first
-                 3 steps on the new plan; what each figure counts: runtime/control/replancost.py)
+  group_plan_measured  step (the last measured), replica, why, applied (shrink|grow|keep|reweight), plan,
+                 decided_step, steps, then each prediction beside its measurement: predicted_/measured_
+                 replan_seconds, predicted_moved_bytes / moved_bytes, predicted_/measured_weight,
+                 predicted_/measured_step_seconds; healed_ranks; quota_weight (a shrink under
+                 run.quotas=speed: the weight its quotas follow from then on, its measured speed; null:
+                 unchanged)   (the coordinator, once a re-planned group has committed its first 3 steps on
+                 the new plan, or 3 steps after a keep or reweight decision: nothing moved, 0 bytes, the
+                 re-plan time null; not for a drop; what each figure counts: runtime/control/replancost.py)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from torch.distributed import HashStore
@@ -62,6 +63,28 @@ def test_a_group_declared_dead_before_it_is_measured_is_not_reported():
     m.observe(6, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}, 3)
     m.forget(1)
     assert [m.observe(s, {0: mbs(4, 0.01), 1: mbs(4, 0.01)}, 3) for s in (7, 8, 9)] == [[], [], []]
+
+
+def test_a_reweight_is_measured_over_the_steps_after_its_decision_and_moves_nothing():
+    """Keep and reweight re-form nothing: their steps commit in the same epoch, after the decision's step;
+    no rank heals (0 bytes moved, the re-plan time unknown). A keep or reweight while another measurement
+    is pending is not measured; a shrink replaces a pending reweight's."""
+    reweight = Option("reweight", Plan(1, (1, 1), ((0,), (1,)), weight=0.34), 0.3, 0.0, 0.0, 0.3, (0, 0, 1))
+    m = Measurer()
+    m.begin(1, "slow", reweight, step=4, decided_at=100.0, ranks=(), epoch=0)
+    assert m.observe(4, {0: mbs(4, 0.01), 1: mbs(4, 0.03)}, 0) == []  # the decision's own step: before it
+    assert m.observe(5, {0: mbs(4, 0.01), 1: mbs(2, 0.03)}, 0) == []
+    m.begin(1, "healthy again", replace(reweight, kind="keep"), step=5, decided_at=101.0, ranks=(), epoch=0)
+    assert m.observe(6, {0: mbs(4, 0.01), 1: mbs(2, 0.03)}, 0) == []
+    (p,) = m.observe(7, {0: mbs(4, 0.01), 1: mbs(2, 0.02)}, 0)
+    e = fields(p, [])
+    assert (e["why"], e["applied"], e["steps"]) == ("slow", "reweight", [5, 6, 7])
+    assert (e["moved_bytes"], e["predicted_moved_bytes"], e["healed_ranks"]) == (0, 0, 0)
+    assert e["measured_replan_seconds"] is None and e["predicted_replan_seconds"] == 0.0
+    assert e["measured_weight"] == pytest.approx(1 / 3, abs=1e-4) and e["predicted_weight"] == 0.34
+    m.begin(1, "slow", reweight, step=8, decided_at=102.0, ranks=(), epoch=0)
+    m.begin(1, "rank lost", OPTION, step=9, decided_at=103.0, ranks=(0,), epoch=0)
+    assert m.pending[1].option.kind == "shrink" and m.pending[1].reformed
 
 
 def committed(store, step: int, groups: dict[int, float]) -> None:
@@ -140,3 +163,29 @@ def shrunk_then_measured(tmp_path, stand_in_seconds: float) -> tuple[SlownessMon
         committed(store, s, {0: 0.01, 1: stand_in_seconds})
     monitor.poll(0)
     return monitor, read_events(tmp_path)
+
+
+def test_the_coordinator_measures_a_slow_group_s_reweight(tmp_path):
+    """Two healthy groups of 2 pipeline stages, then group 1 at 3x the time per microbatch: the detector
+    declares it Slow, the scheduler reweights it (run.quotas=speed), and once 3 steps have committed
+    after that decision the coordinator logs what the group's speed measured beside the weight given."""
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.weights(), "{}")
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000, reform_seconds=0.1)
+    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
+    for s in range(8):
+        committed(store, s, {0: 0.01, 1: 0.01})
+    for s in range(8, 20):
+        committed(store, s, {0: 0.01, 1: 0.03})
+    monitor.poll(0)
+    events = read_events(tmp_path)
+    (plan,) = [e for e in events if e["event"] == "group_plan" and e["why"] == "slow"]
+    assert plan["replica"] == 1 and plan["applied"] == "reweight"
+    (measured,) = [e for e in events if e["event"] == "group_plan_measured"]
+    assert (measured["why"], measured["applied"], measured["replica"]) == ("slow", "reweight", 1)
+    assert measured["steps"] == list(range(plan["step"] + 1, plan["step"] + 1 + MEASURE_STEPS))
+    assert measured["predicted_weight"] == plan["applied_weight"]
+    assert measured["measured_weight"] == pytest.approx(1 / 3, abs=1e-4)  # rounded to 4 places
+    assert measured["moved_bytes"] == 0 and measured["quota_weight"] is None

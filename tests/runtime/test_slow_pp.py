@@ -37,6 +37,10 @@ def plan_events(events, replica: int) -> list[dict]:
     return [e for e in events if e["event"] == "group_plan" and e["replica"] == replica]
 
 
+def measured(events, replica: int) -> list[dict]:
+    return [e for e in events if e["event"] == "group_plan_measured" and e["replica"] == replica]
+
+
 def test_slow_stage_is_detected_reweighted_by_the_scheduler_and_the_trajectory_holds(tmp_path):
     out = tmp_path / "speed"
     r = unbroken("train", *RUN, "--run.quotas=speed", "--out", str(out), timeout=200)
@@ -61,6 +65,13 @@ def test_slow_stage_is_detected_reweighted_by_the_scheduler_and_the_trajectory_h
     assert kinds["reweight"]["step_seconds"] < kinds["keep"]["step_seconds"]  # predicted to pay
     assert {"drop", "shrink"} <= set(plan["not_executable"]) and "reweight" not in plan["not_executable"]
     assert plan_events(events, 0) == []  # the healthy group is never re-planned
+    # What the reweight met, measured over the 3 steps committed after the decision: group 1's speed per
+    # token beside the weight it was given (the detector's estimate); nothing re-formed, nothing moved
+    (m,) = measured(events, 1)
+    assert (m["why"], m["applied"], m["decided_step"]) == ("slow", "reweight", declared)
+    assert m["steps"] == [declared + 1, declared + 2, declared + 3]
+    assert m["predicted_weight"] == plan["applied_weight"] and m["measured_weight"] < 1 / 1.5
+    assert (m["moved_bytes"], m["healed_ranks"], m["measured_replan_seconds"]) == (0, 0, None)
 
     # Quotas moved after the decision: group 1 holds fewer microbatches than group 0 on later steps.
     record = steps(events)
@@ -87,6 +98,8 @@ def test_under_equal_quotas_the_decision_is_logged_and_only_keep_is_applied(tmp_
     assert plans and plans[0]["why"] == "slow", [e for e in events if e["event"] == "verdict"]
     assert plans[0]["applied"] == "keep" and "run.quotas=equal" in plans[0]["not_executable"]["reweight"]
     assert plans[0]["decision"] != "keep"  # the scheduler would act; the run was told not to
+    (m,) = measured(events, 1)  # keep is measured as reweight is: the group's speed, the same weight 1
+    assert (m["why"], m["applied"], m["predicted_weight"]) == ("slow", "keep", 1.0) and m["measured_weight"] < 1 / 1.5
     assert all(len(mbs) == M // 2 for rec in steps(events).values() for mbs in rec["owners"].values())
     assert audit(out, M) == []
 
@@ -104,6 +117,7 @@ def test_under_drop_quotas_the_slow_group_is_parked_and_the_trajectory_holds(tmp
     assert plan["why"] == "slow" and plan["applied"] == "drop" and plan["applied_weight"] == 0.0
     assert "run.quotas=drop" in plan["not_executable"]["reweight"]
     assert not [e for e in events if e["event"] == "member_dead"]
+    assert measured(events, 1) == []  # a parked group computes nothing: nothing to measure
     record = steps(events)
     assert sorted(record) == list(range(STEPS))
     parked = [s for s in record if s > plan["step"] and not record[s]["owners"].get("1")]

@@ -1,5 +1,6 @@
-"""What a re-plan cost, measured: for a group the scheduler shrank or grew, the coordinator's
-`group_plan_measured` event, each figure beside the one the `group_plan` decision predicted.
+"""What a re-plan cost, measured: for a group the scheduler shrank or grew, or kept or reweighted when it
+turned Slow or Healthy again, the coordinator's `group_plan_measured` event, each figure beside the one
+the `group_plan` decision predicted. (A dropped group computes nothing: nothing of it to measure.)
 
 Owns: the groups awaiting measurement (`Pending`: the applied option and when it was decided), folding
 each committed step's timings into them (`Measurer.observe`), and the event's fields (`fields`). Does
@@ -12,7 +13,9 @@ What is measured, and what the prediction beside it counts:
                   donor's step boundary, the heal's rendezvous and transfer. Predicted: reform_seconds plus
                   the slowest receiver's pull at the stated peer bandwidth. Across hosts the two clocks
                   differ by their NTP skew (milliseconds).
-  moved_bytes     bytes the joiner's ranks received over every heal of the admission. Predicted: the
+                  Keep and reweight re-form nothing: 0 predicted, none measured (null).
+  moved_bytes     bytes the joiner's ranks received over every heal of the admission (keep, reweight: 0,
+                  no rank heals). Predicted: the
                   state the new plan's ranks lack (stepcost.moved_bytes: 16 B a block parameter, blocks
                   only); after a rank loss that is their whole holding, as the group missed a step
                   (scheduling.options), and a shrunk group's survivor pulls every shard index
@@ -20,8 +23,10 @@ What is measured, and what the prediction beside it counts:
                   included), so the two differ by that. A grow is predicted at what the returning ranks
                   lack; this runtime's grow restarts the whole group, which re-pulls everything (~2x).
   weight          the group's tokens per device-second over the median of the other groups', the median
-                  over its first MEASURE_STEPS committed steps on the new plan. Predicted: the plan's quota
-                  weight (stepcost.rate), which its quotas follow. None without another group computing.
+                  over its first MEASURE_STEPS committed steps on the new plan (keep, reweight: the steps
+                  committed after the decision's). Predicted: the plan's quota weight (stepcost.rate),
+                  which its quotas follow; for a reweight, the detector's speed estimate. None without
+                  another group computing.
   step_seconds    the step's compute critical path: the largest device time any group spent on its
                   microbatches of the step, the median over the same steps. Predicted: the cost model's
                   whole step (the pipeline bubble, TP and PP links at the stated H100 speeds, the sync);
@@ -56,6 +61,9 @@ class Pending:
     ranks: tuple[int, ...]  # the joiner's ranks that report their heals (a stand-in is rank 0)
     epoch: int  # the epoch in force at the decision: the new plan's steps commit in later ones
     seen: tuple[tuple[int, float | None, float], ...] = ()  # (step, weight, critical path s) per step
+    # a plan re-formed in a new epoch (shrink, grow): its steps commit in epochs after `epoch`; else (keep,
+    # reweight: the same ranks, new quotas) the steps after `step`
+    reformed: bool = True
 
 
 def step_figures(group: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> tuple[float | None, float]:
@@ -73,15 +81,22 @@ def step_figures(group: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) 
 
 
 class Measurer:
-    """Call `begin` when a shrink or grow is applied, `observe` with every committed step's timings, and
-    `forget` when a group is declared dead (its measurement ends unreported: the plan it measured is gone)."""
+    """Call `begin` when a shrink, grow, keep or reweight is applied, `observe` with every committed step's
+    timings, and `forget` when a group is declared dead (its measurement ends unreported: the plan it
+    measured is gone). One measurement a group at a time: a keep or reweight while one is pending is not
+    measured; a shrink or grow replaces it (the plan it measured is gone)."""
 
     def __init__(self) -> None:
         self.pending: dict[int, Pending] = {}
 
     def begin(self, group: int, why: str, option: Option, step: int, decided_at: float, ranks: Sequence[int],
               epoch: int) -> None:
-        self.pending[group] = Pending(group, why, option, step, decided_at, tuple(ranks), epoch)
+        """Measure `option`, applied to `group` when `step` was the next to read. `ranks`: the joiner's
+        ranks reporting heals (none for keep and reweight, which re-form nothing)."""
+        reformed = option.kind not in ("keep", "reweight")
+        if group in self.pending and not reformed:
+            return  # the plan being measured is still in force for these steps: finish that one first
+        self.pending[group] = Pending(group, why, option, step, decided_at, tuple(ranks), epoch, (), reformed)
 
     def forget(self, group: int) -> None:
         self.pending.pop(group, None)
@@ -93,7 +108,8 @@ class Measurer:
         after the decision: a group lost in its optimizer phase had its step committed, timings and all."""
         done = []
         for g, p in list(self.pending.items()):
-            if step < p.step or epoch <= p.epoch or not any(m.seconds > 0 for m in timings.get(g, ())):
+            old = epoch <= p.epoch if p.reformed else step <= p.step
+            if step < p.step or old or not any(m.seconds > 0 for m in timings.get(g, ())):
                 continue  # the old plan's, or a step the group did not compute in (parked, admitted later)
             p = self.pending[g] = replace(p, seen=p.seen + ((step, *step_figures(g, timings)),))
             if len(p.seen) >= MEASURE_STEPS:
@@ -106,13 +122,13 @@ def fields(p: Pending, healed: Sequence[Mapping[str, float]]) -> dict[str, Any]:
     joiner ranks that wrote one (a rank that reported none leaves the re-plan time and bytes unknown)."""
     o = p.option
     weights = [w for _, w, _ in p.seen if w is not None]
-    whole = len(healed) == len(p.ranks)
+    whole = bool(p.ranks) and len(healed) == len(p.ranks)  # keep, reweight: no joiner, nothing healed
     return {"replica": p.group, "why": p.why, "applied": o.kind, "plan": o.plan.shape() if o.plan else None,
             "decided_step": p.step, "steps": [s for s, _, _ in p.seen],
             "predicted_replan_seconds": round(o.replan_seconds, 6),
             "measured_replan_seconds": round(max(h["t"] for h in healed) - p.decided_at, 6) if whole else None,
             "predicted_moved_bytes": round(o.moved_bytes),
-            "moved_bytes": sum(int(h["bytes"]) for h in healed) if whole else None,
+            "moved_bytes": sum(int(h["bytes"]) for h in healed) if whole else None if p.reformed else 0,
             "healed_ranks": len(healed),
             "predicted_weight": round(o.plan.weight, 4) if o.plan else 0.0,
             "measured_weight": round(statistics.median(weights), 4) if weights else None,

@@ -215,10 +215,12 @@ class GroupPlanner:
         return r
 
     def on_verdicts(self, changes: Sequence[VerdictChange], timings: Mapping[int, Sequence[MicrobatchTiming]],
-                    predictor: Predictor, members: Sequence[int]) -> None:
+                    predictor: Predictor, members: Sequence[int]) -> list[tuple[int, str, scheduling.Restricted]]:
         """Decide for each group entering Slow or leaving it; log one `group_plan` event each. Call with
-        every committed step (changes or not): its timings price a later rank loss too."""
+        every committed step (changes or not): its timings price a later rank loss too. Returns (group,
+        why, decision) of each decision logged, for the caller to measure."""
         self.observe(timings)
+        decided = []
         for c in changes:
             if (c.new is Verdict.SLOW) == (c.old is Verdict.SLOW):
                 continue  # Healthy <-> Suspect: nothing to decide
@@ -244,9 +246,11 @@ class GroupPlanner:
                 self.reweighted.pop(c.replica, None)
             if r.applied.kind == "drop":
                 self.parked.add(c.replica)
-            self.log.emit("group_plan", step=c.step, replica=c.replica, why="slow" if slow else "healthy again",
-                          speed=round(speed, 4), located=False,
-                          per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+            why = "slow" if slow else "healthy again"
+            self.log.emit("group_plan", step=c.step, replica=c.replica, why=why, speed=round(speed, 4),
+                          located=False, per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+            decided.append((c.replica, why, r))
+        return decided
 
     def _refused(self, slow: bool) -> dict[str, str]:
         """What a Slow (or Healthy-again) decision may not apply, and why, under config run.quotas."""

@@ -45,7 +45,7 @@ class SlownessMonitor:
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
         self.replayed = -1  # steps up to here are replayed (catch_up): their events were logged before
-        self.measurer = Measurer()  # shrinks and grows applied, until measured (replancost.py)
+        self.measurer = Measurer()  # re-plans applied (not drops), until measured (replancost.py)
         self.commit_epoch = -1  # the epoch the step `_timings` last read committed in
 
     def catch_up(self) -> None:
@@ -72,8 +72,11 @@ class SlownessMonitor:
                 changes = self.detector.take_events()
                 self._log(changes)
                 if self.planner is not None:
-                    self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)], timings,
-                                             self.detector.predictor, sorted(timings))
+                    for group, why, r in self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)],
+                                                                  timings, self.detector.predictor, sorted(timings)):
+                        if r.applied.kind in ("keep", "reweight"):  # a dropped group computes nothing to measure
+                            self.measurer.begin(group, why, r.applied, self.next_step, time.time(), (),
+                                                self.commit_epoch)
                 # before the speeds: a measured shrunk group's quota weight is its measured speed from now on
                 for p in self.measurer.observe(self.next_step, timings, self.commit_epoch):
                     self._measured(p)
