@@ -95,15 +95,21 @@ def committed(store, step: int, groups: dict[int, float]) -> None:
     store.set(keys.last_commit(), str(step))
 
 
-def shrunk(tmp_path) -> tuple[HashStore, SlownessMonitor]:
-    """A coordinator's monitor of 2 groups of 2 pipeline stages after 6 healthy steps, group 1 then
-    declared dead for a lost rank and shrunk onto its survivor (the scheduler's choice, asserted)."""
+def watching(tmp_path) -> tuple[HashStore, SlownessMonitor]:
+    """A coordinator's monitor (run.quotas=speed, the scheduler asked) of 2 groups of 2 pipeline stages,
+    over a store that holds nothing committed yet; its events go to tmp_path."""
     store = HashStore()
     store.set(keys.members(0), json.dumps([0, 1]))
     store.set(keys.weights(), "{}")
     log = EventLog(tmp_path / "events.jsonl", who="coordinator")
     shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000, reform_seconds=0.1)
-    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
+    return store, SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
+
+
+def shrunk(tmp_path) -> tuple[HashStore, SlownessMonitor]:
+    """The monitor of `watching` after 6 healthy steps, group 1 then declared dead for a lost rank and
+    shrunk onto its survivor (the scheduler's choice, asserted)."""
+    store, monitor = watching(tmp_path)
     for s in range(6):
         committed(store, s, {0: 0.01, 1: 0.01})
     monitor.poll(0)
@@ -169,12 +175,7 @@ def test_the_coordinator_measures_a_slow_group_s_reweight(tmp_path):
     """Two healthy groups of 2 pipeline stages, then group 1 at 3x the time per microbatch: the detector
     declares it Slow, the scheduler reweights it (run.quotas=speed), and once 3 steps have committed
     after that decision the coordinator logs what the group's speed measured beside the weight given."""
-    store = HashStore()
-    store.set(keys.members(0), json.dumps([0, 1]))
-    store.set(keys.weights(), "{}")
-    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
-    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=1000, reform_seconds=0.1)
-    monitor = SlownessMonitor(store, log, quotas="speed", planner=planner_for(shape, 2, log, "speed"))
+    store, monitor = watching(tmp_path)
     for s in range(8):
         committed(store, s, {0: 0.01, 1: 0.01})
     for s in range(8, 20):
