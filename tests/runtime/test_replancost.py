@@ -68,7 +68,7 @@ def test_a_group_declared_dead_before_it_is_measured_is_not_reported():
 def test_a_reweight_is_measured_over_the_steps_after_its_decision_and_moves_nothing():
     """Keep and reweight re-form nothing: their steps commit in the same epoch, after the decision's step;
     no rank heals (0 bytes moved, the re-plan time unknown). A keep or reweight while another measurement
-    is pending is not measured; a shrink replaces a pending reweight's."""
+    is pending is not measured; a shrink replaces a pending reweight's; a drop is never measured."""
     reweight = Option("reweight", Plan(1, (1, 1), ((0,), (1,)), weight=0.34), 0.3, 0.0, 0.0, 0.3, (0, 0, 1))
     m = Measurer()
     m.begin(1, "slow", reweight, step=4, decided_at=100.0, ranks=(), epoch=0)
@@ -85,6 +85,8 @@ def test_a_reweight_is_measured_over_the_steps_after_its_decision_and_moves_noth
     m.begin(1, "slow", reweight, step=8, decided_at=102.0, ranks=(), epoch=0)
     m.begin(1, "rank lost", OPTION, step=9, decided_at=103.0, ranks=(0,), epoch=0)
     assert m.pending[1].option.kind == "shrink" and m.pending[1].reformed
+    m.begin(2, "slow", replace(reweight, kind="drop", plan=None), step=9, decided_at=104.0, ranks=(), epoch=0)
+    assert 2 not in m.pending  # a dropped (parked) group computes nothing to measure
 
 
 def committed(store, step: int, groups: dict[int, float]) -> None:

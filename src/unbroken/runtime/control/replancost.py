@@ -48,6 +48,7 @@ from unbroken.policy.predictor import MicrobatchTiming
 from unbroken.policy.scheduling import Option
 
 MEASURE_STEPS = 3  # committed steps on the new plan a measurement spans (its weight and step: medians)
+IN_PLACE = ("keep", "reweight")  # options that re-form nothing: measured over the steps after the decision
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,11 @@ class Measurer:
     def begin(self, group: int, why: str, option: Option, step: int, decided_at: float, ranks: Sequence[int],
               epoch: int) -> None:
         """Measure `option`, applied to `group` when `step` was the next to read. `ranks`: the joiner's
-        ranks reporting heals (none for keep and reweight, which re-form nothing)."""
-        reformed = option.kind not in ("keep", "reweight")
+        ranks reporting heals (none for keep and reweight, which re-form nothing). A drop is not measured:
+        the group computes nothing (parked) or has left."""
+        if option.kind == "drop":
+            return
+        reformed = option.kind not in IN_PLACE
         if group in self.pending and not reformed:
             return  # the plan being measured is still in force for these steps: finish that one first
         self.pending[group] = Pending(group, why, option, step, decided_at, tuple(ranks), epoch, (), reformed)

@@ -31,6 +31,12 @@ from unbroken.runtime.control.store import read
 REPLAY_STEPS = 64
 
 
+def timing(t: list) -> MicrobatchTiming:
+    """One microbatch's timing as a done record holds it: [tokens, sumsq, seconds], and in a group of several
+    ranks each rank's own seconds after them (StepWork.gather_times)."""
+    return MicrobatchTiming(t[0], t[1], t[2], tuple(t[3]) if len(t) > 3 else ())
+
+
 class SlownessMonitor:
     """Call `poll(epoch)` every beat round of the coordinator (a round trip, plus two for each step
     committed since); `forget(r)` when a member is declared dead."""
@@ -74,9 +80,8 @@ class SlownessMonitor:
                 if self.planner is not None:
                     for group, why, r in self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)],
                                                                   timings, self.detector.predictor, sorted(timings)):
-                        if r.applied.kind in ("keep", "reweight"):  # a dropped group computes nothing to measure
-                            self.measurer.begin(group, why, r.applied, self.next_step, time.time(), (),
-                                                self.commit_epoch)
+                        self.measurer.begin(group, why, r.applied, self.next_step, time.time(), (),
+                                            self.commit_epoch)
                 # before the speeds: a measured shrunk group's quota weight is its measured speed from now on
                 for p in self.measurer.observe(self.next_step, timings, self.commit_epoch):
                     self._measured(p)
@@ -173,7 +178,7 @@ class SlownessMonitor:
                     # this one (multi_get would wait for it until the store's timeout)
                     members = [m for m in members if self.store.check([keys.done(step, e, m)])]
                 done = self.store.multi_get([keys.done(step, e, m) for m in members])
-                return {m: [MicrobatchTiming(*t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
+                return {m: [timing(t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
         return {}
 
     def _log(self, changes: list[VerdictChange | RegimeChange]) -> None:
