@@ -26,7 +26,9 @@ their fields:
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
                  waited: s spent waiting for a peer's decision or a new epoch in the step)
   compute        step, replica, epoch, microbatch, seconds, wall, tokens, sumsq   (one per microbatch;
-                 seconds: device time, what the detector reads (runtime/devicetime.py); wall: wall time)
+                 seconds: device time (runtime/devicetime.py): this rank's own; a pipeline stage's, its
+                 group's slowest stage's share, and own: this stage's; wall: wall time. The detector
+                 reads each group's slowest rank per microbatch from the done records)
   reduce         step, replica, epoch, seconds, ok, wait; microbatches (ok: the ones it reduced)
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
@@ -51,8 +53,9 @@ their fields:
                  step_seconds, replan_seconds, moved_bytes, amortised_seconds)   (policy/scheduling.py's
                  decision for a group that lost or regained ranks or whose rank turned slow; the
                  simulator applies it). The coordinator writes it too when a group turns Slow or Healthy
-                 again (runtime/control/replanning.py), adding speed, located (false: it times whole
-                 groups), per_microbatch_seconds, cost_source (predictor|measured median), applied (the
+                 again (runtime/control/replanning.py), adding speed, located (the ranks found slow
+                 against the same rank of the peer groups, policy/locating.py; [] where none), rank_speeds
+                 (rank -> that ratio; {} without per-rank times), per_microbatch_seconds, cost_source (predictor|measured median), applied (the
                  option it executed: keep|reweight), applied_weight, not_executable (kind -> why)
   group_plan_measured  step (the last measured), replica, why, applied (shrink|grow|keep|reweight), plan,
                  decided_step, steps, then each prediction beside its measurement: predicted_/measured_

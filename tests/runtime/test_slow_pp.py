@@ -1,6 +1,7 @@
 """A fail-slow rank inside a pipeline group, through real torchrun jobs (2 groups x PP 2, gloo, --exact):
 rank 1 (the last stage) of group 1 spins 3x its compute from step 2. The group reports its slowest stage's
-device time, the coordinator's detector declares group 1 Slow, the scheduler (policy/scheduling.py) is
+device time and each stage's own, the coordinator's detector declares group 1 Slow and locates its rank 1,
+the scheduler (policy/scheduling.py) is
 called and its decision logged as a `group_plan` event with every candidate's predicted step time and
 re-plan cost; the runtime applies reweight (keep under --run.quotas=equal, drop under --run.quotas=drop:
 the group parked for the rest of the run) and says why the others are not executable. Oracle: the event log, the audit, and the PP oracle's digests (quotas
@@ -57,7 +58,9 @@ def test_slow_stage_is_detected_reweighted_by_the_scheduler_and_the_trajectory_h
     assert declared <= STEPS - 4, declared  # room for later steps to show the new quotas
 
     plan = plan_events(events, 1)[0]
-    assert plan["why"] == "slow" and plan["step"] == declared and plan["located"] is False
+    assert plan["why"] == "slow" and plan["step"] == declared
+    # the slow stage located: rank 1 against rank 1 of the peer group (policy/locating.py), rank 0 healthy
+    assert plan["located"] == [1] and plan["rank_speeds"]["1"] < 0.7 <= plan["rank_speeds"]["0"], plan
     kinds = {o["kind"]: o for o in plan["options"]}
     assert {"drop", "keep", "reweight"} <= set(kinds) and plan["decision"] in kinds
     assert all(o["step_seconds"] > 0 and o["replan_seconds"] >= 0 for o in plan["options"])

@@ -29,7 +29,8 @@ class MicrobatchTiming:
     """One computed microbatch: its work features and how long its forward+backward took."""
     tokens: int  # tokens in the microbatch
     sumsq: float  # sum over its sequences (documents) of length^2, tokens^2
-    seconds: float  # measured compute time, s
+    seconds: float  # measured compute time, s (a replica group's: its slowest rank's, which it waits for)
+    ranks: tuple[float, ...] = ()  # a group of several ranks: each rank's own device seconds, by rank
 
     def __post_init__(self) -> None:
         if self.tokens < 0 or self.sumsq < 0 or not self.seconds > 0:

@@ -352,6 +352,7 @@ class Trainer:
                           wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
+        work.gather_times(self.group, self.who.rank, self.ranks, microbatches)
         return rec.Computed(microbatches)
 
     def compute_stages(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
@@ -373,20 +374,18 @@ class Trainer:
         for loss in self.stages.run(mbs, [loss_weight(mb.tokens, work.tokens) for mb in mbs], before, after):
             work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the last stage's, in order
         self.faults.stretch(step, span, sum(mb.tokens for mb in mbs), sum(mb.sumsq for mb in mbs))
-        seconds, wall = span.stop()
-        # The group's time is its slowest stage's: a stage waiting on a slow peer's send blocks without
-        # spending device time, so rank 0's own clock (the one in the done record) would never show a slow
-        # rank 1. Every rank takes the group's maximum (one float64 all-reduce over the group's own ranks,
-        # which run this schedule together; it dies with the group like the schedule's send/recv).
-        slowest = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-        seconds = float(slowest[0])
+        own, wall = span.stop()
+        # The group's time is its slowest stage's, as in `compute`: a stage waiting on a slow peer's send
+        # blocks without spending device time. Its schedule's share of each microbatch, by tokens.
         tokens = sum(mb.tokens for mb in mbs)
         for i, mb in zip(microbatches, mbs):
+            work.timings[i] = (mb.tokens, mb.sumsq, own * mb.tokens / tokens)
+        work.gather_times(self.group, self.who.rank, self.ranks, microbatches)
+        for i, mb in zip(microbatches, mbs):
             share = mb.tokens / tokens
-            work.timings[i] = (mb.tokens, mb.sumsq, seconds * share)
-            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds * share, 6),
-                          wall=round(wall * share, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
+            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(work.timings[i][2], 6),
+                          own=round(own * share, 6), wall=round(wall * share, 6), tokens=mb.tokens, sumsq=mb.sumsq,
+                          **self.tag)
         return rec.Computed(microbatches)
 
     def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:

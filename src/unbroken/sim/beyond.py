@@ -26,8 +26,9 @@ BEYOND_RUNTIME: dict[str, str] = {
                   "runtime executes keep and reweight for a slow group, and under --run.quotas=drop drops it "
                   "for good: a parked group computes nothing, so nothing measures it back; for a group that "
                   "lost a rank, drop or shrink onto one survivor, and grow back tested for groups of 2 ranks), "
-                  "with the slow rank inside a group located exactly (the runtime's detector times a group by "
-                  "its slowest stage), and a grow back that moves only what the returning ranks lack (the "
+                  "with the slow rank inside a group located exactly (the runtime locates it from its ranks' "
+                  "own device times against the same rank of the peer groups, and only below 0.7 of their "
+                  "speed: policy/locating.py), and a grow back that moves only what the returning ranks lack (the "
                   "runtime's grow restarts the whole group under torchrun, and every rank re-pulls its state: "
                   "about 2x the predicted bytes, measured in its group_plan_measured events)",
     "hosts": "many hosts (the runtime's cluster path, one torchrun job per host, is tested on one machine)",

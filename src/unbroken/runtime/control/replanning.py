@@ -22,19 +22,24 @@ reduces exactly its M microbatches. Not executed, and said so in each event:
   shrink (slow), grow, repartition
                a live group's ranks keep their plan: only a lost rank's survivor re-forms (shrink), and a
                lost rank's return re-forms the group at its full plan by its torchrun restart
-The runtime's detector times whole groups (the group's slowest stage, trainer.py): it cannot say which
-rank is slow, so the decision is given every rank of the group at the group's measured speed.
+The runtime's detector times whole groups (each microbatch at the group's slowest rank: StepWork.gather_times);
+the done records also carry each rank's own device seconds, and `policy.locating` compares rank j of the
+Slow group with rank j of its peers over the last LOCATE_STEPS committed steps: the decision is given the
+slowest rank located at the group's measured speed (any other located rank in proportion, the rest
+healthy), or, where none is located (a stand-in, no peer with per-rank times), every rank of the group at
+the group's measured speed.
 """
 from __future__ import annotations
 
 import json
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from unbroken.config import Config
 from unbroken.events import EventLog
-from unbroken.policy import scheduling, stepcost
+from unbroken.policy import locating, scheduling, stepcost
 from unbroken.policy.detection import VerdictChange, Verdict
 from unbroken.policy.plans import Plan, full_plan
 from unbroken.policy.predictor import MicrobatchTiming, Predictor
@@ -61,6 +66,8 @@ EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused
 DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline)"  # why the others are refused
 MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measured speed may take (`measured`)
 QUOTAS = ("speed", "equal", "drop")  # config run.quotas: what a Slow group's quota becomes
+LOCATE_STEPS = 4  # committed steps whose per-rank times locate a Slow group's slow rank (the detector's
+# evidence for a verdict spans about as many steps)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class GroupPlanner:
         self.shrunk: dict[int, Plan] = {}  # group -> the plan it runs after losing a rank (shrink applied)
         self.was_shrunk: dict[int, Plan] = {}  # shrunk groups since declared dead (their ranks may be back)
         self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
+        self.recent: deque[Mapping[int, Sequence[MicrobatchTiming]]] = deque(maxlen=LOCATE_STEPS)
 
     def weight_of(self, group: int, speed: float) -> float:
         """`speed` while the group's last applied option is reweight; PARKED once dropped; a shrunk
@@ -152,6 +160,7 @@ class GroupPlanner:
         """A committed step's timings that need no decision (a taking-over coordinator's replay): they
         price a later rank loss. `on_verdicts` takes them itself."""
         self.timings = timings
+        self.recent.append(timings)
 
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
@@ -230,12 +239,19 @@ class GroupPlanner:
                 continue
             slow = c.new is Verdict.SLOW
             speed = c.speed if slow else 1.0
-            # others keep the quota weight in force; every rank of a group at its group's speed (not located)
+            # others keep the quota weight in force; the group's slow ranks located if they can be, else
+            # every rank of it at the group's speed
+            ranks = locating.rank_speeds(c.replica, self.recent) if slow else {}
+            located = locating.slow_ranks(ranks)
             plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != c.replica}
             plans.update({g: p for g, p in self.shrunk.items() if g in plans})
             plans[c.replica] = self.shrunk.get(c.replica, self.full)
             speeds = {g: {k: v for k in self.full.ranks} for g, v in self.reweighted.items() if g in plans}
-            speeds[c.replica] = {k: speed for k in self.full.ranks} if speed < 1.0 else {}
+            # the slowest located rank at the group's speed (the detector's estimate, over its own window),
+            # any other located rank at its ratio to that one
+            slowest = min(located.values(), default=1.0)
+            speeds[c.replica] = {j: min(1.0, speed * v / slowest) for j, v in located.items()} if located else \
+                ({k: speed for k in self.full.ranks} if speed < 1.0 else {})
             horizon = max(1.0, float(self.shape.steps - c.step))
             d = scheduling.decide(c.replica, plans, self.full, self.full.ranks, speeds, setting, horizon,
                                   peers=len(plans) > 1)
@@ -248,7 +264,8 @@ class GroupPlanner:
                 self.parked.add(c.replica)
             why = "slow" if slow else "healthy again"
             self.log.emit("group_plan", step=c.step, replica=c.replica, why=why, speed=round(speed, 4),
-                          located=False, per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+                          located=sorted(located), rank_speeds={str(j): round(v, 4) for j, v in sorted(ranks.items())},
+                          per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
             decided.append((c.replica, why, r))
         return decided
 
