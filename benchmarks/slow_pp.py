@@ -3,9 +3,11 @@
 Owns: running 2 groups x PP 2 through unbroken's own launcher (one real torchrun job per group, gloo),
 rank 1 (the last stage) of group 1 spinning `--factor` x its compute from step 2 to the end, under
 --run.quotas=speed (the coordinator calls policy.scheduling.decide when the detector declares the group
-Slow and applies what the runtime can execute: reweight), --run.quotas=drop (ResiHP's baseline: the
+Slow and applies what the runtime can execute: reweight; and, with each rank its own torchrun agent under
+--parallel.on_rank_loss=replan, shrink around the located slow rank onto one healthy rank running the whole
+model, "shrink" below), --run.quotas=drop (ResiHP's baseline: the
 group declared Slow is parked, quota 0, for the rest of the run) and --run.quotas=equal (the decision is
-logged, keep is applied: "do nothing"), alternating the three in every round, and reading each run's
+logged, keep is applied: "do nothing"), alternating the four in every round, and reading each run's
 committed tokens per second over the episode from its event log.
 
 Episode: from the commit of step 1 (the last step before the slowdown) to the commit of the last step;
@@ -17,7 +19,8 @@ Two figures, both printed: wall clock (the headline asked for, `ratio reweight_o
 time: per step the busiest group's device seconds (its slowest stage's, as the group reports it), the
 critical path of the step's compute blind to waiting for one of this machine's cores. What both leave out:
 the all-reduce, commit and optimizer step are in the wall-clock figure but not the device-time one;
-neither includes what shrink or repartition (not executable here) would give; a parked group still joins
+neither includes what repartition (not executable here) would give; under "shrink" the episode includes
+the eviction, the survivor's rebuild and heal (the group out of the step meanwhile); a parked group still joins
 every step's all-reduce (a zero share), which a group taken out of the run would not; on this 2-core host
 shared with other jobs the wall-clock ratio is noisy (each round's value is printed, so the spread shows),
 and a spinning slow rank burns a core that the healthy group could use, so here "drop" (the spin stops
@@ -67,21 +70,27 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     base = pipeline_base(args, f"slow:replica=1,rank=1,from={FROM},factor={args.factor:g},how=throttle")
-    modes = {"reweight": {"quotas": "speed"}, "drop": {"quotas": "drop"}, "equal": {"quotas": "equal"}}
+    # shrink: the same speed quotas where the group may shrink around its located slow rank (each rank its
+    # own torchrun agent, parallel.on_rank_loss=replan); a re-form priced at what one costs here (~0.1 s)
+    modes = {"reweight": {"quotas": "speed"}, "drop": {"quotas": "drop"}, "equal": {"quotas": "equal"},
+             "shrink": {"quotas": "speed", "parallel__on_rank_loss": "replan", "parallel__reform_seconds": 0.1}}
     got = alternate(args.rounds, modes, base, "slow pp", measure, lambda rnd, mode, m: (
-        f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}): scheduler chose {m['decision']} at "
+        f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}"
+        f"{', on_rank_loss=replan' if mode == 'shrink' else ''}): scheduler chose {m['decision']} at "
         f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; {m['wall']:.0f} committed "
         f"tokens/s wall clock, {m['device']:.0f} per device-time critical-path second"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
     print(f"2 groups x PP 2, group 1's last stage {args.factor:g}x slow from step {FROM}, M={args.microbatches}, "
           f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1}; wall {time.time() - t0:.0f} s")
-    for a in ("reweight", "drop"):
+    for a in ("reweight", "drop", "shrink"):
         print(f"per round, {a}/equal wall clock: " + ", ".join(
             f"{x['wall'] / y['wall']:.3f}" for x, y in zip(got[a], got["equal"])))
     print("committed tokens/s (median over rounds): " + "; ".join(
         f"{m} wall clock {wall[m]:.0f}, device-time critical path {device[m]:.0f}" for m in modes)
         + " (the critical path leaves out all-reduce, commit, optimizer and core contention)")
+    print(f"ratio shrink_over_reweight_device_time {device['shrink'] / device['reweight']:.3f}")
+    print(f"ratio shrink_over_reweight {wall['shrink'] / wall['reweight']:.3f}")
     print(f"ratio drop_over_equal {wall['drop'] / wall['equal']:.3f}")
     print(f"ratio reweight_over_drop_device_time {device['reweight'] / device['drop']:.3f}")
     print(f"ratio reweight_over_drop {wall['reweight'] / wall['drop']:.3f}")

@@ -32,7 +32,8 @@ their fields:
   reduce         step, replica, epoch, seconds, ok, wait; microbatches (ok: the ones it reduced)
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)
-  member_dead    replica, epoch (the new epoch without it), reason
+  member_dead    replica, epoch (the new epoch without it), reason (for a group of several ranks "rank J: ...";
+                 "rank J: evicted, slow (speed v)": the scheduler shrank the group around its slow rank J)
   join           replica, epoch (the new epoch with it), restart   (a restarted or new group admitted)
   join_refused   replica, error                       (a restarted or new group whose config or model
                                                        differs from the run's: nothing loaded, it exits 2)

@@ -75,3 +75,50 @@ def test_drop_quotas_park_a_slow_group_for_good_and_a_takeover_keeps_it_parked(t
     assert read_events(tmp_path)[-1]["applied"] == "keep" and planner.weight_of(1, 1.0) == 1.0
     with pytest.raises(ValueError, match="quotas='fast'"):
         planner_for(SHAPE, 2, log, quotas="fast")
+
+
+def ranked(slow_rank: int | None, factor: float = 3.0) -> dict[int, list[MicrobatchTiming]]:
+    """A committed step of 2 pipeline groups: each rank 2 ms a microbatch of its own, group 1's `slow_rank`
+    `factor` x that (the group's time its slowest rank's, as StepWork.gather_times leaves it)."""
+    out = {}
+    for g in (0, 1):
+        ranks = tuple(0.002 * (factor if g == 1 and j == slow_rank else 1.0) for j in range(2))
+        out[g] = [MicrobatchTiming(256, 16384.0, max(ranks), ranks)] * 4
+    return out
+
+
+@pytest.mark.parametrize("evict, quotas, applied", [(1, "speed", "shrink"), (0, "speed", "reweight"),
+                                                    (1, "equal", "keep")])
+def test_a_located_slow_rank_is_evicted_where_its_group_can_shrink(tmp_path, evict, quotas, applied):
+    """Rank 1 of group 1 3x slow: located against rank 1 of group 0; with a cheap re-form the scheduler
+    prefers one healthy rank running the whole model (speed 1/2) to the group at 1/3. Under
+    parallel.on_rank_loss=replan (evict) and speed quotas that is executed as rank 1's loss: the
+    coordinator declares group 1 dead for it, naming it, and its survivor asks to go on shrunk. Otherwise
+    the runtime reweights (or, under equal quotas, keeps), as before."""
+    log = EventLog(tmp_path / "events.jsonl")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=200,
+                       reform_seconds=0.01, evict=evict)
+    planner = planner_for(shape, 2, log, quotas=quotas)
+    for step in range(3):
+        planner.on_verdicts([], ranked(1), Predictor(), [0, 1])
+    planner.on_verdicts(changes(3, Verdict.SLOW, Verdict.SUSPECT, 1 / 3), ranked(1), Predictor(), [0, 1])
+    (e,) = read_events(tmp_path)
+    assert e["located"] == [1] and e["rank_speeds"] == {"0": 1.0, "1": pytest.approx(1 / 3, abs=1e-3)}
+    assert e["decision"] == "shrink" and e["applied"] == applied, e
+    evicted = planner.evictions()
+    assert evicted == ({1: "rank 1: evicted, slow (speed 0.33)"} if applied == "shrink" else {})
+    assert planner.evictions() == {}  # handed over once
+    assert ("shrink" in e["not_executable"]) == (applied != "shrink")
+
+
+def test_a_slow_group_with_no_rank_located_is_never_evicted(tmp_path):
+    """Both ranks of group 1 slow alike: no rank stands out against its peer (rank_speeds 1/3 each, so both
+    are below the bar: two located, which one healthy rank cannot replace): reweight, nobody evicted."""
+    log = EventLog(tmp_path / "events.jsonl")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=200,
+                       reform_seconds=0.01, evict=1)
+    planner = planner_for(shape, 2, log, quotas="speed")
+    both = {0: ranked(None)[0], 1: [MicrobatchTiming(256, 16384.0, 0.006, (0.006, 0.006))] * 4}
+    planner.on_verdicts(changes(3, Verdict.SLOW, Verdict.SUSPECT, 1 / 3), both, Predictor(), [0, 1])
+    (e,) = read_events(tmp_path)
+    assert e["located"] == [0, 1] and e["applied"] == "reweight" and planner.evictions() == {}

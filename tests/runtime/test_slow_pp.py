@@ -131,3 +131,38 @@ def test_under_drop_quotas_the_slow_group_is_parked_and_the_trajectory_holds(tmp
     cfg = Config.from_json((out / "config.json").read_text())
     want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
     assert [digests(out)[s] for s in range(STEPS)] == want
+
+
+def test_under_replan_the_group_shrinks_around_its_located_slow_rank_and_the_trajectory_holds(tmp_path):
+    """--parallel.on_rank_loss=replan: the scheduler, told rank 1 is the slow one, prefers rank 0 alone
+    running the whole model (speed ~1/2) to the group at 1/3; the coordinator declares group 1 dead naming
+    rank 1 (its fence ends it), rank 0 asks to go on shrunk, the scheduler chooses shrink again with rank 0
+    alive, and the stand-in heals from group 0 and computes on. Group 0 sleeps through 10x its compute in
+    steps 6-13 (wall time only) so the stand-in's rebuild and heal land with steps left. Bitwise on the
+    pipeline's trajectory throughout."""
+    out = tmp_path / "evict"
+    run = [*RUN[:-1], RUN[-1] + "; slow:replica=0,from=6,to=14,factor=10,how=sleep"]
+    r = unbroken("train", *run, "--run.quotas=speed", "--parallel.on_rank_loss=replan",
+                 "--parallel.reform_seconds=0.01", "--out", str(out), timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    slow, lost = plan_events(events, 1)[:2]
+    assert (slow["why"], slow["located"], slow["applied"]) == ("slow", [1], "shrink"), slow
+    (dead,) = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
+    assert dead["reason"].startswith("rank 1: evicted, slow"), dead
+    assert [e["rank"] for e in events if e["event"] == "fenced" and e["replica"] == 1] == [1]
+    assert (lost["why"], lost["alive"], lost["applied"]) == ("rank lost", [0], "shrink"), lost
+    heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e.get("shrunk")]
+    assert sorted(e["rank"] for e in heals) == [0, 1] and {e["replica"] for e in heals} == {1}
+    record = steps(events)
+    assert sorted(record) == list(range(STEPS))
+    after = events[events.index(dead):]
+    assert [e for e in after if e["event"] == "step" and e["owners"].get("1")], \
+        {s: record[s]["owners"] for s in record}  # the stand-in computed later steps
+    (m,) = [e for e in measured(events, 1) if e["applied"] == "shrink"]
+    assert m["measured_weight"] > slow["speed"], (m, slow)  # faster shrunk than slow in full
+    assert all(sorted(i for mbs in record[s]["owners"].values() for i in mbs) == list(range(M)) for s in record)
+    assert audit(out, M) == []
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    assert [digests(out)[s] for s in range(STEPS)] == want

@@ -19,7 +19,7 @@ BEYOND_RUNTIME: dict[str, str] = {
     # declares a group Slow or Healthy again (executing keep or reweight, and under --run.quotas=drop
     # dropping a Slow group: parked for good, tests/runtime/test_slow_pp.py) and when a group of 2 pipeline
     # stages or 2 TP ranks, or a TP x PP group, loses a rank (executing drop or shrink onto one survivor,
-    # and growing back)
+    # and growing back), or has one slow rank located (shrinking around it onto one healthy rank)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
                   "re-forming several survivors into a smaller multi-rank plan, moving layers off a slow "
                   "stage, taking a group dropped for slowness back onto the step once it recovers (the "

@@ -101,6 +101,9 @@ class Coordinator:
             self._admit()
         if beats:  # the detector needs committed steps' timings, not within 20 ms of the commit
             self.slowness.poll(self.membership.epoch)
+            evicted = {g: why for g, why in self.slowness.evictions().items() if g in self.membership.members}
+            if evicted:  # a slow rank the scheduler shrinks its group around: lost, as a dead rank is
+                self._remove(evicted)
         return bool(self.membership.members)
 
     def _read_beats(self, ranks: list[tuple[int, int]], now: float) -> None:

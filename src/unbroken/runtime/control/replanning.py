@@ -15,13 +15,18 @@ state stays in step. Parking is for good: a parked group computes nothing, so no
 (the reason drop is not executable under the other settings). For a group that lost a
 rank (parallel.on_rank_loss=replan, groups of pipeline stages and/or TP ranks; `on_rank_lost`): drop (its
 survivor leaves) and shrink (one survivor, the first to claim, runs the whole model: standin.py), the shrunk
-group's quota weight its smaller plan's. Quotas come from `workload.assign` either way, so every step still
-reduces exactly its M microbatches. Not executed, and said so in each event:
+group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
+parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
+(`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
+ends it), and the rank-loss path above runs, the scheduler deciding again. Quotas come from
+`workload.assign` either way, so every step still reduces exactly its M microbatches. Not executed, and
+said so in each event:
   drop (slow)  under --run.quotas=speed|equal: a parked group is never probed back (above), so parking a
                transiently slow group would lose it for the rest of the run
-  shrink (slow), grow, repartition
-               a live group's ranks keep their plan: only a lost rank's survivor re-forms (shrink), and a
-               lost rank's return re-forms the group at its full plan by its torchrun restart
+  shrink (slow) without one located slow rank, onto more than one rank, or under other settings
+  grow, repartition
+               a live group's ranks keep their plan: only a lost (or evicted) rank's survivor re-forms
+               (shrink), and a lost rank's return re-forms the group at its full plan by its torchrun restart
 The runtime's detector times whole groups (each microbatch at the group's slowest rank: StepWork.gather_times);
 the done records also carry each rank's own device seconds, and `policy.locating` compares rank j of the
 Slow group with rank j of its peers over the last LOCATE_STEPS committed steps: the decision is given the
@@ -50,8 +55,9 @@ REFUSED = {
     "drop": "a parked group computes nothing, so nothing measures it back: parking is for good, chosen "
             "only with run.quotas=drop",
     "repartition": "a group's layer split is fixed when its torchrun job starts",
-    "shrink": "a group re-forms a smaller plan only when it lost a rank (parallel.on_rank_loss=replan), "
-              "not around a slow one",
+    "shrink": "a group re-forms a smaller plan only when it lost a rank, or around one slow rank located "
+              "(policy/locating.py) onto one healthy rank, under parallel.on_rank_loss=replan and "
+              "run.quotas=speed",
     "grow": "a group's plan is fixed when its torchrun job starts (it runs its full plan or is out)",
 }
 # A group that lost a rank (parallel.on_rank_loss=replan): dropping it and shrinking it onto its one
@@ -81,13 +87,14 @@ class GroupShape:
     microbatches: int  # M, per step
     steps: int  # the run's steps: the horizon a slow episode's plan is spread over (its end is unknown)
     reform_seconds: float = 2.0  # config parallel.reform_seconds: the cost model's one-off re-form time
+    evict: int = 0  # 1: a group may shrink around a located slow rank (parallel.on_rank_loss=replan)
 
 
 def group_shape(cfg: Config) -> GroupShape:
     """The run's groups as the coordinator needs them (launch.py passes its fields as --plan)."""
     p = cfg.parallel
     return GroupShape(p.group_size, p.tp, p.pp, cfg.model.n_layer, cfg.model.n_embd, cfg.run.microbatches,
-                      cfg.run.steps, float(p.reform_seconds))
+                      cfg.run.steps, float(p.reform_seconds), int(p.on_rank_loss == "replan"))
 
 
 def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, quotas: str) -> GroupPlanner | None:
@@ -115,6 +122,7 @@ class GroupPlanner:
         self.parked: set[int] = set()  # groups whose applied option was drop (run.quotas=drop): for good
         self.shrunk: dict[int, Plan] = {}  # group -> the plan it runs after losing a rank (shrink applied)
         self.was_shrunk: dict[int, Plan] = {}  # shrunk groups since declared dead (their ranks may be back)
+        self.evicting: dict[int, str] = {}  # group -> why its located slow rank leaves (`evictions`)
         self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
         self.recent: deque[Mapping[int, Sequence[MicrobatchTiming]]] = deque(maxlen=LOCATE_STEPS)
 
@@ -255,7 +263,10 @@ class GroupPlanner:
             horizon = max(1.0, float(self.shape.steps - c.step))
             d = scheduling.decide(c.replica, plans, self.full, self.full.ranks, speeds, setting, horizon,
                                   peers=len(plans) > 1)
-            r = scheduling.restrict(d, self._refused(slow))
+            r = scheduling.restrict(d, self._refused(slow, located, d))
+            if r.applied.kind == "shrink":  # executed as the located rank's loss (on_rank_lost decides again)
+                (j,) = located
+                self.evicting[c.replica] = f"rank {j}: evicted, slow (speed {speeds[c.replica][j]:.2f})"
             if r.applied.kind == "reweight":
                 self.reweighted[c.replica] = speed
             else:
@@ -269,11 +280,27 @@ class GroupPlanner:
             decided.append((c.replica, why, r))
         return decided
 
-    def _refused(self, slow: bool) -> dict[str, str]:
-        """What a Slow (or Healthy-again) decision may not apply, and why, under config run.quotas."""
+    def evictions(self) -> dict[int, str]:
+        """The groups whose decision since the last call was to shrink around their located slow rank, each
+        with the reason to declare it dead under ("rank J: ...", as a lost rank's: its other ranks survive
+        and ask to go on shrunk; rank J's fence ends it). Call after `on_verdicts`, once per round."""
+        out, self.evicting = self.evicting, {}
+        return out
+
+    def _refused(self, slow: bool, located: Mapping[int, float] | None = None,
+                 d: scheduling.Decision | None = None) -> dict[str, str]:
+        """What a Slow (or Healthy-again) decision `d` may not apply, and why, under config run.quotas. A
+        shrink is executable around one `located` slow rank of a group that can shrink (GroupShape.evict)
+        when every shrink candidate keeps one rank, not that one: the runtime then declares that rank lost,
+        and the group's survivor goes on as the whole group (standin.py)."""
         if self.quotas == "drop" and slow:
             return {k: DROP for k in scheduling.KINDS if k != "drop"}
-        return {**REFUSED, **({} if self.quotas == "speed" else {"reweight": EQUAL if self.quotas == "equal" else DROP})}
+        refused = {**REFUSED, **({} if self.quotas == "speed" else {"reweight": EQUAL if self.quotas == "equal" else DROP})}
+        shrinks = [o.plan for o in (d.options if d else ()) if o.kind == "shrink"]
+        if (slow and self.shape.evict and self.quotas == "speed" and located and len(located) == 1 and shrinks
+                and all(len(p.ranks) == 1 and not p.ranks & set(located) for p in shrinks)):
+            del refused["shrink"]
+        return refused
 
     def _setting(self, timings: Mapping[int, Sequence[MicrobatchTiming]], predictor: Predictor
                  ) -> tuple[stepcost.Setting | None, str, float]:

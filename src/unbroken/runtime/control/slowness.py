@@ -96,6 +96,12 @@ class SlownessMonitor:
                     self._publish(speeds)
             self.next_step += 1
 
+    def evictions(self) -> dict[int, str]:
+        """Groups to declare dead now, each for its located slow rank (group -> the reason naming it):
+        the scheduler chose to shrink them around it (replanning.GroupPlanner.evictions). Call after each
+        `poll`."""
+        return self.planner.evictions() if self.planner is not None else {}
+
     def rank_lost(self, group: int, alive: list[int], members: list[int], epoch: int = -1) -> str:
         """A group whose survivors `alive` ask to go on without its lost ranks: "shrink" (the scheduler
         chose it: the group's quota weight becomes its smaller plan's, published now) or "drop" (its
