@@ -56,8 +56,11 @@ their fields:
                  simulator applies it). The coordinator writes it too when a group turns Slow or Healthy
                  again (runtime/control/replanning.py), adding speed, located (the ranks found slow
                  against the same rank of the peer groups, policy/locating.py; [] where none), rank_speeds
-                 (rank -> that ratio; {} without per-rank times), per_microbatch_seconds, cost_source (predictor|measured median), applied (the
-                 option it executed: keep|reweight), applied_weight, not_executable (kind -> why)
+                 (rank -> that ratio; {} without per-rank times), per_microbatch_seconds, cost_source
+                 (predictor|measured median), applied (the option it executed: keep|reweight|shrink|
+                 drop), applied_weight, not_executable (kind -> why);
+                 for a group running shrunk also shrunk (true) and device_speed (its speed over its
+                 plan's weight: below 1, its device is slower than its plan was expected to run)
   group_plan_measured  step (the last measured), replica, why, applied (shrink|grow|keep|reweight), plan,
                  decided_step, steps, then each prediction beside its measurement: predicted_/measured_
                  replan_seconds, predicted_moved_bytes / moved_bytes, predicted_/measured_weight,

@@ -152,15 +152,23 @@ def test_a_shrunk_group_s_quota_follows_its_measured_speed(tmp_path, stand_in_se
     assert [e["weights"] for e in events if e["event"] == "quotas"][-1]["1"] == measured["quota_weight"]
 
 
-def test_a_shrunk_group_the_detector_reweighted_keeps_the_detector_s_weight(tmp_path):
-    """A stand-in at half its peers' speed is declared Slow within the 3 measured steps and reweighted to
-    its speed: the measurement then changes nothing (quota_weight null), the detector's weight stands."""
-    monitor, events = shrunk_then_measured(tmp_path, 0.02)
+@pytest.mark.parametrize("stand_in_seconds, applied", [(0.02, "keep"), (0.05, "reweight")])
+def test_a_shrunk_group_declared_slow_is_reweighted_only_below_its_plan(tmp_path, stand_in_seconds, applied):
+    """A stand-in is declared Slow within the 3 measured steps. At half its peers' speed, what its plan
+    (one rank running both stages: 0.5) predicts, its device is not slow (`device_speed` 1): kept, and the
+    measurement sets its quota weight (0.5). At a fifth (a device at 0.4 of its plan's) it is reweighted
+    to its speed: the measurement then changes nothing (quota_weight null), the detector's weight stands."""
+    monitor, events = shrunk_then_measured(tmp_path, stand_in_seconds)
     (slow,) = [e for e in events if e["event"] == "group_plan" and e["why"] == "slow"]
-    assert slow["replica"] == 1 and slow["applied"] == "reweight"
+    assert (slow["replica"], slow["shrunk"], slow["applied"]) == (1, True, applied), slow
+    assert slow["device_speed"] == pytest.approx(min(1.0, 0.01 / stand_in_seconds / 0.5), abs=0.05)
     (measured,) = [e for e in events if e["event"] == "group_plan_measured"]
-    assert measured["quota_weight"] is None and measured["measured_weight"] == pytest.approx(0.5)
-    assert monitor.planner.weight_of(1, 0.42) == 0.42  # reweighted: its quota follows the detector
+    assert measured["measured_weight"] == pytest.approx(0.01 / stand_in_seconds)
+    if applied == "keep":
+        assert measured["quota_weight"] == 0.5 and monitor.planner.weight_of(1, 0.42) == 0.5
+    else:
+        assert measured["quota_weight"] is None
+        assert monitor.planner.weight_of(1, 0.18) == 0.18  # reweighted: its quota follows the detector
 
 
 def shrunk_then_measured(tmp_path, stand_in_seconds: float) -> tuple[SlownessMonitor, list[dict]]:

@@ -122,3 +122,27 @@ def test_a_slow_group_with_no_rank_located_is_never_evicted(tmp_path):
     planner.on_verdicts(changes(3, Verdict.SLOW, Verdict.SUSPECT, 1 / 3), both, Predictor(), [0, 1])
     (e,) = read_events(tmp_path)
     assert e["located"] == [0, 1] and e["applied"] == "reweight" and planner.evictions() == {}
+
+
+@pytest.mark.parametrize("speed, applied", [(0.55, "keep"), (0.2, "reweight")])
+def test_a_shrunk_group_is_slow_only_below_what_its_plan_was_expected_to_give(tmp_path, speed, applied):
+    """A group shrunk onto one rank runs the whole model: against full groups the detector finds it at about
+    its plan's weight (~1/2) and may declare it Slow. Its device is slow only below that: at 0.55 it is
+    kept on its plan (quota weight the plan's), at 0.2 (a device at 0.4) reweighted to the measured 0.2.
+    Either way the decision is priced on the stand-in's one rank."""
+    log = EventLog(tmp_path / "events.jsonl")
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=200,
+                       reform_seconds=0.01, evict=1)
+    planner = planner_for(shape, 2, log, quotas="speed")
+    planner.on_verdicts([], ranked(None), Predictor(), [0, 1])
+    planner.forget(1)  # its rank 1 lost: declared dead, its survivor asks to go on
+    assert planner.on_rank_lost(1, [0], 4, [0], Predictor()).applied.kind == "shrink"
+    weight = planner.weight_of(1, 1.0)
+    assert 0.3 < weight < 0.7
+    planner.on_verdicts(changes(8, Verdict.SLOW, Verdict.SUSPECT, speed), ranked(None), Predictor(), [0, 1])
+    e = read_events(tmp_path)[-1]
+    assert (e["why"], e["shrunk"], e["applied"]) == ("slow", True, applied), e
+    assert e["device_speed"] == pytest.approx(min(1.0, speed / weight), abs=1e-4)
+    assert all(o["plan"] in (None, "tp1 pp1 [2]") for o in e["options"])  # one rank: no two-rank plan
+    assert planner.weight_of(1, speed) == (weight if applied == "keep" else speed)
+    assert planner.evictions() == {}

@@ -260,8 +260,15 @@ class GroupPlanner:
             slowest = min(located.values(), default=1.0)
             speeds[c.replica] = {j: min(1.0, speed * v / slowest) for j, v in located.items()} if located else \
                 ({k: speed for k in self.full.ranks} if speed < 1.0 else {})
+            alive, extra = self.full.ranks, {}
+            if c.replica in self.shrunk:  # a stand-in: the detector holds it against full groups, where its
+                # plan was expected to give `weight` of one; its device is slow only below that
+                plan = self.shrunk[c.replica]
+                device = min(1.0, speed / plan.weight)
+                alive, extra = plan.ranks, {"shrunk": True, "device_speed": round(device, 4)}
+                speeds[c.replica] = {k: device for k in plan.ranks} if device < 1.0 else {}
             horizon = max(1.0, float(self.shape.steps - c.step))
-            d = scheduling.decide(c.replica, plans, self.full, self.full.ranks, speeds, setting, horizon,
+            d = scheduling.decide(c.replica, plans, self.full, alive, speeds, setting, horizon,
                                   peers=len(plans) > 1)
             r = scheduling.restrict(d, self._refused(slow, located, d))
             if r.applied.kind == "shrink":  # executed as the located rank's loss (on_rank_lost decides again)
@@ -276,7 +283,7 @@ class GroupPlanner:
             why = "slow" if slow else "healthy again"
             self.log.emit("group_plan", step=c.step, replica=c.replica, why=why, speed=round(speed, 4),
                           located=sorted(located), rank_speeds={str(j): round(v, 4) for j, v in sorted(ranks.items())},
-                          per_microbatch_seconds=round(seconds, 6), cost_source=source, **r.record())
+                          per_microbatch_seconds=round(seconds, 6), cost_source=source, **extra, **r.record())
             decided.append((c.replica, why, r))
         return decided
 
