@@ -49,7 +49,7 @@ from unbroken.runtime.control.coordination import Coordination, Decision, GroupL
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, local, param_digest, quick_param_digest, unique_parameters
-from unbroken.runtime.parallel.parallelize import reduced_shards
+from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.parallel.pipeline import Stages
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.persist.donor import Donor
@@ -485,4 +485,5 @@ class Trainer:
         if dead is not None and lost_rank(dead) not in (None, self.who.rank):
             raise GroupLost(dead)
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)
+        release_agent(self.cfg.parallel.on_rank_loss == "replan")
         os._exit(3)

@@ -55,7 +55,7 @@ from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.device import backend, bind, nccl_environment, resolve
-from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost
+from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost, release_agent
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.trainer import Parts, Trainer
 from unbroken.topology import Identity, TopologyError
@@ -216,9 +216,11 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
                          decisions=DecisionWatch(client(), watch.cond, reconnect=client), rank=who.rank)
     tag = {"rank": who.rank} if who.group_size > 1 else {}
     holds = range(who.group_size) if shrinking else (who.rank,)  # the rank indices it beats for
-    shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not shrinking
+    replan = cfg.parallel.on_rank_loss == "replan"
+    shrinkable = replan and who.group_size > 1 and not shrinking
     beats = [Heartbeat(address, me, cfg.coord.heartbeat_interval,
-                       on_fenced=lambda why: log.emit("fenced", replica=me, reason=why, **tag),
+                       on_fenced=lambda why: (log.emit("fenced", replica=me, reason=why, **tag),
+                                              release_agent(replan)),
                        prefix=keys.generation_prefix(generation), rank=j,
                        # declared dead for another rank's silence: the trainer (fence) decides
                        spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None)
@@ -264,6 +266,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, nonce,
                                [lost_from] if shrinking else None)
             if first < 0:  # the scheduler chose to drop the group: the survivor leaves (exit 4, as before)
+                release_agent(replan)
                 return 4
         trainer.fit(first, plan)
         if trainer.persist:
@@ -291,6 +294,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             return 1
     if go_on and not coord.claim_standin():  # of a group's several survivors, one goes on as the group
         log.emit("survivor_left", replica=me, why="another survivor stands in for the group", **tag)
+        release_agent(replan)
         return 4
     if go_on:  # shrunk onto this rank, outside the except: its traceback would keep the old stage alive
         # Its stage's model, optimizer state and pipeline go before the whole model is built: on a GPU

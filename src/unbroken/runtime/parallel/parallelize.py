@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -175,6 +176,20 @@ def peer_lost(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def release_agent(replan: bool) -> None:
+    """End this rank's own torchrun agent (our parent) with SIGKILL, where its ending would close the
+    group's rendezvous: a rank under an agent of its own (`replan`: parallel.on_rank_loss=replan) with no
+    restarts left. Such an agent, seeing its worker exit non-zero, closes the rendezvous (torch's
+    launch_agent shuts its handler down), and no agent could join the group again: a 4-rank group's
+    replacements failed with RendezvousClosedError, 56 of them in a 141 s run, after its two leaving
+    survivors' agents closed it. Killed, the agent only stops its keep-alives, as a lost host's does, and
+    the group can re-form with replacements. Call just before this rank exits for good (a survivor that
+    leaves, a fenced rank); a no-op elsewhere (one agent per group, restarts left, no torchrun)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if replan and "TORCHELASTIC_RUN_ID" in os.environ and restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        os.kill(os.getppid(), signal.SIGKILL)
 
 
 def reduced_shards(model: nn.Module, sink) -> None:
