@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ class SnapshotAgent(Protocol):
 
     def publish(self) -> None: ...
 
+T = TypeVar("T")
 BARRIER_POLL_S = 0.02  # store round trips while waiting for peer agents (commands take 0.1-1 s)
 
 
@@ -76,25 +77,35 @@ class Rendezvous:
         says why the command can no longer complete, or what gloo raised (its timeout: `timeout_s`)."""
         store = self._store or self._connect()
         self._store = None  # an abandoned formation may block in it: the next command takes a new one
-        got: list[dist.ProcessGroup | Exception] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                got.append(gloo_group(store, prefix, rank, size, timeout_s))
-            except Exception as e:  # noqa: BLE001 - raised by the agent's thread below
-                got.append(e)
-            done.set()
-
-        threading.Thread(target=run, name="agent-rendezvous", daemon=True).start()
-        while not done.wait(BARRIER_POLL_S):
-            why = given_up()
-            if why is not None:
-                raise errors.Unrecoverable(why)
+        pg = watched(lambda: gloo_group(store, prefix, rank, size, timeout_s), given_up, "agent-rendezvous")
         self._store = store
-        if isinstance(got[0], Exception):
-            raise got[0]
-        return got[0]
+        return pg
+
+
+def watched(work: Callable[[], T], given_up: Callable[[], str | None], name: str) -> T:
+    """`work()` run on a daemon thread while this thread polls `given_up()` every BARRIER_POLL_S; returns
+    what it returned or raises what it raised, or errors.Unrecoverable(why) at once when given_up says
+    why. A given-up `work` is left to end on gloo's own timeout (a blocked gloo op cannot be cancelled:
+    ProcessGroupGloo.abort and shutdown, tried on torch 2.13, left a recv from a silent peer blocked until
+    that peer exited), so `work` must write nothing another command could read: private buffers only."""
+    got: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            got.append(work())
+        except Exception as e:  # noqa: BLE001 - raised by the agent's thread below
+            got.append(e)
+        done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    while not done.wait(BARRIER_POLL_S):
+        why = given_up()
+        if why is not None:
+            raise errors.Unrecoverable(why)
+    if isinstance(got[0], Exception):
+        raise got[0]
+    return got[0]
 
 
 def _group(a: SnapshotAgent, i: int, members: list[int], j: int, size: int) -> dist.ProcessGroup:
@@ -189,13 +200,20 @@ def _parity(a: SnapshotAgent, i: int, step: int) -> int:
     _ready(a, i, members, err)
     c = manifest["c"]
     pg = _group(a, i, members, j, plan.size)
+    peers = [n for n in members if n != a.node]
     for layer in range(P):
         ps = a.writable(a.parity[layer], lambda b, l=layer: parity_path(a.shm_dir, a.run_id, l, b),
                         plan.m * c, layer, Kind.PARITY)
         ps.set(state=int(State.WRITING))
         ps.set(step=step, length=plan.m * c, gen=ps.get("gen") + 1)
         shard = shards[layer].payload()[: shards[layer].get("length")]
-        encode(pg, Member(plan, j, c, shard, ps.payload()[: plan.m * c], codec), layer * 1000)
+        # encoded into a private buffer, watched: a node lost mid-encode held this family's agent in a gloo
+        # recv for the whole collective timeout (15 s), and the rebuild of that node queued behind it (CI,
+        # e1305ff: rebuilt after 12.9 s); given up, the encode may still write its buffer, never the slot
+        parity = torch.zeros(plan.m * c, dtype=torch.uint8)
+        watched(lambda: encode(pg, Member(plan, j, c, shard, parity, codec), layer * 1000),
+                lambda: _given_up(a, i, members, peers), "agent-encode")
+        ps.payload()[: plan.m * c] = parity
         ps.set_doc(manifest)
         ps.set(state=int(State.COMMITTED))
     a.publish()
@@ -237,7 +255,9 @@ def _rebuild(a: SnapshotAgent, i: int, lost: list[int], step: int | None) -> int
         else:
             ds, ps = a.find(a.data[rank], step), a.find(a.parity[layer], step)
             shard, par, out = ds.payload()[: ds.get("length")], ps.payload()[: plan.m * c], None
-        rebuild(pg, Member(plan, j, c, shard, par, codec), lost_j, out, layer * 1000)
+        # watched as the encode is; a lost node rebuilds into private buffers (par, out), survivors only read
+        watched(lambda: rebuild(pg, Member(plan, j, c, shard, par, codec), lost_j, out, layer * 1000),
+                lambda: _given_up(a, i, members, [n for n in members if n != a.node]), "agent-rebuild")
         if me_lost:  # keep going on a bad layer: peers are still in the collective for the rest
             try:
                 _install(a, step, layer, rank, manifest, out, par)
