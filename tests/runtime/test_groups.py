@@ -47,10 +47,27 @@ def digests(run: Path) -> dict[int, str]:
     return {s: r["param_digest"] for s, r in steps(read_events(run)).items()}
 
 
+# the events that tell a run's story (not its per-step traffic): a failing test prints them, so that a
+# failure seen only in CI (its run directory gone) says what happened
+STORY = {"fault", "member_dead", "epoch", "group_plan", "group_plan_skipped", "join", "survivor_left", "fenced",
+         "group_broken", "agent_replaced", "worker_start", "shrink_refused", "verdict", "run_failed", "run_end"}
+
+
+def timeline(events: list[dict], limit: int = 4000) -> str:
+    """The run's story, one line an event, in seconds from its first event (the last `limit` characters)."""
+    t0 = events[0]["t"] if events else 0.0
+    lines = [f"{e['t'] - t0:7.2f} {e['event']} " + " ".join(
+        f"{k}={e[k]}" for k in ("replica", "rank", "step", "epoch", "why", "reason", "applied", "alive", "slot")
+        if k in e) for e in events if e["event"] in STORY]
+    return "\n".join(lines)[-limit:]
+
+
 def run_faults(tmp: Path, faults: str, *extra: str, base: list[str] = GROUPS) -> tuple[Path, list[dict]]:
     """A run of `base` + `extra` under `faults` that succeeds with a clean audit: its directory, its events."""
     out = tmp / "run"
     r = unbroken("train", *base, *extra, "--faults", faults, "--out", str(out))
+    if r.returncode != 0 and (out / "events.jsonl").exists():
+        print(timeline(read_events(out)))  # pytest shows it beside the failure
     assert r.returncode == 0, r.stderr[-2000:]
     audit = unbroken("audit", str(out))
     assert audit.returncode == 0 and "audit: 0 problems" in audit.stdout, audit.stdout + audit.stderr
