@@ -139,10 +139,12 @@ def test_under_replan_the_group_shrinks_around_its_located_slow_rank_and_the_tra
     rank 1 (its fence ends it), rank 0 asks to go on shrunk, the scheduler chooses shrink again with rank 0
     alive, and the stand-in heals from group 0 and computes on. Group 0 sleeps through 10x its compute in
     steps 6-13 (wall time only) so the stand-in's rebuild and heal land with steps left. Bitwise on the
-    pipeline's trajectory throughout."""
+    pipeline's trajectory throughout. Each rank's agent has a restart left (`--run.restarts=1`): the
+    evicted rank's fence ends its agent anyway (release_agent), since a restart in place would bring the
+    group back on the same slow device; before, torchrun restarted it and the group re-formed with it."""
     out = tmp_path / "evict"
     run = [*RUN[:-1], RUN[-1] + "; slow:replica=0,from=6,to=14,factor=10,how=sleep"]
-    r = unbroken("train", *run, "--run.quotas=speed", "--parallel.on_rank_loss=replan",
+    r = unbroken("train", *run, "--run.quotas=speed", "--parallel.on_rank_loss=replan", "--run.restarts=1",
                  "--parallel.reform_seconds=0.01", "--out", str(out), timeout=200)
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
@@ -151,6 +153,9 @@ def test_under_replan_the_group_shrinks_around_its_located_slow_rank_and_the_tra
     (dead,) = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
     assert dead["reason"].startswith("rank 1: evicted, slow"), dead
     assert [e["rank"] for e in events if e["event"] == "fenced" and e["replica"] == 1] == [1]
+    # nobody restarted in place: not the evicted rank, and so not its sibling either (no new rendezvous round)
+    assert not [e for e in events if e["event"] == "worker_start" and e["restart"] > 0], \
+        [e for e in events if e["event"] == "worker_start"]
     assert (lost["why"], lost["alive"], lost["applied"]) == ("rank lost", [0], "shrink"), lost
     heals = [e for e in events if e["event"] == "heal" and e["side"] == "joiner" and e.get("shrunk")]
     assert sorted(e["rank"] for e in heals) == [0, 1] and {e["replica"] for e in heals} == {1}

@@ -45,7 +45,7 @@ from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.control.coordination import Coordination, Decision, GroupLost, Plan, lost_rank
+from unbroken.runtime.control.coordination import Coordination, Decision, GroupLost, Plan, evicted, lost_rank
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, local, param_digest, quick_param_digest, unique_parameters
@@ -485,5 +485,5 @@ class Trainer:
         if dead is not None and lost_rank(dead) not in (None, self.who.rank):
             raise GroupLost(dead)
         self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)
-        release_agent(self.cfg.parallel.on_rank_loss == "replan")
+        release_agent(self.cfg.parallel.on_rank_loss == "replan", evicted(dead or "", self.who.rank))
         os._exit(3)

@@ -43,7 +43,7 @@ from unbroken.config import Config, ConfigError, store_url_problem
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.control import keys
-from unbroken.runtime.control.coordination import Coordination, GroupLost, lost_rank
+from unbroken.runtime.control.coordination import Coordination, GroupLost, evicted, lost_rank
 from unbroken.runtime.control.store import answering, connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
@@ -220,7 +220,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     shrinkable = replan and who.group_size > 1 and not shrinking
     beats = [Heartbeat(address, me, cfg.coord.heartbeat_interval,
                        on_fenced=lambda why: (log.emit("fenced", replica=me, reason=why, **tag),
-                                              release_agent(replan)),
+                                              release_agent(replan, evicted(why, who.rank))),
                        prefix=keys.generation_prefix(generation), rank=j,
                        # declared dead for another rank's silence: the trainer (fence) decides
                        spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None)

@@ -363,6 +363,16 @@ class GroupLost(RuntimeError):
     """This rank's group was declared dead because another of its ranks went silent (trainer.fence)."""
 
 
+EVICTED = "evicted, slow"  # a dead verdict's words for a rank its group shrinks around (replanning.py)
+
+
+def evicted(reason: str, rank: int) -> bool:
+    """Whether a fence's reason (a dead verdict "rank J: evicted, slow ...", maybe inside "declared dead
+    (...)") evicts `rank` as slow rather than finding it lost: its process should not be restarted on the
+    same device (parallelize.release_agent)."""
+    return f"rank {rank}: {EVICTED}" in reason
+
+
 def lost_rank(reason: str) -> int | None:
     """The rank a dead verdict names ("rank J: ...", as the coordinator words it for groups of several
     ranks), or None (the group as a whole: an exit)."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 
 from unbroken.config import Config
 from unbroken.events import EventLog
+from unbroken.runtime.control.coordination import EVICTED
 from unbroken.policy import locating, scheduling, stepcost
 from unbroken.policy.detection import VerdictChange, Verdict
 from unbroken.policy.plans import Plan, full_plan
@@ -273,7 +274,7 @@ class GroupPlanner:
             r = scheduling.restrict(d, self._refused(slow, located, d))
             if r.applied.kind == "shrink":  # executed as the located rank's loss (on_rank_lost decides again)
                 (j,) = located
-                self.evicting[c.replica] = f"rank {j}: evicted, slow (speed {speeds[c.replica][j]:.2f})"
+                self.evicting[c.replica] = f"rank {j}: {EVICTED} (speed {speeds[c.replica][j]:.2f})"
             if r.applied.kind == "reweight":
                 self.reweighted[c.replica] = speed
             else:

@@ -178,7 +178,7 @@ def peer_lost(error: BaseException) -> bool:
     return False
 
 
-def release_agent(replan: bool) -> None:
+def release_agent(replan: bool, evicted: bool = False) -> None:
     """End this rank's own torchrun agent (our parent) with SIGKILL, where its ending would close the
     group's rendezvous: a rank under an agent of its own (`replan`: parallel.on_rank_loss=replan) with no
     restarts left. Such an agent, seeing its worker exit non-zero, closes the rendezvous (torch's
@@ -186,9 +186,13 @@ def release_agent(replan: bool) -> None:
     replacements failed with RendezvousClosedError, 56 of them in a 141 s run, after its two leaving
     survivors' agents closed it. Killed, the agent only stops its keep-alives, as a lost host's does, and
     the group can re-form with replacements. Call just before this rank exits for good (a survivor that
-    leaves, a fenced rank); a no-op elsewhere (one agent per group, restarts left, no torchrun)."""
+    leaves, a fenced rank); a no-op elsewhere (one agent per group, restarts left, no torchrun).
+    `evicted`: this rank was fenced as the slow rank its group shrinks around (replanning.evictions); its
+    agent ends even with restarts left, since a restart in place would bring the group back on the same
+    slow device, to be found slow and evicted again, once per restart: a replacement host re-forms it."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if replan and "TORCHELASTIC_RUN_ID" in os.environ and restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+    last = restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    if replan and "TORCHELASTIC_RUN_ID" in os.environ and (last or evicted):
         os.kill(os.getppid(), signal.SIGKILL)
 
 
