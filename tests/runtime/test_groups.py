@@ -262,8 +262,12 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
     # The launcher fires crash-all once it sees step 2's record; steps take ~0.2 s, and under CI's load
     # step 3 (the last) once committed before the kill landed. Group 0 sleeps through 20x its step-3
     # compute (wall time only: the arithmetic never sees it), so the kill lands inside step 3.
+    # Every group also sleeps through 10x its step-1 compute, so that step 0's snapshots are in before
+    # step 1's are taken: in CI at 2c5a2ed a rank skipped step 1's (its step-0 copy still busy) and
+    # step 2's was torn by the crash, so no step was whole in memory and the run restarted from scratch.
+    hold = "; ".join(f"slow:replica={g},from=1,to=2,factor=10,how=sleep" for g in range(3))
     out, events = run_faults(tmp_path, "corrupt:replica=1,step=1; crash-all:step=3; "
-                             "slow:replica=0,from=3,to=4,factor=20,how=sleep", *SNAPSHOTS)
+                             f"slow:replica=0,from=3,to=4,factor=20,how=sleep; {hold}", *SNAPSHOTS)
     assert digests(out) == digests(groups_reference)
     (crash,) = [e for e in events if e["event"] == "fault" and e.get("kind") == "crash-all"]
     assert crash["replicas"] == [0, 1, 2], crash
