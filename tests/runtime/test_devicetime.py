@@ -51,6 +51,12 @@ def test_spin_is_seen_on_the_device_clock_sleep_only_on_the_wall_clock(tmp_path)
     assert 0.085 <= spin_dev < 0.13  # 3x the 0.03 s of work, in CPU time
     assert 0.03 <= sleep_dev < 0.05  # the work alone
     assert sleep_wall >= 0.085  # ... though it took 3x as long
+    # a sleep is capped (the worker's cap: a quarter of the progress timeout): 0.05 s, not 2 x 0.3 s
+    inj = Injector(parse("slow:replica=0,from=0,factor=3,how=sleep", 1, 5), 0, log, sleep_cap_s=0.05)
+    span = clock.start()
+    time.sleep(0.3)  # a span a loaded host stretched
+    inj.stretch(0, span)
+    assert 0.34 <= span.stop()[1] < 0.5
     # not slowed at this step: nothing added
     inj = Injector(parse("slow:replica=0,from=2,factor=3,how=spin", 1, 5), 0, log)
     span = clock.start()

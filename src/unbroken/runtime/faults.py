@@ -29,8 +29,12 @@ class Injector:
     into a step it already ran does not fire the same fault again."""
 
     def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog, store: Store | None = None,
-                 rank: int = 0, host: bool = False):
+                 rank: int = 0, host: bool = False, sleep_cap_s: float = float("inf")):
         self.me, self.log, self.store = me, log, store
+        # the most one how=sleep span sleeps: F-1 times a span that a loaded host had stretched (other
+        # processes importing torch) once slept past the progress timeout, and a healthy replica was
+        # declared stuck; the worker passes a quarter of coord.progress_timeout
+        self.sleep_cap_s = sleep_cap_s
         # host: a kill takes this rank's torchrun agent (our parent) with it, as its host's loss would. A
         # rank under an agent of its own (parallel.on_rank_loss=replan) needs it: an agent that sees its
         # worker die, with no restarts left, closes the group's rendezvous, and no replacement could join
@@ -84,8 +88,8 @@ class Injector:
         the unslowed one, and F x it is not what a device F times slower takes. spin stays the rule the
         detector's tests and thresholds were measured with: throttle moved their verdicts in CI (a
         recovery two steps later, a healthy replica Suspect), not yet understood.
-        how=sleep sleeps (F-1) x the span's wall time: wall time only, which the detector does not read (it
-        emulates a host-side stall, e.g. a slow data loader, not a slow device)."""
+        how=sleep sleeps (F-1) x the span's wall time, at most `sleep_cap_s`: wall time only, which the
+        detector does not read (it emulates a host-side stall, e.g. a slow data loader, not a slow device)."""
         if not self.slow:
             return
         slowing = [f for f in self.slow if f.slows(self.me, step)]
@@ -101,4 +105,4 @@ class Injector:
         elif worst.how == "spin":
             span.burn(span.so_far() * (worst.factor - 1.0))
         else:
-            time.sleep(max(0.0, (time.perf_counter() - span.wall0) * (worst.factor - 1.0)))
+            time.sleep(min(self.sleep_cap_s, max(0.0, (time.perf_counter() - span.wall0) * (worst.factor - 1.0))))
