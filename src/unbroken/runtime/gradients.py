@@ -8,11 +8,11 @@ back into `.grad`; the digests of the parameters. Does not own: reduction (colle
 from __future__ import annotations
 
 import hashlib
-import sys
 
 import torch
 import torch.nn as nn
 import xxhash
+from torch.distributed.tensor import DTensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -22,10 +22,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     # autograd Function (~7 us a call) or a DTensor `detach` before it (~10 us, a dispatch). Measured on
     # the default GPT's 28 FSDP2-sharded parameters: a digest took 0.71 ms (xxh3) and 0.97 ms (sha256)
     # through them, 0.05 and 0.33 ms without, a rank of a 2 x 2 HSDP run takes one or both a step.
-    # torch.distributed.tensor is imported only where FSDP2 or TP is applied (~0.5 s of every worker's
-    # start-up, measured with -X importtime): where it never was, no tensor can be a DTensor
-    dt = sys.modules.get("torch.distributed.tensor")
-    return t._local_tensor if dt is not None and isinstance(t, dt.DTensor) else t
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -134,8 +131,6 @@ class Accumulator:
         p's mesh, placements and global shape (shards may be uneven: torch.chunk sizes)."""
         if local(p) is p:  # a whole parameter beside sharded ones (tensor parallelism: norms, embeddings)
             return shard
-        from torch.distributed.tensor import DTensor
-
         return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
 

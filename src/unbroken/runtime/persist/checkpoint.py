@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from unbroken.runtime.snapshot.errors import CheckpointNotFound, ForeignCheckpoint, WorldSizeMismatch
 
@@ -86,8 +87,6 @@ class Checkpointer:
         self.wait()
         path = step_dir(self.directory, step)
         path.mkdir(parents=True, exist_ok=True)
-        import torch.distributed.checkpoint as dcp  # here: it imports DTensor, ~0.5 s of a worker's start-up
-
         with _quiet(self._no_dist):
             resp = dcp.async_save(dict(state_dict), checkpoint_id=str(path),
                                   process_group=self.pg, no_dist=self._no_dist)
@@ -128,8 +127,6 @@ class Checkpointer:
         if rec["world"] != self.world:
             raise WorldSizeMismatch(f"{path} was saved by {rec['world']} ranks, this run has "
                                     f"{self.world}")
-        import torch.distributed.checkpoint as dcp
-
         with _quiet(self._no_dist):
             dcp.load(dict(state_dict), checkpoint_id=str(path), process_group=self.pg,
                      no_dist=self._no_dist)
