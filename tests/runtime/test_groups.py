@@ -241,8 +241,11 @@ def test_restart_disk_with_groups_resumes_from_the_dcp_checkpoint_of_the_fsdp2_s
     assert restart["source"] == "disk" and events.index(kill) < events.index(restart), restart
     restored = [e for e in events if e["event"] == "restored"]
     assert sorted((e["replica"], e["rank"]) for e in restored) == [(g, j) for g in range(3) for j in range(2)]
-    (step,) = {e["step"] for e in restored}  # the newest complete checkpoint (step 1's may be mid-save)
-    assert step in (0, 1) and (out / "checkpoints" / f"step_{step:08d}" / "unbroken.json").is_file()
+    (step,) = {e["step"] for e in restored}  # the newest complete checkpoint (the newest may be mid-save)
+    # the survivors may commit (and checkpoint) a step or two before the launcher's restart lands (as
+    # test_pp_tp_persist's twin did in CI at ec470e9)
+    committed = max(e["step"] for e in events[:events.index(restart)] if e["event"] == "step")
+    assert 0 <= step <= committed and (out / "checkpoints" / f"step_{step:08d}" / "unbroken.json").is_file()
     by_rank = {j: {e["param_digest"] for e in restored if e["rank"] == j} for j in range(2)}
     assert all(len(d) == 1 for d in by_rank.values()), by_rank  # every group loaded the same shards
     # the work since that checkpoint was lost: every step after it was recorded again after the restart

@@ -77,7 +77,11 @@ def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_pa
     assert (fault["replica"], fault["rank"], fault["step"]) == (1, 1, 2)
     ranks = 2 if layout == "tp" else 4
     step, loaded = restored_step(events, "disk", ranks)
-    assert step in (0, 1) and loaded == digests(reference)[step]
+    # group 0 may commit (and checkpoint) a step or two alone before the launcher's restart lands: CI at
+    # ec470e9 loaded step 2, committed by group 0 after the kill, on the reference's digest
+    restart = events.index(next(e for e in events if e["event"] == "restart"))
+    committed = max(e["step"] for e in events[:restart] if e["event"] == "step")
+    assert 0 <= step <= committed and loaded == digests(reference)[step], (step, committed)
     assert digests(out) == digests(reference)
     meta = dcp.FileSystemReader(str(out / "checkpoints" / f"step_{step:08d}")).read_metadata()
     split = meta.state_dict_metadata["param/blocks.0.mlp.0.weight"]  # column-wise: rows split over TP ranks
