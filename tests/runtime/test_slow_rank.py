@@ -37,10 +37,12 @@ def test_a_slow_rank_1_is_declared_slow_within_a_few_steps(tmp_path, layout):
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
     # the fault fired where it was aimed: rank 1 of group 1 took >1.5x its peer's own time per token
-    # (3x injected), while its sibling, rank 0, did not (1.3x: under it the clock would have shown it anyway)
-    slowed, peer = own_per_token(events, 1, 1, 2), own_per_token(events, 0, 1, 2)
-    assert slowed > 1.5 * peer, (slowed, peer)
-    assert own_per_token(events, 1, 0, 2) < 1.3 * own_per_token(events, 0, 0, 2)
+    # (3x injected), while its sibling, rank 0, took under half that ratio: a spinning rank also slows
+    # its sibling's kernels on 2 shared cores (HSDP in CI at f695bf4: 3.80x and 1.31x; TP 3.42x, 1.10x),
+    # but a spin aimed at the sibling would put it near the slowed rank's
+    slowed = own_per_token(events, 1, 1, 2) / own_per_token(events, 0, 1, 2)
+    sibling = own_per_token(events, 1, 0, 2) / own_per_token(events, 0, 0, 2)
+    assert slowed > 1.5 and sibling < slowed / 2, (slowed, sibling)
     verdicts = [e for e in events if e["event"] == "verdict" and e["new"] == "slow"]
     assert verdicts and {e["replica"] for e in verdicts} == {1}, verdicts
     assert verdicts[0]["step"] <= 6 and verdicts[0]["speed"] < 0.6, verdicts[0]
