@@ -45,3 +45,25 @@ def test_weights_go_out_at_the_commit_of_the_step_that_shows_the_slowdown(tmp_pa
     assert quotas["weights"]["1"] < 0.75, quotas  # about 0.5: the 2x replica's speed
     monitor.poll(0)  # nothing new: step 8 is not committed
     assert monitor.next_step == 8
+
+
+def test_the_coordinator_reads_the_last_steps_once_every_member_finished(tmp_path):
+    """Beat rounds read committed steps: the round that finds every member finished reads the steps
+    committed since the last one (the run's last steps, where a late re-plan is measured: a grow back's
+    `group_plan_measured` went missing in CI when the run ended 3 steps after it)."""
+    from unbroken.runtime.control.coordinator import Coordinator
+
+    store = HashStore()
+    log = EventLog(tmp_path / "events.jsonl", who="coordinator")
+    coord = Coordinator(store, 2, log, heartbeat_timeout=60, progress_timeout=60, startup_timeout=60, beat_every=1.0)
+    commit_only(store, 0, slow=1.0)
+    assert coord.poll(0.0) and coord.slowness.next_step == 1  # a beat round: step 0 read
+    for s in (1, 2):  # the last steps commit between beat rounds, and both members finish
+        commit_only(store, s, slow=1.0)
+    store.set(keys.last_commit(), "2")
+    for m in (0, 1):
+        store.set(keys.finished(m), "1")
+        store.add(keys.finished_count(), 1)
+    assert coord.poll(0.5) and coord.slowness.next_step == 1  # not a beat round: nothing read
+    assert coord.poll(1.0) and coord.all_finished()
+    assert coord.slowness.next_step == 3  # steps 1 and 2 read before the coordinator stops

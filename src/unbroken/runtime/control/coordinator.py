@@ -79,8 +79,10 @@ class Coordinator:
             self.next_beats = now + self.beat_every
             self.finished = finished_among(self.store, self.membership.members, self.finished)
         members = tuple(m for m in self.membership.members if m not in self.finished[1])
-        if not members:
-            return True  # every remaining member finished its last step
+        if not members:  # every remaining member finished its last step: read the steps not read yet
+            if beats:
+                self.drain()
+            return True
         if beats:
             ranks = [(m, j) for m in members for j in self.ranks]
             self._read_beats(ranks, now)
@@ -181,6 +183,13 @@ class Coordinator:
         self.log.emit("epoch", epoch=new.epoch, members=list(new.members), **why)
         self.membership = new
 
+    def drain(self) -> None:
+        """Read the committed steps the detector has not read yet (a few reads when there are none). Call
+        once the members finished, before the coordinator stops: beat rounds read steps only every
+        `beat_every` s, so the run's last steps would go unread, and with them the measurement of a
+        re-plan decided a few steps before the end (a grow back measured over the run's last 3 steps)."""
+        self.slowness.poll(self.membership.epoch)
+
     def all_finished(self) -> bool:
         """Whether every member of the current epoch has applied the last step (as last read)."""
         return bool(self.membership.members) and set(self.membership.members) <= self.finished[1]
@@ -228,6 +237,8 @@ def _loop(store: TCPStore, address: str, make: Callable[[Store], Coordinator], p
         woken, seen = wakes.current != seen, wakes.current
         if woken or rounds % 10 == 0:  # (every tenth round too: a wake lost to a launcher's crash)
             if store.check([keys.shutdown()]):
+                if alive:
+                    coord.drain()
                 return 0
             if store.check([keys.generation()]) and int(store.get(keys.generation())) != generation:
                 generation = int(store.get(keys.generation()))
