@@ -47,6 +47,12 @@ def digests(run: Path) -> dict[int, str]:
     return {s: r["param_digest"] for s, r in steps(read_events(run)).items()}
 
 
+def committed_before(events: list[dict], event: dict) -> int:
+    """The last step recorded before `event` (a whole-job restart): survivors may commit, and checkpoint,
+    a step or two before the launcher's restart lands."""
+    return max(e["step"] for e in events[:events.index(event)] if e["event"] == "step")
+
+
 # the events that tell a run's story (not its per-step traffic): a failing test prints them, so that a
 # failure seen only in CI (its run directory gone) says what happened
 STORY = {"fault", "member_dead", "epoch", "group_plan", "group_plan_skipped", "join", "survivor_left", "fenced",
@@ -242,9 +248,7 @@ def test_restart_disk_with_groups_resumes_from_the_dcp_checkpoint_of_the_fsdp2_s
     restored = [e for e in events if e["event"] == "restored"]
     assert sorted((e["replica"], e["rank"]) for e in restored) == [(g, j) for g in range(3) for j in range(2)]
     (step,) = {e["step"] for e in restored}  # the newest complete checkpoint (the newest may be mid-save)
-    # the survivors may commit (and checkpoint) a step or two before the launcher's restart lands (as
-    # test_pp_tp_persist's twin did in CI at ec470e9)
-    committed = max(e["step"] for e in events[:events.index(restart)] if e["event"] == "step")
+    committed = committed_before(events, restart)  # as test_pp_tp_persist's twin saw in CI at ec470e9
     assert 0 <= step <= committed and (out / "checkpoints" / f"step_{step:08d}" / "unbroken.json").is_file()
     by_rank = {j: {e["param_digest"] for e in restored if e["rank"] == j} for j in range(2)}
     assert all(len(d) == 1 for d in by_rank.values()), by_rank  # every group loaded the same shards

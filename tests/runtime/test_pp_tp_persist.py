@@ -13,7 +13,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import digests, plain_loop, run_faults
+from tests.runtime.test_groups import committed_before, digests, plain_loop, run_faults
 from tests.runtime.test_pp_tp import BOTH, PIPELINE, TENSOR, staged
 from unbroken.config import Config
 
@@ -79,8 +79,7 @@ def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_pa
     step, loaded = restored_step(events, "disk", ranks)
     # group 0 may commit (and checkpoint) a step or two alone before the launcher's restart lands: CI at
     # ec470e9 loaded step 2, committed by group 0 after the kill, on the reference's digest
-    restart = events.index(next(e for e in events if e["event"] == "restart"))
-    committed = max(e["step"] for e in events[:restart] if e["event"] == "step")
+    committed = committed_before(events, next(e for e in events if e["event"] == "restart"))
     assert 0 <= step <= committed and loaded == digests(reference)[step], (step, committed)
     assert digests(out) == digests(reference)
     meta = dcp.FileSystemReader(str(out / "checkpoints" / f"step_{step:08d}")).read_metadata()

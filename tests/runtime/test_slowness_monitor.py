@@ -13,6 +13,7 @@ from torch.distributed import HashStore
 
 from unbroken.events import EventLog, read_events
 from unbroken.runtime.control import keys
+from unbroken.runtime.control.coordinator import Coordinator
 from unbroken.runtime.control.slowness import SlownessMonitor
 
 
@@ -51,8 +52,6 @@ def test_the_coordinator_reads_the_last_steps_once_every_member_finished(tmp_pat
     """Beat rounds read committed steps: the round that finds every member finished reads the steps
     committed since the last one (the run's last steps, where a late re-plan is measured: a grow back's
     `group_plan_measured` went missing in CI when the run ended 3 steps after it)."""
-    from unbroken.runtime.control.coordinator import Coordinator
-
     store = HashStore()
     log = EventLog(tmp_path / "events.jsonl", who="coordinator")
     coord = Coordinator(store, 2, log, heartbeat_timeout=60, progress_timeout=60, startup_timeout=60, beat_every=1.0)

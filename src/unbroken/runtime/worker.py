@@ -235,7 +235,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     # a kill takes the rank's own agent too where that agent could not restart it (see faults.Injector)
     injector = Injector(faults, me, log, raw, rank=who.rank, sleep_cap_s=cfg.coord.progress_timeout / 4,
-                        host=cfg.parallel.on_rank_loss == "replan" and cfg.run.restarts == 0
+                        host=replan and cfg.run.restarts == 0
                         and "TORCHELASTIC_RUN_ID" in os.environ)
     try:
         device = torch.device(where.device)
