@@ -19,8 +19,13 @@ from unbroken.events import read_events
 
 pytestmark = pytest.mark.timeout(120)
 
+# The launcher fires crash-all once it sees step 5's record; a step takes ~25 ms, and in CI at 35e37ad
+# step 6 committed (and its snapshot was taken) before the kill landed, so generation 1 restored step 6
+# and redid nothing. Replica 0 sleeps through 20x its step-6 compute (wall time only: the arithmetic never
+# sees it, and a slow fault logs no fault event), so the kill lands inside step 6.
 RUN = ["--replicas", "2", "--steps", "8", "--microbatches", "4", "--exact", "--run.progress=false",
-       "--snapshot.enabled=true", "--snapshot.every=3", "--coord.heartbeat_timeout=5", "--faults", "crash-all:step=6"]
+       "--snapshot.enabled=true", "--snapshot.every=3", "--coord.heartbeat_timeout=5",
+       "--faults", "crash-all:step=6; slow:replica=0,from=6,to=7,factor=20,how=sleep"]
 
 
 @pytest.fixture(scope="module")
