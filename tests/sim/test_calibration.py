@@ -99,9 +99,13 @@ def test_kill_prediction_where_each_replica_has_a_core(tmp_path):
              if not 0.8 <= statistics.median(own[s]) / before <= 1.25}  # either way: a core freed, or a neighbour's load
     # a step or two off moves the run's time by a few percent; a shift that lasts (4 of 9 steps in that CI
     # run) moves the prediction's premise
-    if len(moved) > len(after) // 4:
+    # ... and so does a drift inside the band: in CI at 2b75ed5 the survivor sped up step by step to 0.80x
+    # after the kill (median 0.87x, no step outside the band), and the prediction was 16% off
+    drift = statistics.median(statistics.median(own[s]) / before for s in after)
+    if len(moved) > len(after) // 4 or not 0.9 <= drift <= 1.1:
         pytest.skip(f"the survivor's microbatch compute moved from {1e3 * before:.1f} ms (median before the kill) "
-                    f"after it, at steps {moved} (step: its median over that, of {len(after)} steps): this host "
+                    f"to {drift:.2f}x of it over its {len(after)} steps after the kill, at steps {moved} (step: its "
+                    f"median, outside 0.8-1.25x): this host "
                     f"does not give each replica a core of its own at a constant speed (the simulator's premise)")
     p = predict_other(tmp_path / "cal", tmp_path / "target")
     within(p)
