@@ -27,6 +27,8 @@ def test_defaults_and_whitespace():
     (s,) = parse("slow:replica=1,factor=3", 2, 5)
     assert (s.start, s.stop) == (0, None) and s.slows(1, 4)  # slowed from step 0 to the end
     assert s.how == "sleep" and parse("slow:replica=1,factor=3,how=spin", 2, 5)[0].how == "spin"
+    (s,) = parse("slow:replica=1,for=0.5,from=2", 2, 5)  # a fixed stall: no factor
+    assert (s.factor, s.seconds, s.how, s.start) == (1.0, 0.5, "sleep", 2) and s.slows(1, 2)
 
 
 def test_bounds_are_the_runs_size():
@@ -51,6 +53,9 @@ def test_bounds_are_the_runs_size():
     ("slow:replica=1,factor=0.5", "factor=0.5"),
     ("slow:replica=1,factor=fast", "'fast'"),
     ("slow:replica=1,factor=2,how=nap", "'nap'"),
+    ("slow:replica=1,from=2", "factor= or for="),
+    ("slow:replica=1,for=1,how=spin", "'spin'"),
+    ("slow:replica=1,for=-1", "for=-1"),
     ("hang:replica=1,step=1,for=-2", "for=-2"),
     ("kill:replica=1,step=1; kill:replica=9,step=1", "replica=9"),
 ])
@@ -74,9 +79,10 @@ _kill = st.builds(lambda r, s, p: Fault("kill", replica=r, step=s, phase=p),
 _hang = st.builds(lambda r, s, p, t: Fault("hang", replica=r, step=s, phase=p, seconds=t),
                   st.integers(0, R - 1), st.integers(0, S - 1), st.sampled_from(PHASES),
                   st.floats(0.0, 1e4, allow_nan=False))
-_slow = st.builds(lambda r, f, a, b, h: Fault("slow", replica=r, factor=f, start=a, stop=b, how=h),
+_slow = st.builds(lambda r, f, a, b, h, t: Fault("slow", replica=r, factor=f, start=a, stop=b, how=h,
+                                                 seconds=t if h == "sleep" else 0.0),
                   st.integers(0, R - 1), _num, st.integers(0, S - 1), st.none() | st.integers(0, S),
-                  st.sampled_from(["sleep", "spin"]))
+                  st.sampled_from(["sleep", "spin"]), st.just(0.0) | st.floats(0.0, 1e4, allow_nan=False))
 
 
 @settings(max_examples=80, deadline=None)

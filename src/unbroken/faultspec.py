@@ -7,6 +7,8 @@
     slow:replica=0,from=5,factor=2[,to=9][,how=spin]   stretch each microbatch's compute by `factor`
                                                 (how=sleep, the default; spin: burn the CPU meanwhile;
                                                 throttle: burn it to F x the unslowed time of the same work)
+    slow:replica=0,from=5,for=0.5[,to=9]        sleep 0.5 s after each compute span (how=sleep only):
+                                                a fixed host-side stall, the same on a fast host and a slow one
     node:node=1,step=12                         lose node 1 (its snapshot agent, its memory, its trainers)
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
@@ -38,7 +40,7 @@ class Fault:
     replica: int | None = None
     step: int | None = None
     phase: str | None = None
-    seconds: float = 0.0  # hang: how long the process stays stopped
+    seconds: float = 0.0  # hang: how long the process stays stopped; slow: a fixed sleep per compute span
     factor: float = 1.0  # slow
     start: int = 0  # slow: first slowed step
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
@@ -55,7 +57,7 @@ class Fault:
 _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "kill": ({"replica", "step"}, {"phase", "rank"}),
     "hang": ({"replica", "step", "for"}, {"phase", "rank"}),
-    "slow": ({"replica", "factor"}, {"from", "to", "how", "rank"}),
+    "slow": ({"replica"}, {"factor", "for", "from", "to", "how", "rank"}),  # factor=, for= or both
     "node": ({"node", "step"}, set()),
     "crash-all": ({"step"}, set()),
     "corrupt": ({"replica", "step"}, set()),
@@ -148,6 +150,10 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, 
         if kv["how"] not in ("sleep", "spin", "throttle"):
             raise FaultSpecError(f"how={kv['how']!r} is not sleep, spin or throttle in {part!r}")
         f["how"] = kv["how"]
+    if kind == "slow" and not {"factor", "for"} & kv.keys():
+        raise FaultSpecError(f"slow needs factor= or for= in {part!r}")
+    if kind == "slow" and "for" in kv and f.get("how", "sleep") != "sleep":
+        raise FaultSpecError(f"for= is a sleep: how={kv['how']!r} cannot take it in {part!r}")
     return Fault(**f)
 
 

@@ -57,6 +57,12 @@ def test_spin_is_seen_on_the_device_clock_sleep_only_on_the_wall_clock(tmp_path)
     time.sleep(0.3)  # a span a loaded host stretched
     inj.stretch(0, span)
     assert 0.34 <= span.stop()[1] < 0.5
+    # for=: a fixed sleep, whatever the span took (0.2 s after a 0.01 s span, both well under 3x it)
+    inj = Injector(parse("slow:replica=0,from=0,for=0.2", 1, 5), 0, log)
+    span = clock.start()
+    time.sleep(0.01)
+    inj.stretch(0, span)
+    assert 0.2 <= span.stop()[1] < 0.35
     # not slowed at this step: nothing added
     inj = Injector(parse("slow:replica=0,from=2,factor=3,how=spin", 1, 5), 0, log)
     span = clock.start()

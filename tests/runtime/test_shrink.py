@@ -363,12 +363,15 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     1 s after, the launcher replaces each of the three ended agents once (spare hosts); torchrun restarts
     the stand-in's worker into their rendezvous, and group 1 re-forms at its full plan, healed rank by
     rank. Losses within 1e-5 of the plain one-process loop's (TP 2 -> 1 while shrunk). Group 0's first
-    rank sleeps 4x its compute from step 4 (wall time only) so the re-formed group has steps left: alone on
-    this host it grew back at step 13 (41 s into the run; 4 workers' start-up after the loss took 14 s);
-    with 24 steps, CI at e1305ff ended the run before it grew back, so 32."""
+    rank sleeps 1 s after its compute in every step from step 4 (`for=1`: wall time only) so the re-formed
+    group has steps left. It slept 4x its compute before: alone on this host it grew back at steps 11-14
+    of 32 (13-17 s after the group's last death), but the project's CI, on a faster host, where a sleep
+    of 3x the compute is shorter while the regrowth's fixed waits (replace_after, the lost agent's
+    keep-alives lapsing, torchrun's restart) are not, twice healed it only at the run's last step (CI at
+    207cec5 and 7c2dc88). A fixed second makes a step last >= 1 s on any host: 28 slowed steps."""
     grow = [*longer(BOTH, 32), "--parallel.replace_after=1", "--coord.run_timeout=220"]
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; "
-                                       f"slow:replica=0,from=4,factor=4,how=sleep", base=grow)
+                                       f"slow:replica=0,from=4,for=1", base=grow)
     assert one(events, "fault", kind="kill", replica=1, rank=3)["host"] is True
     (standin,) = one(events, "group_plan", replica=1, why="rank lost")["alive"]
     # the others leave: on finding the group broken (survivor_left), or fenced when the coordinator's

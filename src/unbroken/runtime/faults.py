@@ -4,7 +4,7 @@ Owns: firing the faults of `faultspec` that target this replica. kill = SIGKILL 
 SIGSTOP of this process, with a detached `sh` that sends SIGCONT after `for` seconds (so the zombie path
 runs for real); slow = stretch each microbatch's compute by `factor`: how=spin burns (factor-1) x its device time (CPU
 time on a CPU) in the computing thread, as a throttled device; how=throttle burns until the span has
-spent `factor` x what the replica's unslowed spans of the same work spent (else `factor` x its own time); how=sleep sleeps (factor-1) x its wall time, which only wall clocks see. Does not own: detection —
+spent `factor` x what the replica's unslowed spans of the same work spent (else `factor` x its own time); how=sleep sleeps (factor-1) x its wall time plus `for` seconds, which only wall clocks see. Does not own: detection —
 nothing here is visible to the coordinator or the detector except through time and signals.
 """
 from __future__ import annotations
@@ -88,8 +88,11 @@ class Injector:
         the unslowed one, and F x it is not what a device F times slower takes. spin stays the rule the
         detector's tests and thresholds were measured with: throttle moved their verdicts in CI (a
         recovery two steps later, a healthy replica Suspect), not yet understood.
-        how=sleep sleeps (F-1) x the span's wall time, at most `sleep_cap_s`: wall time only, which the
-        detector does not read (it emulates a host-side stall, e.g. a slow data loader, not a slow device)."""
+        how=sleep sleeps (F-1) x the span's wall time plus the fault's `for` seconds, at most
+        `sleep_cap_s`: wall time only, which the detector does not read (it emulates a host-side stall,
+        e.g. a slow data loader, not a slow device). `for` is a stall of fixed length, for tests whose
+        steps must last as long on a fast host as on a slow one: a grow back's fixed waits (keep-alive
+        lapses, agent restarts) do not shrink with compute, and a factor's sleep does."""
         if not self.slow:
             return
         slowing = [f for f in self.slow if f.slows(self.me, step)]
@@ -97,7 +100,7 @@ class Injector:
             if tokens > 0 and self.aims:
                 self.unslowed.setdefault((tokens, sumsq), deque(maxlen=16)).append(span.so_far())
             return
-        worst = max(slowing, key=lambda f: f.factor)
+        worst = max(slowing, key=lambda f: (f.factor, f.seconds))
         if worst.how == "throttle":
             seen = self.unslowed.get((tokens, sumsq))
             unslowed = statistics.median(seen) if seen else span.so_far()
@@ -105,4 +108,5 @@ class Injector:
         elif worst.how == "spin":
             span.burn(span.so_far() * (worst.factor - 1.0))
         else:
-            time.sleep(min(self.sleep_cap_s, max(0.0, (time.perf_counter() - span.wall0) * (worst.factor - 1.0))))
+            wall = time.perf_counter() - span.wall0
+            time.sleep(min(self.sleep_cap_s, max(0.0, wall * (worst.factor - 1.0) + worst.seconds)))
