@@ -151,7 +151,7 @@ def _stretch(recs: list[dict[str, Any]], spec: tuple[Fault, ...]) -> dict[str, f
     compute, which the spin itself had slowed (its caches refilled after each spin)."""
     ratios: dict[str, list[float]] = {}
     for f in spec:
-        if f.kind != "slow":
+        if f.kind != "slow" or f.seconds:  # a fixed stall (for=) is no multiple of the compute
             continue
         before = _own_speed(recs, f.replica, f.start)
         during = [r.get("wall", r["seconds"]) for r in recs if r["event"] == "compute"
@@ -170,15 +170,17 @@ def _trace(fault: dict[str, Any], t0: float) -> dict[str, Any]:
 
 
 def _predicted_fault(f: Fault, steps: int, step_time: float, compute: float, sync: float,
-                     stretch: float = 1.0) -> dict[str, Any]:
+                     stretch: float = 1.0, microbatch: float | None = None) -> dict[str, Any]:
     """A fault of the spec on the failure-free clock (step s runs from s * step_time; `compute` s of it is
     one replica's microbatches). The simulator applies a slow episode at the next step boundary, so one
     that slows steps [start, stop) begins half a step before `start` and ends half a slowed step before
     `stop`; a kill or hang lands inside its step where its phase is (mid-compute, at the reduction, at
     the commit, after it), as the runtime fires it. A slow factor is scaled by the calibration run's
-    measured `stretch` for its `how`."""
+    measured `stretch` for its `how`. A fixed stall (`for=S`: S s of sleep after each microbatch's
+    compute, `microbatch` s long unslowed) is applied as the factor it amounts to, + S / microbatch: the
+    simulator slows a replica only by a factor."""
     if f.kind == "slow":
-        factor = f.factor * stretch
+        factor = f.factor * stretch + (f.seconds / microbatch if f.seconds and microbatch else 0.0)
         slowed = compute * factor + sync  # a slowed step, equal quotas (the stated premise)
         end = steps + 1 if f.stop is None else f.stop
         return {"at_hours": (f.start - 0.5) * step_time / 3600, "cause": "slow", "scope": "slow",
@@ -242,7 +244,7 @@ def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Predic
         speed = _own_speed(recs, f.replica, f.start) if f.kind == "slow" else None
         return speed / mb if speed else 1.0
 
-    trace = [_predicted_fault(f, n, step_time, -(-M // R) * mb, sync, cal.stretch.get(f.how, 1.0) * own(f))
+    trace = [_predicted_fault(f, n, step_time, -(-M // R) * mb, sync, cal.stretch.get(f.how, 1.0) * own(f), mb)
              for f in spec if f.kind in ("slow", "kill", "hang")]
     tree: dict[str, Any] = {
         "name": f"predicted-{Path(target_dir).name}", "source": str(target_dir),
