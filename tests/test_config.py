@@ -68,7 +68,9 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"parallel.pp": "0"}, "parallel.pp=0"),
     ({}, {"parallel.group_size": "4", "parallel.on_rank_loss": "replan"},
      "parallel.on_rank_loss=replan with parallel.group_size=4, pp=1, tp=1"),
-    ({}, {"parallel.group_size": "4", "parallel.tp": "2"}, "parallel.tp=2 with parallel.group_size=4: FSDP2"),
+    ({}, {"parallel.group_size": "8", "parallel.pp": "2", "parallel.tp": "2"},
+     "parallel.pp=2 with parallel.group_size=8: FSDP2 inside pipeline stages is not built yet (group_size must "
+     "equal pp x tp = 4)"),
     ({}, {"parallel.group_size": "3", "parallel.tp": "3", "data.batch_size": "3"}, "parallel.tp=3 does not divide"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "2"}, "parallel.pp=2 with parallel.group_size=4: FSDP2"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
@@ -78,6 +80,14 @@ def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:
         build(tree, overrides)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fsdp2_beside_tensor_parallelism_reaches_the_topology_tp_innermost():
+    """group_size 4 = 2 FSDP shards x TP 2 (torchtitan's (dp_shard, tp) mesh): ranks 0, 1 are shard 0's TP
+    team and take its rows of each microbatch; 2, 3 shard 1's."""
+    topology = build({}, {"parallel.group_size": "4", "parallel.tp": "2", "run.replicas": "2"}).topology()
+    assert (topology.pp, topology.tp, topology.dp_shard) == (1, 2, 2)
+    assert [topology.coords(j) for j in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
 
 
 def test_pipeline_degrees_reach_the_topology():

@@ -292,12 +292,10 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (tp >= 1, f"parallel.tp={tp}: need at least 1"),
         (fsdp >= 1, f"parallel.group_size={p.group_size} is not parallel.pp={pp} x parallel.tp={tp} x a whole "
                     f"number of FSDP shards"),
-        (tp == 1 or fsdp == 1, f"parallel.tp={tp} with parallel.group_size={g}: FSDP2 beside tensor parallelism "
-                               f"is not built yet (group_size must equal tp)"),
         (m.n_head % tp == 0,
          f"parallel.tp={tp} does not divide model.n_head={m.n_head} (each rank takes whole heads)"),
         (pp == 1 or fsdp == 1, f"parallel.pp={pp} with parallel.group_size={g}: FSDP2 inside pipeline stages is "
-                               f"not built yet (group_size must equal pp)"),
+                               f"not built yet (group_size must equal pp x tp = {pp * tp})"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),
@@ -318,7 +316,8 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
          f"plans groups of pipeline stages and/or tensor-parallel ranks, not FSDP2 shards"),
         (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
-         f"(each FSDP rank of a group takes an equal share of every microbatch's sequences)"),
+         f"into its {fsdp} FSDP shards (group_size / (pp x tp): each takes an equal share of every "
+         f"microbatch's sequences)"),
     ]
 
 

@@ -16,7 +16,10 @@ mode runs in float64, so a microbatch's shard is the same bits whichever group c
 cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
 
 A group of tp tensor-parallel ranks (topology.tp = group_size) splits each block's attention heads and MLP
-units over them (`_tensor_parallel`); rank j of every group holds the same slices.
+units over them (`_tensor_parallel`); rank j of every group holds the same slices. With FSDP2 beside TP
+(group_size = dp_shard x tp), torchtitan's 2-D (dp_shard, tp) mesh, TP innermost: TP first over the "tp"
+dimension, then FSDP2 over "dp_shard" shards each rank's TP slices (dim 0); a TP team shares its shard's
+rows of each microbatch, and rank j's parameters are a 2-D DTensor's local piece, the same in every group.
 A group of pp pipeline stages (topology.pp = group_size) instead gives rank j stage j: the model pruned to
 its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
 trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
@@ -107,12 +110,13 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             mesh = init_device_mesh(device.type, (topology.pp, topology.tp), mesh_dim_names=("pp", "tp"))
             model, pipe = _tensor_parallel(model, mesh["tp"], topology.tp), mesh.get_group("pp")
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device)
-    mesh = DeviceMesh.from_group(group, device.type)
-    if topology.tp > 1:
-        if topology.dp_shard > 1:
-            raise TopologyError(f"tp={topology.tp}: only a group of tensor-parallel ranks alone (group_size = tp) "
-                                f"is built")
-        return _tensor_parallel(model, mesh, topology.tp), None
+    if topology.tp > 1 and topology.dp_shard == 1:
+        return _tensor_parallel(model, DeviceMesh.from_group(group, device.type), topology.tp), None
+    if topology.tp > 1:  # TP, then FSDP2 over it (the "tp" sub-meshes are consecutive ranks: topology.coords)
+        grid = init_device_mesh(device.type, (topology.dp_shard, topology.tp), mesh_dim_names=("dp_shard", "tp"))
+        model, mesh = _tensor_parallel(model, grid["tp"], topology.tp), grid["dp_shard"]
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
     blocks = getattr(model, "blocks", ())  # a user's model without `blocks` is sharded as one unit
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
