@@ -69,10 +69,9 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"parallel.group_size": "4", "parallel.on_rank_loss": "replan"},
      "parallel.on_rank_loss=replan with parallel.group_size=4, pp=1, tp=1"),
     ({}, {"parallel.group_size": "8", "parallel.pp": "2", "parallel.tp": "2"},
-     "parallel.pp=2 with parallel.group_size=8: FSDP2 inside pipeline stages is not built yet (group_size must "
-     "equal pp x tp = 4)"),
+     "parallel.pp=2 with parallel.group_size=8: FSDP2 inside pipeline stages beside TP is not built yet "
+     "(group_size must equal pp x tp = 4, or tp=1)"),
     ({}, {"parallel.group_size": "3", "parallel.tp": "3", "data.batch_size": "3"}, "parallel.tp=3 does not divide"),
-    ({}, {"parallel.group_size": "4", "parallel.pp": "2"}, "parallel.pp=2 with parallel.group_size=4: FSDP2"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
 ])
@@ -88,6 +87,13 @@ def test_fsdp2_beside_tensor_parallelism_reaches_the_topology_tp_innermost():
     topology = build({}, {"parallel.group_size": "4", "parallel.tp": "2", "run.replicas": "2"}).topology()
     assert (topology.pp, topology.tp, topology.dp_shard) == (1, 2, 2)
     assert [topology.coords(j) for j in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+
+
+def test_fsdp2_inside_pipeline_stages_reaches_the_topology():
+    """group_size 4 = 2 stages x 2 FSDP shards (torchtitan's (pp, dp_shard) mesh): ranks 0, 1 hold stage 0."""
+    topology = build({}, {"parallel.group_size": "4", "parallel.pp": "2", "run.replicas": "2"}).topology()
+    assert (topology.pp, topology.tp, topology.dp_shard) == (2, 1, 2)
+    assert [topology.coords(j) for j in range(4)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
 
 
 def test_pipeline_degrees_reach_the_topology():

@@ -1,8 +1,8 @@
 """Snapshots and checkpoints of pipeline and tensor-parallel replica groups (2 groups of 2 ranks, each a
 real `torchrun` job of the local launcher, in `--exact`, dropout 0): a whole-job crash restores every
 stage from the snapshot agents' memory, and a whole-job restart from disk loads every rank's part of a
-DCP checkpoint (a stage's own parameters and optimizer state; a TP rank's DTensor slices, and with FSDP2
-beside TP, 2 groups of 4 ranks, each slice's FSDP shard of it). Each run ends
+DCP checkpoint (a stage's own parameters and optimizer state; a TP rank's DTensor slices; and in 2 groups
+of 4 ranks, FSDP2 beside TP, each slice's FSDP shard of it, or FSDP2 inside the stages). Each run ends
 on the failure-free trajectory of its topology, every step, and what each rank loaded is that
 trajectory's state at the step it names.
 """
@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 GRID4 = [*COMMON, "--parallel.group_size=4", "--parallel.tp=2"]  # FSDP2 beside TP: rank = shard x 2 + TP index
+STAGED4 = [*COMMON, "--parallel.group_size=4", "--parallel.pp=2"]  # FSDP2 in stages: rank = stage x 2 + shard
 
 
 def longer(base: list[str], n: int) -> list[str]:
@@ -65,13 +66,13 @@ def test_a_whole_job_crash_restores_every_pipeline_stage_from_memory(tmp_path):
     assert [digests(out)[s] for s in range(8)] == want
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp x tp", "fsdp x tp"])
+@pytest.mark.parametrize("layout", ["tp", "pp x tp", "fsdp x tp", "pp x fsdp"])
 def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_path, layout):
     """A rank of group 1 killed in step 2 under `--run.recovery=restart-disk`: every trainer restarts and
     loads the newest complete DCP checkpoint (every step saved by group 0), and the run ends bitwise on
     the failure-free run of the same topology. The checkpoint holds each TP-split weight as the ranks'
     slices of one global tensor (DTensor), and a pipeline's stages under their own names."""
-    base = {"tp": TENSOR, "pp x tp": BOTH, "fsdp x tp": GRID4}[layout]
+    base = {"tp": TENSOR, "pp x tp": BOTH, "fsdp x tp": GRID4, "pp x fsdp": STAGED4}[layout]
     reference = tmp_path / "reference"
     r = unbroken("train", *base, "--out", str(reference))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -87,12 +88,13 @@ def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_pa
     assert 0 <= step <= committed and loaded == digests(reference)[step], (step, committed)
     assert digests(out) == digests(reference)
     meta = dcp.FileSystemReader(str(out / "checkpoints" / f"step_{step:08d}")).read_metadata()
-    split = meta.state_dict_metadata["param/blocks.0.mlp.0.weight"]  # column-wise: rows split over TP ranks
+    split = meta.state_dict_metadata["param/blocks.0.mlp.0.weight"]  # rows split over TP ranks, FSDP shards or both
     chunks = sorted(tuple(c.offsets) for c in split.chunks)
-    # and beside FSDP2, each TP slice's rows split again over the 2 shards: a quarter of the rows a rank
+    # and beside FSDP2, each TP slice's rows split again over the 2 shards: a quarter of the rows a rank;
+    # FSDP2 alone inside a stage: half of them
     parts = 4 if layout == "fsdp x tp" else 2
     assert [c[0] for c in chunks] == [k * split.size[0] // parts for k in range(parts)], chunks
-    if layout == "pp x tp":  # stage 0 holds block 0, stage 1 block 1 and the head, each under its own name
+    if layout.startswith("pp"):  # stage 0 holds block 0, stage 1 block 1 and the head, each under its own name
         assert {"param/blocks.1.mlp.0.weight", "param/head.weight", "param/tok.weight"} <= \
             set(meta.state_dict_metadata)
         assert any(k.startswith("optim/blocks.1.") for k in meta.state_dict_metadata)

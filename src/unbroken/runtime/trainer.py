@@ -112,6 +112,8 @@ class Trainer:
         self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
         if self.stages is not None:
             self.stages.sink = lambda p, grad: self.acc.add_shard(p, grad)
+            if self.fsdp:  # FSDP2 inside the stages: a batch's reduce-scattered shards (pipeline.Stages)
+                reduced_shards(self.model, self.stages.took_shard)
         elif hooked:
             reduced_shards(self.model, lambda p, shard: self.acc.add_shard(p, shard))
         self.groups: dict[tuple[int, tuple[int, ...], int], EpochGroup] = {}  # (epoch, members, shard) -> group
@@ -360,7 +362,8 @@ class Trainer:
         group runs the same ones, a retry's redone ones too); each microbatch's gradients reach the
         accumulator one by one (pipeline.py). A schedule interleaves its microbatches, so one's own device
         time is not separable: the call's is shared out by tokens, the predictor's main feature."""
-        mbs = [self.data.microbatch(step, i) for i in microbatches]  # whole: stage 0 reads x, the last y
+        # this rank's FSDP shard's rows (whole without FSDP2): stage 0 reads x, the last y
+        mbs = [part(self.data.microbatch(step, i), self.share, self.shares) for i in microbatches]
 
         def before(k: int) -> None:  # this stage's forward of microbatch k
             self.hb.at(step, "compute", microbatches[k])

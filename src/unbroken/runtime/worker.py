@@ -165,9 +165,11 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     device = torch.device("cpu") if device is None else device
-    shape = (cfg.data.batch_size, int(cfg.data.seq_len)) if cfg.parallel.pp > 1 else None  # config: a number
+    # a stage's microbatch is its FSDP shard's rows (data.part); config: seq_len a number, shards divide B
+    topology = cfg.topology()
+    shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len)) if topology.pp > 1 else None
     # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
-    model, stages = parallelize(factories.model(cfg).to(device), cfg.topology(), group, cfg.run.exact, who.rank,
+    model, stages = parallelize(factories.model(cfg).to(device), topology, group, cfg.run.exact, who.rank,
                                 shape, device)
     data = factories.data(cfg)
     return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group, stages)

@@ -24,7 +24,12 @@ A group of pp pipeline stages (topology.pp = group_size) instead gives rank j st
 its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
 trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
 the others over shard index j. With both (group_size = pp x tp, rank = stage x tp + tp index), each
-stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp index.
+stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp index. With
+FSDP2 inside the stages (group_size = pp x dp_shard, rank = stage x dp_shard + shard: torchtitan's
+(pp, dp_shard) mesh), each stage's blocks are sharded over its dp_shard ranks, each fed its shard's rows,
+and the schedule runs over the ranks of one shard; its reduce-scatter comes once a batch, after the
+schedule's last backward (pipelining's REDUCE_GRAD), and reaches the trainer through `reduced_shards`.
+All three degrees at once inside a group are not built.
 """
 from __future__ import annotations
 
@@ -91,25 +96,32 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     device = torch.device("cpu") if device is None else device
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
     if topology.pp > 1:
-        if topology.dp_shard > 1 or shape is None:
-            raise TopologyError(f"pp={topology.pp}: pipeline stages with FSDP2 inside them are not built (group_size "
-                                f"must be pp x tp), and the stages need a static microbatch shape")
+        if (topology.dp_shard > 1 and topology.tp > 1) or shape is None:
+            raise TopologyError(f"pp={topology.pp}: pipeline stages with both FSDP2 and TP inside them are not built "
+                                f"(tp={topology.tp}), and the stages need a static microbatch shape")
         # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
         vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
-        stage = topology.coords(rank)[0]
+        stage, shard, _ = topology.coords(rank)
         model, tied = split(model, stage, topology.pp)
-        pipe = group
+        pipe, sharded = group, None
         if topology.tp > 1:
             # torchtitan's (pp, tp) mesh over the group, TP innermost (topology.coords): each stage's tp
             # ranks split its blocks, and stage s's TP rank t sends to stage s+1's TP rank t over the
             # "pp" dimension's group. Every rank creates every sub-group, in the same order.
             mesh = init_device_mesh(device.type, (topology.pp, topology.tp), mesh_dim_names=("pp", "tp"))
             model, pipe = _tensor_parallel(model, mesh["tp"], topology.tp), mesh.get_group("pp")
-        return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device)
+        elif topology.dp_shard > 1:
+            # torchtitan's (pp, dp_shard) mesh: each stage's dp_shard ranks shard its blocks with FSDP2, each
+            # fed its shard's rows of every microbatch, and stage s's shard k sends to stage s+1's shard k
+            mesh = init_device_mesh(device.type, (topology.pp, topology.dp_shard), mesh_dim_names=("pp", "dp_shard"))
+            model, pipe = _fully_shard(model, mesh["dp_shard"], policy), mesh.get_group("pp")
+            sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
+        return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device, sharded)
     if topology.tp > 1 and topology.dp_shard == 1:
         return _tensor_parallel(model, DeviceMesh.from_group(group, device.type), topology.tp), None
     if topology.tp > 1:  # TP, then FSDP2 over it (the "tp" sub-meshes are consecutive ranks: topology.coords)
@@ -117,11 +129,18 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
         model, mesh = _tensor_parallel(model, grid["tp"], topology.tp), grid["dp_shard"]
     else:
         mesh = DeviceMesh.from_group(group, device.type)
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
+    return _fully_shard(model, mesh, policy), None
+
+
+def _fully_shard(model: nn.Module, mesh, policy) -> nn.Module:
+    """FSDP2 over `mesh` (1-D), as torchtitan applies it: each block, then the root (the embeddings, the
+    tied head: what is left), each reduce-scattering a SUM (`_sum`)."""
+    from torch.distributed.fsdp import fully_shard
+
     blocks = getattr(model, "blocks", ())  # a user's model without `blocks` is sharded as one unit
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         _sum(fully_shard(block, mesh=mesh, mp_policy=policy))
-    return _sum(fully_shard(model, mesh=mesh, mp_policy=policy)), None
+    return _sum(fully_shard(model, mesh=mesh, mp_policy=policy))
 
 
 def _tensor_parallel(model: nn.Module, mesh, tp: int) -> nn.Module:

@@ -107,10 +107,13 @@ class Stages:
 
     def __init__(self, model: nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
                  tied: Tied, shape: tuple[int, int], width: int, vocab: int,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | None = None):
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | None = None,
+                 sharded: tuple[int, int, torch.dtype] | None = None):
         """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
         `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss; `device`:
-        the rank's (the model already on it; CPU when None)."""
+        the rank's (the model already on it; CPU when None); `sharded`: (this rank's FSDP shard, the
+        shards, the reduce dtype) when FSDP2 shards the stage (parallelize): gradients then reach `took_shard` once a batch,
+        as the reduce-scatter leaves them (parallelize.reduced_shards), not one microbatch at a time."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group
@@ -131,7 +134,9 @@ class Stages:
         self.tied = [(next((names[n] for n in group if n in names), None), shape_of) for group, shape_of in tied]
         self._tied_ids = {id(p) for p, _ in self.tied if p is not None}
         self._stash: dict[int, list[torch.Tensor]] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._took) for p in unique_parameters(model)]
+        self.sharded = sharded
+        self._hooks = [] if sharded else [p.register_post_accumulate_grad_hook(self._took)
+                                          for p in unique_parameters(model)]
         self._hooks += [model.register_forward_pre_hook(self._before_forward),
                         model.register_forward_hook(self._after_forward)]
         self.before: Callable[[int], None] | None = None  # set by `run` for its duration
@@ -170,7 +175,10 @@ class Stages:
         if self._forwards != n or (self.last and self._losses != n):
             raise RuntimeError(f"pipeline stage {self.index}: {self._forwards} forwards, {self._losses} losses "
                                f"for {n} microbatches")
-        self._sum_tied(n)
+        if self.sharded:
+            self._sum_tied_shards()
+        else:
+            self._sum_tied(n)
         self.before = self.after = None
         return [loss.detach() for loss in losses]
 
@@ -208,6 +216,35 @@ class Stages:
             self._stash[id(p)].append(g)
         else:
             self.sink(p, g)
+
+    def took_shard(self, p: torch.Tensor, shard: torch.Tensor) -> None:
+        """A batch's reduce-scattered gradient shard of p (FSDP2 inside the stage: the reduce dtype, float64
+        under --exact), once per `run`, after the schedule's last backward; a tied weight's waits for
+        `_sum_tied_shards` (a copy: the reduce-scatter's buffer is FSDP2's)."""
+        if id(p) in self._tied_ids:
+            self._stash[id(p)].append(shard.clone())
+        else:
+            self.sink(p, shard)
+
+    def _sum_tied_shards(self) -> None:
+        """FSDP2 inside the stages: the tied weight's two batch sums, one per stage holding it, added over
+        the stages of this FSDP shard (its rows of the embedding and of the head are the same rows: the
+        same shape sharded the same way), so both copies get the same gradient. Two addends: the same bits
+        in either order; but the batch's per-stage sums, not each microbatch's float32 sum as one model
+        makes it, so within float32 tolerance of a one-rank run, bitwise its own topology's."""
+        shard, shards, dtype = self.sharded
+        for p, shape in self.tied:
+            if p is not None:
+                if len(self._stash[id(p)]) != 1:
+                    raise RuntimeError(f"pipeline stage {self.index}: {len(self._stash[id(p)])} reduce-scatters "
+                                       f"of a tied weight in one schedule")
+                part = self._stash[id(p)][0]
+            else:  # a middle stage: its zeros of this shard's rows (torch.chunk's split, as FSDP2's dim-0 shards)
+                rows = [len(c) for c in torch.empty(shape[0]).chunk(shards)] + [0] * shards
+                part = torch.zeros(rows[shard], *shape[1:], dtype=dtype, device=self.device)
+            dist.all_reduce(part, group=self.group)
+            if p is not None:
+                self.sink(p, part)
 
     def _sum_tied(self, n: int) -> None:
         for p, shape in self.tied:
