@@ -68,9 +68,6 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"parallel.pp": "0"}, "parallel.pp=0"),
     ({}, {"parallel.group_size": "4", "parallel.on_rank_loss": "replan"},
      "parallel.on_rank_loss=replan with parallel.group_size=4, pp=1, tp=1"),
-    ({}, {"parallel.group_size": "8", "parallel.pp": "2", "parallel.tp": "2"},
-     "parallel.pp=2 with parallel.group_size=8: FSDP2 inside pipeline stages beside TP is not built yet "
-     "(group_size must equal pp x tp = 4, or tp=1)"),
     ({}, {"parallel.group_size": "3", "parallel.tp": "3", "data.batch_size": "3"}, "parallel.tp=3 does not divide"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
     ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
@@ -94,6 +91,13 @@ def test_fsdp2_inside_pipeline_stages_reaches_the_topology():
     topology = build({}, {"parallel.group_size": "4", "parallel.pp": "2", "run.replicas": "2"}).topology()
     assert (topology.pp, topology.tp, topology.dp_shard) == (2, 1, 2)
     assert [topology.coords(j) for j in range(4)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+
+
+def test_all_three_degrees_reach_the_topology_tp_innermost():
+    """group_size 8 = 2 stages x 2 FSDP shards x TP 2: rank = (stage x 2 + shard) x 2 + TP index."""
+    topology = build({}, {"parallel.group_size": "8", "parallel.pp": "2", "parallel.tp": "2"}).topology()
+    assert (topology.pp, topology.tp, topology.dp_shard) == (2, 2, 2)
+    assert [topology.coords(j) for j in range(8)] == [(s, k, t) for s in range(2) for k in range(2) for t in range(2)]
 
 
 def test_pipeline_degrees_reach_the_topology():

@@ -294,9 +294,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
                     f"number of FSDP shards"),
         (m.n_head % tp == 0,
          f"parallel.tp={tp} does not divide model.n_head={m.n_head} (each rank takes whole heads)"),
-        (pp == 1 or fsdp == 1 or tp == 1, f"parallel.pp={pp} with parallel.group_size={g}: FSDP2 inside pipeline "
-                                          f"stages beside TP is not built yet (group_size must equal pp x tp = "
-                                          f"{pp * tp}, or tp=1)"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),

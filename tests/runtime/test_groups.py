@@ -372,7 +372,7 @@ def test_every_group_lost_names_the_last_committed_step(tmp_path):
     (["--parallel.group_size=2", "--faults", "kill:replica=0,rank=2,step=1"], "rank=2"),
     (["--parallel.group_size=0"], "parallel.group_size=0"),
     (["--parallel.group_size=2", "--parallel.pp=3"], "parallel.pp=3"),  # 2 ranks are not 3 stages
-    (["--parallel.group_size=8", "--parallel.pp=2", "--parallel.tp=2"], "parallel.pp=2"),  # 3-D in a group: refused
+    (["--parallel.group_size=4", "--parallel.tp=3"], "parallel.tp=3"),  # 4 ranks are not TP 3 x FSDP shards
 ])
 def test_bad_group_input_is_one_line_and_exit_2(tmp_path, args, token):
     out = tmp_path / "run"

@@ -29,7 +29,7 @@ FSDP2 inside the stages (group_size = pp x dp_shard, rank = stage x dp_shard + s
 (pp, dp_shard) mesh), each stage's blocks are sharded over its dp_shard ranks, each fed its shard's rows,
 and the schedule runs over the ranks of one shard; its reduce-scatter comes once a batch, after the
 schedule's last backward (pipelining's REDUCE_GRAD), and reaches the trainer through `reduced_shards`.
-All three degrees at once inside a group are not built.
+All three (group_size = pp x dp_shard x tp): the (pp, dp_shard, tp) mesh, TP then FSDP2 in each stage.
 """
 from __future__ import annotations
 
@@ -101,26 +101,28 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     device = torch.device("cpu") if device is None else device
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
     if topology.pp > 1:
-        if (topology.dp_shard > 1 and topology.tp > 1) or shape is None:
-            raise TopologyError(f"pp={topology.pp}: pipeline stages with both FSDP2 and TP inside them are not built "
-                                f"(tp={topology.tp}), and the stages need a static microbatch shape")
+        if shape is None:
+            raise TopologyError(f"pp={topology.pp}: the stages need a static microbatch shape")
         # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
         vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
         stage, shard, _ = topology.coords(rank)
         model, tied = split(model, stage, topology.pp)
         pipe, sharded = group, None
-        if topology.tp > 1:
-            # torchtitan's (pp, tp) mesh over the group, TP innermost (topology.coords): each stage's tp
-            # ranks split its blocks, and stage s's TP rank t sends to stage s+1's TP rank t over the
-            # "pp" dimension's group. Every rank creates every sub-group, in the same order.
-            mesh = init_device_mesh(device.type, (topology.pp, topology.tp), mesh_dim_names=("pp", "tp"))
-            model, pipe = _tensor_parallel(model, mesh["tp"], topology.tp), mesh.get_group("pp")
-        elif topology.dp_shard > 1:
-            # torchtitan's (pp, dp_shard) mesh: each stage's dp_shard ranks shard its blocks with FSDP2, each
-            # fed its shard's rows of every microbatch, and stage s's shard k sends to stage s+1's shard k
-            mesh = init_device_mesh(device.type, (topology.pp, topology.dp_shard), mesh_dim_names=("pp", "dp_shard"))
-            model, pipe = _fully_shard(model, mesh["dp_shard"], policy), mesh.get_group("pp")
-            sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
+        if topology.tp > 1 or topology.dp_shard > 1:
+            # torchtitan's (pp, dp_shard, tp) mesh over the group, TP innermost (topology.coords), its
+            # degrees of 1 left out: each stage's tp ranks split its blocks (TP first), its dp_shard
+            # teams shard them with FSDP2, each fed its shard's rows of every microbatch, and stage s's
+            # (shard k, TP rank t) sends to stage s+1's over the "pp" dimension's group. Every rank
+            # creates every sub-group, in the same order.
+            dims = [(n, d) for n, d in (("pp", topology.pp), ("dp_shard", topology.dp_shard), ("tp", topology.tp))
+                    if d > 1 or n == "pp"]
+            mesh = init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+            pipe = mesh.get_group("pp")
+            if topology.tp > 1:
+                model = _tensor_parallel(model, mesh["tp"], topology.tp)
+            if topology.dp_shard > 1:
+                model = _fully_shard(model, mesh["dp_shard"], policy)
+                sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device, sharded)
     if topology.tp > 1 and topology.dp_shard == 1:
         return _tensor_parallel(model, DeviceMesh.from_group(group, device.type), topology.tp), None
