@@ -2,10 +2,12 @@
 
 Owns: firing the faults of `faultspec` that target this replica. kill = SIGKILL of this process; hang =
 SIGSTOP of this process, with a detached `sh` that sends SIGCONT after `for` seconds (so the zombie path
-runs for real); slow = stretch each microbatch's compute by `factor`: how=spin burns (factor-1) x its device time (CPU
-time on a CPU) in the computing thread, as a throttled device; how=throttle burns until the span has
-spent `factor` x what the replica's unslowed spans of the same work spent (else `factor` x its own time); how=sleep sleeps (factor-1) x its wall time plus `for` seconds, which only wall clocks see. Does not own: detection —
-nothing here is visible to the coordinator or the detector except through time and signals.
+runs for real); slow = stretch each microbatch's compute by `factor`: how=spin burns (factor-1) x its
+device time (CPU time on a CPU) in the computing thread, as a throttled device; how=throttle burns until
+the span has spent `factor` x what the replica's unslowed spans of the same work spent (else `factor` x
+its own time); how=sleep sleeps (factor-1) x its wall time plus `for` seconds, which only wall clocks
+see. Does not own: detection — nothing here is visible to the coordinator or the detector except through
+time and signals.
 """
 from __future__ import annotations
 

@@ -95,7 +95,6 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
         return model, None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     device = torch.device("cpu") if device is None else device
@@ -109,14 +108,10 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
         model, tied = split(model, stage, topology.pp)
         pipe, sharded = group, None
         if topology.tp > 1 or topology.dp_shard > 1:
-            # torchtitan's (pp, dp_shard, tp) mesh over the group, TP innermost (topology.coords), its
-            # degrees of 1 left out: each stage's tp ranks split its blocks (TP first), its dp_shard
-            # teams shard them with FSDP2, each fed its shard's rows of every microbatch, and stage s's
-            # (shard k, TP rank t) sends to stage s+1's over the "pp" dimension's group. Every rank
-            # creates every sub-group, in the same order.
-            dims = [(n, d) for n, d in (("pp", topology.pp), ("dp_shard", topology.dp_shard), ("tp", topology.tp))
-                    if d > 1 or n == "pp"]
-            mesh = init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+            # each stage's tp ranks split its blocks (TP first), its dp_shard teams shard them with FSDP2,
+            # each fed its shard's rows of every microbatch, and stage s's (shard k, TP rank t) sends to
+            # stage s+1's over the "pp" dimension's group
+            mesh = _mesh(topology, group, device)
             pipe = mesh.get_group("pp")
             if topology.tp > 1:
                 model = _tensor_parallel(model, mesh["tp"], topology.tp)
@@ -124,14 +119,23 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
                 model = _fully_shard(model, mesh["dp_shard"], policy)
                 sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device, sharded)
-    if topology.tp > 1 and topology.dp_shard == 1:
-        return _tensor_parallel(model, DeviceMesh.from_group(group, device.type), topology.tp), None
-    if topology.tp > 1:  # TP, then FSDP2 over it (the "tp" sub-meshes are consecutive ranks: topology.coords)
-        grid = init_device_mesh(device.type, (topology.dp_shard, topology.tp), mesh_dim_names=("dp_shard", "tp"))
-        model, mesh = _tensor_parallel(model, grid["tp"], topology.tp), grid["dp_shard"]
-    else:
-        mesh = DeviceMesh.from_group(group, device.type)
-    return _fully_shard(model, mesh, policy), None
+    mesh = _mesh(topology, group, device)
+    if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
+        model = _tensor_parallel(model, mesh["tp"], topology.tp)
+    return (_fully_shard(model, mesh["dp_shard"], policy) if topology.dp_shard > 1 else model), None
+
+
+def _mesh(topology: Topology, group: ProcessGroup, device: torch.device):
+    """The group's device mesh: torchtitan's (pp, dp_shard, tp), TP innermost (topology.coords), its
+    degrees of 1 left out. One dimension is the group itself (no new process group); several are new
+    sub-groups, which every rank creates in the same order (init_device_mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    dims = [(n, d) for n, d in (("pp", topology.pp), ("dp_shard", topology.dp_shard), ("tp", topology.tp)) if d > 1]
+    names = tuple(n for n, _ in dims)
+    if len(dims) == 1:
+        return DeviceMesh.from_group(group, device.type, mesh_dim_names=names)
+    return init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=names)
 
 
 def _fully_shard(model: nn.Module, mesh, policy) -> nn.Module:
@@ -181,7 +185,6 @@ def _sum(module: nn.Module) -> nn.Module:
     module.set_force_sum_reduction_for_comms(True)
     module.set_gradient_divide_factor(1.0)
     return module
-
 
 
 def peer_lost(error: BaseException) -> bool:

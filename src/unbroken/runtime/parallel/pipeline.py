@@ -112,8 +112,9 @@ class Stages:
         """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
         `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss; `device`:
         the rank's (the model already on it; CPU when None); `sharded`: (this rank's FSDP shard, the
-        shards, the reduce dtype) when FSDP2 shards the stage (parallelize): gradients then reach `took_shard` once a batch,
-        as the reduce-scatter leaves them (parallelize.reduced_shards), not one microbatch at a time."""
+        shards, the reduce dtype) when FSDP2 shards the stage (parallelize): gradients then reach
+        `took_shard` once a batch, as the reduce-scatter leaves them (parallelize.reduced_shards), not
+        one microbatch at a time."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group
