@@ -4,7 +4,9 @@ the head (the tied weight), so it adds zeros where the first and last stages sum
 dropout 0 (stages draw their masks per stage: test_pp_tp.py says why):
   pp=3          bitwise the one-rank run and the plain-PyTorch oracle cut into three stages; its middle
                 stage killed mid-pipeline takes its group out, the survivors redo its microbatches through
-                their own three stages, and every step's digest is the failure-free run's;
+                their own three stages, and every step's digest is the failure-free run's; under
+                `--parallel.on_rank_loss=replan` the group goes on shrunk onto one survivor holding all
+                three stages (standin.py), each healed from the matching rank of the live group, bitwise;
   pp=3 x FSDP2  (group_size 6: the (pp, dp_shard) mesh) within float32 tolerance of the one-rank run (the
                 tied weight's per-stage batch sums, the middle stage's zeros included: pipeline.py).
 """
@@ -16,6 +18,7 @@ import pytest
 
 from tests.runtime.test_groups import assert_group_left, digests, plain_loop, run_faults
 from tests.runtime.test_pp_tp import COMMON, staged, train
+from tests.runtime.test_shrink import HOLD, one, stand_in_heals
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 
@@ -23,7 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # 4 microbatches over 2 groups: quotas of 2, fewer than the 3 stages (GPipe), and 4 when one group is left
 # (1F1B: one microbatch a stage at least)
-THREE = [*COMMON, "--model.n_layer=3", "--microbatches", "4"]
+# 16 steps: room for the shrink (the kill at step 2, the survivor's heal a few steps later under load)
+THREE = [*COMMON, "--model.n_layer=3", "--microbatches", "4", "--steps", str(N := 16)]
 STAGES = [*THREE, "--parallel.group_size=3", "--parallel.pp=3"]
 
 
@@ -70,11 +74,11 @@ def test_the_middle_stage_killed_takes_its_group_out_and_the_survivors_stay_on_t
 
 def test_three_stages_sharded_with_fsdp2_stay_within_float32_tolerance(tmp_path_factory, one_rank):
     """group_size 6 = 3 stages x 2 FSDP shards: every step's loss within 1e-5 (relative; measured 3.6e-8
-    at most over the 4 steps) of the one-rank run's, with the same owners; each of a stage's two shards
+    at most over 16 steps) of the one-rank run's, with the same owners; each of a stage's two shards
     computed its rows of every microbatch of its group's quota."""
     out = train(tmp_path_factory, "three-stages-fsdp", [*THREE, "--parallel.group_size=6", "--parallel.pp=3"])
     grid, dp = steps(read_events(out)), steps(read_events(one_rank))
-    assert sorted(grid) == sorted(dp) == list(range(4))
+    assert sorted(grid) == sorted(dp) == list(range(N))
     for s in dp:
         assert abs(grid[s]["loss"] - dp[s]["loss"]) <= 1e-5 * abs(dp[s]["loss"]), (s, grid[s]["loss"], dp[s]["loss"])
         assert grid[s]["owners"] == dp[s]["owners"] and grid[s]["ranks"] == 12
@@ -84,3 +88,30 @@ def test_three_stages_sharded_with_fsdp2_stay_within_float32_tolerance(tmp_path_
     assert set(rows) == {(g, j, i) for g, mbs in owners.items() for i in mbs for j in range(6)}
     assert len(set(rows.values())) == 1  # every rank its shard's half of a microbatch: 2 rows of 64 tokens
 
+
+
+@pytest.mark.alone  # as test_shrink.py's: the heal must land with shrunk steps left
+def test_a_lost_middle_stage_s_group_goes_on_shrunk_on_one_survivor_bitwise(tmp_path, three_stages):
+    """The middle stage of group 1 is SIGKILLed in step 2's compute; the scheduler shrinks the group onto one
+    of its two survivors (the other leaves), which holds the whole model as all three stages' shard
+    indices, heals each from the matching rank of group 0, computes its quotas, and every step's digest
+    is the failure-free 3-stage run's."""
+    replan = [*STAGES, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1",
+              "--coord.progress_timeout=120"]  # HOLD sleeps: no test here is about a hang
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=2,phase=compute; {HOLD}", base=replan)
+    fault = one(events, "fault", kind="kill", replica=1, rank=1)
+    assert (fault["step"], fault["phase"]) == (2, "compute")
+    dead = one(events, "member_dead", replica=1)
+    assert one(events, "join", replica=1, shrunk=True)["epoch"] > dead["epoch"]
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    assert (plan["decision"], plan["applied"], plan["plan"]) == ("shrink", "shrink", "tp1 pp1 [3]")
+    (survivor,) = plan["alive"]
+    assert survivor in (0, 2) and plan["trajectory"].startswith("bitwise")
+    left = [e for e in events if e["event"] == "survivor_left" and e["replica"] == 1]
+    assert [e["rank"] for e in left] == [2 - survivor]  # the other survivor leaves
+    heals = stand_in_heals(events)
+    assert sorted(e["rank"] for e in heals) == [0, 1, 2] and len({e["donor"] for e in heals}) == 1
+    healed = heals[0]["step"]
+    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > healed]
+    assert stand_in and all(e.get("shards") == [0, 1, 2] for e in stand_in)
+    assert digests(out) == digests(three_stages)
