@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import assert_group_left, digests, plain_loop, run_faults
-from tests.runtime.test_pp_tp import COMMON, staged, train
+from tests.runtime.test_groups import assert_group_left, digests, run_faults
+from tests.runtime.test_pp_tp import COMMON, assert_stages_bitwise, train
 from tests.runtime.test_shrink import HOLD, one, stand_in_heals
-from unbroken.config import Config
 from unbroken.events import read_events, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -44,18 +43,8 @@ def three_stages(tmp_path_factory) -> Path:
 def test_three_stages_are_bitwise_the_one_rank_run_and_the_oracle(three_stages, one_rank):
     """At every step the 3-stage run's digest is the oracle's cut into three stages, and its loss the
     one-rank run's, the same float; all three ranks computed every microbatch of their group's quota."""
-    cfg = Config.from_json((three_stages / "config.json").read_text())
-    assert (cfg.parallel.group_size, cfg.parallel.pp, cfg.model.n_layer) == (3, 3, 3)
-    want, _, _ = plain_loop(cfg, split=False, digest=staged(3))
-    assert [digests(three_stages)[s] for s in range(cfg.run.steps)] == want
-    pp, dp = steps(read_events(three_stages)), steps(read_events(one_rank))
-    assert [pp[s]["loss"] for s in range(cfg.run.steps)] == [dp[s]["loss"] for s in range(cfg.run.steps)]
-    assert all(pp[s]["ranks"] == 6 and pp[s]["owners"] == dp[s]["owners"] for s in pp)
-    computed = {(e["replica"], e["rank"], e["microbatch"]) for e in read_events(three_stages)
-                if e["event"] == "compute" and e["step"] == 0}
-    owners = {int(g): mbs for g, mbs in pp[0]["owners"].items()}
-    assert computed == {(g, j, i) for g, mbs in owners.items() for i in mbs for j in range(3)}
-
+    cfg = assert_stages_bitwise(three_stages, one_rank, 3)
+    assert cfg.model.n_layer == 3  # a block a stage
 
 def test_the_middle_stage_killed_takes_its_group_out_and_the_survivors_stay_on_the_trajectory(
         tmp_path, three_stages):

@@ -79,20 +79,27 @@ def staged(stages: int):
 def test_failure_free_pipeline_is_bitwise_the_one_rank_run(pipeline_reference, one_rank):
     """At every step: the PP=2 run's digest is the oracle's in stage layout, the one-rank run's (2 groups of
     one rank, same config) is the same oracle's in one piece, and the two runs' losses are equal floats."""
-    cfg = Config.from_json((pipeline_reference / "config.json").read_text())
-    assert (cfg.parallel.group_size, cfg.parallel.pp) == (2, 2)
-    want_staged, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+    cfg = assert_stages_bitwise(pipeline_reference, one_rank, 2)
     want_whole, _, _ = plain_loop(cfg, split=False, digest=whole)
-    assert [digests(pipeline_reference)[s] for s in range(cfg.run.steps)] == want_staged
     assert [digests(one_rank)[s] for s in range(cfg.run.steps)] == want_whole
-    pp, dp = steps(read_events(pipeline_reference)), steps(read_events(one_rank))
+
+
+def assert_stages_bitwise(run: Path, one_rank: Path, stages: int) -> Config:
+    """A failure-free pipeline run of 2 groups x `stages`: its digests are the oracle's cut into stages, its
+    losses the one-rank run's, the same floats, with the same owners; each rank computed every microbatch
+    of its group's quota (step 0). Returns its config."""
+    cfg = Config.from_json((run / "config.json").read_text())
+    assert (cfg.parallel.group_size, cfg.parallel.pp) == (stages, stages)
+    want_staged, _, _ = plain_loop(cfg, split=False, digest=staged(stages))
+    assert [digests(run)[s] for s in range(cfg.run.steps)] == want_staged
+    pp, dp = steps(read_events(run)), steps(read_events(one_rank))
     assert [pp[s]["loss"] for s in range(cfg.run.steps)] == [dp[s]["loss"] for s in range(cfg.run.steps)]
-    assert all(pp[s]["ranks"] == 4 and pp[s]["owners"] == dp[s]["owners"] for s in pp)
-    # each rank holds its stage only: a compute record per microbatch from both ranks of the owning group
-    computed = {(e["replica"], e["rank"], e["microbatch"]) for e in read_events(pipeline_reference)
+    assert all(pp[s]["ranks"] == 2 * stages and pp[s]["owners"] == dp[s]["owners"] for s in pp)
+    computed = {(e["replica"], e["rank"], e["microbatch"]) for e in read_events(run)
                 if e["event"] == "compute" and e["step"] == 0}
     owners = {int(g): mbs for g, mbs in pp[0]["owners"].items()}
-    assert computed == {(g, j, i) for g, mbs in owners.items() for i in mbs for j in range(2)}
+    assert computed == {(g, j, i) for g, mbs in owners.items() for i in mbs for j in range(stages)}
+    return cfg
 
 
 def test_a_stage_killed_mid_pipeline_takes_its_group_out_and_survivors_redo_its_microbatches(
