@@ -4,7 +4,7 @@ rank returns, which plan it should run, chosen by predicted step time.
 Owns: the candidate plans of one group (`options`) and the choice among them (`decide`), each with its
 predicted step time, its one-off re-plan cost and the state it moves, as a frozen `Decision` that the
 runtime logs as a `group_plan` event and the simulator applies. Candidates:
-  drop         the group leaves the step (today's behaviour; the baseline every other option must beat)
+  drop         the group leaves the step (parallel.on_rank_loss=drop; the baseline every other option must beat)
   keep         the current plan as it is (only while all its ranks live: "report, do not act")
   reweight     the current plan, its quota weight set to its predicted speed
   repartition  the same ranks and degrees, layers moved off a slow stage
@@ -13,9 +13,10 @@ runtime logs as a `group_plan` event and the simulator applies. Candidates:
   grow         more ranks, up to the full plan, when lost ranks are back
 Does not own: the cost model (stepcost.py), plan shapes (plans.py), detecting faults, moving state.
 
-`restrict` is the runtime's view of a decision: the option it applies among those it can execute (today
-keep and reweight: a group's plan cannot be re-formed inside a running torchrun job), beside the choice
-and the reasons the others were not executable.
+`restrict` is the runtime's view of a decision: the option it applies among those it can execute, beside
+the choice and the reasons the others were not executable (runtime/control/replanning.py lists what it
+executes: keep and reweight for a slow group, drop it under run.quotas=drop, and for a group that lost a
+rank drop or shrink onto one survivor; a live group's layer split and a multi-rank re-form are not).
 
 Quotas are always `workload.assign(M, groups, weights)`: whatever plan is chosen, the step's
 microbatches (s, 0..M-1) are each assigned exactly once, and the global batch never changes.
