@@ -111,6 +111,24 @@ def test_a_located_slow_rank_is_evicted_where_its_group_can_shrink(tmp_path, evi
     assert ("shrink" in e["not_executable"]) == (applied != "shrink")
 
 
+def test_the_slow_rank_is_located_over_its_group_s_episode_not_the_warm_up_before_it(tmp_path):
+    """Per-rank times of a CI run (d74a2a9, 2 groups x TP 2, microseconds a token): every rank's first step
+    is a warm-up, group 0's rank 1 at 5x; group 1's rank 1 spins 3x from step 2, the group turns Suspect
+    at step 2 and Slow at step 3. Over steps 0-3 the peer's warm-up hid it (0.92, nobody located); over
+    the episode, steps 2-3, it reads 0.35 and is located."""
+    log = EventLog(tmp_path / "events.jsonl")
+    planner = planner_for(SHAPE, 2, log, quotas="speed")
+    per_token = [((194, 342), (155, 165)), ((67, 66), (61, 59)), ((78, 60), (72, 167)), ((63, 65), (65, 190))]
+    verdicts = [[], [], changes(2, Verdict.SUSPECT, Verdict.HEALTHY, 1.0), changes(3, Verdict.SLOW, Verdict.SUSPECT, 0.4)]
+    for step, (us, change) in enumerate(zip(per_token, verdicts)):
+        timings = {g: [MicrobatchTiming(256, 16384.0, max(r) * 256e-6, tuple(x * 256e-6 for x in r))] * 3
+                   for g, r in enumerate(us)}
+        planner.on_verdicts(change, timings, Predictor(), [0, 1])
+    (e,) = read_events(tmp_path)
+    assert e["located"] == [1], e
+    assert e["rank_speeds"] == {"0": 1.0, "1": pytest.approx((60 + 65) / (167 + 190), abs=1e-3)}
+
+
 def test_a_slow_group_with_no_rank_located_is_never_evicted(tmp_path):
     """Both ranks of group 1 slow alike: no rank stands out against its peer (rank_speeds 1/3 each, so both
     are below the bar: two located, which one healthy rank cannot replace): reweight, nobody evicted."""

@@ -29,7 +29,8 @@ said so in each event:
                (shrink), and a lost rank's return re-forms the group at its full plan by its torchrun restart
 The runtime's detector times whole groups (each microbatch at the group's slowest rank: StepWork.gather_times);
 the done records also carry each rank's own device seconds, and `policy.locating` compares rank j of the
-Slow group with rank j of its peers over the last LOCATE_STEPS committed steps: the decision is given the
+Slow group with rank j of its peers over the committed steps of the group's episode (since it left
+Healthy; at most the last LOCATE_STEPS): the decision is given the
 slowest rank located at the group's measured speed (any other located rank in proportion, the rest
 healthy), or, where none is located (a stand-in, no peer with per-rank times), every rank of the group at
 the group's measured speed.
@@ -74,7 +75,9 @@ DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline
 MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measured speed may take (`measured`)
 QUOTAS = ("speed", "equal", "drop")  # config run.quotas: what a Slow group's quota becomes
 LOCATE_STEPS = 4  # committed steps whose per-rank times locate a Slow group's slow rank (the detector's
-# evidence for a verdict spans about as many steps)
+# evidence for a verdict spans about as many steps), of those since the group left Healthy: a step before
+# the episode dilutes it, and a warm-up step outweighs several (CI at d74a2a9: a TP rank spinning 3x from
+# step 2, the group Slow at step 3, read 0.92 over steps 0-3, its peer's step 0 at 5x; 0.35 over 2-3)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,9 @@ class GroupPlanner:
         self.was_shrunk: dict[int, Plan] = {}  # shrunk groups since declared dead (their ranks may be back)
         self.evicting: dict[int, str] = {}  # group -> why its located slow rank leaves (`evictions`)
         self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
-        self.recent: deque[Mapping[int, Sequence[MicrobatchTiming]]] = deque(maxlen=LOCATE_STEPS)
+        self.recent: deque[tuple[int, Mapping[int, Sequence[MicrobatchTiming]]]] = deque(maxlen=LOCATE_STEPS)
+        self.observed = 0  # committed steps observed: the index `recent` pairs each step's timings with
+        self.episode: dict[int, int] = {}  # group -> index of the step it left Healthy in (while not Healthy)
 
     def weight_of(self, group: int, speed: float) -> float:
         """`speed` while the group's last applied option is reweight; PARKED once dropped; a shrunk
@@ -169,12 +174,20 @@ class GroupPlanner:
         """A committed step's timings that need no decision (a taking-over coordinator's replay): they
         price a later rank loss. `on_verdicts` takes them itself."""
         self.timings = timings
-        self.recent.append(timings)
+        self.recent.append((self.observed, timings))
+        self.observed += 1
+
+    def _episode(self, group: int) -> list[Mapping[int, Sequence[MicrobatchTiming]]]:
+        """The recent committed steps' timings since `group` left Healthy (all of `recent` where the planner
+        did not see it leave: a coordinator that took over mid-episode)."""
+        start = self.episode.get(group, -1)
+        return [t for i, t in self.recent if i >= start]
 
     def forget(self, group: int) -> None:
         """A group declared dead comes back with a fresh detector record and its full plan."""
         self.reweighted.pop(group, None)
         self.parked.discard(group)
+        self.episode.pop(group, None)
         if group in self.shrunk:
             self.was_shrunk[group] = self.shrunk.pop(group)
 
@@ -240,6 +253,10 @@ class GroupPlanner:
         self.observe(timings)
         decided = []
         for c in changes:
+            if c.old is Verdict.HEALTHY:  # an episode begins with this step
+                self.episode[c.replica] = self.observed - 1
+            elif c.new is Verdict.HEALTHY:
+                self.episode.pop(c.replica, None)
             if (c.new is Verdict.SLOW) == (c.old is Verdict.SLOW):
                 continue  # Healthy <-> Suspect: nothing to decide
             setting, source, seconds = self._setting(timings, predictor)
@@ -250,7 +267,7 @@ class GroupPlanner:
             speed = c.speed if slow else 1.0
             # others keep the quota weight in force; the group's slow ranks located if they can be, else
             # every rank of it at the group's speed
-            ranks = locating.rank_speeds(c.replica, self.recent) if slow else {}
+            ranks = locating.rank_speeds(c.replica, self._episode(c.replica)) if slow else {}
             located = locating.slow_ranks(ranks)
             plans = {g: replace(self.full, weight=self.reweighted.get(g, 1.0)) for g in members if g != c.replica}
             plans.update({g: p for g, p in self.shrunk.items() if g in plans})
