@@ -62,7 +62,7 @@ def test_the_middle_stage_killed_takes_its_group_out_and_the_survivors_stay_on_t
 
 
 def test_three_stages_sharded_with_fsdp2_stay_within_float32_tolerance(tmp_path_factory, one_rank):
-    """group_size 6 = 3 stages x 2 FSDP shards: every step's loss within 1e-5 (relative; measured 3.6e-8
+    """group_size 6 = 3 stages x 2 FSDP shards: every step's loss within 1e-5 (relative; measured 7.5e-7
     at most over 16 steps) of the one-rank run's, with the same owners; each of a stage's two shards
     computed its rows of every microbatch of its group's quota."""
     out = train(tmp_path_factory, "three-stages-fsdp", [*THREE, "--parallel.group_size=6", "--parallel.pp=3"])
