@@ -56,6 +56,17 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
     return cfg
 
 
+def check_host(cfg: Config) -> None:
+    """The checks of a run whose every group this host's launcher starts (`unbroken train`, `resume`, the
+    demo, `unbroken.train`), before anything is touched; not the standalone coordinator's, whose groups
+    run on other hosts: a group needs a GPU per rank here if its device resolves to CUDA
+    (runtime/parallel/device.py: check_gpus). Raises ConfigError (one line)."""
+    if cfg.parallel.device == "cpu" or (cfg.parallel.device == "auto" and cfg.parallel.group_size == 1):
+        return  # nothing to check, and the CLI need not import torch (~2 s) for it
+    from unbroken.runtime.parallel.device import preflight
+    preflight(cfg.parallel.device, cfg.parallel.group_size)
+
+
 def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,
           optimizer: Callable | None = None, **run: Any):
     """Train with fault tolerance; returns a `RunResult` in the launching process.
@@ -76,5 +87,6 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
+    check_host(cfg)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd)

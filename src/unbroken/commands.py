@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from unbroken import report, runplot, runreport
-from unbroken.api import make_config
+from unbroken.api import check_host, make_config
 from unbroken.config import ConfigError, load, parse_overrides
 from unbroken.status import wide_console
 from unbroken.events import read_events
@@ -32,6 +32,7 @@ def train(args: argparse.Namespace, rest: list[str]) -> int:
     if args.data is not None:
         overrides["data.path"] = args.data
     cfg = make_config(load(args.config, overrides))
+    check_host(cfg)
     from unbroken.runtime.launcher.launch import launch
     result = launch(cfg)
     return _ran(result, cfg)
@@ -43,6 +44,7 @@ def resume(args: argparse.Namespace, rest: list[str]) -> int:
     from unbroken.runtime.launcher.launch import launch
     from unbroken.runtime.launcher.resume import read_run
     cfg, point = read_run(Path(args.run_dir), parse_overrides(rest))
+    check_host(cfg)
     console.print(f"resuming {args.run_dir}: {point.reason}; last step in the log: {point.last_step}")
     result = launch(cfg, resume=point)
     return _ran(result, cfg)

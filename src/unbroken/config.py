@@ -135,7 +135,8 @@ class ParallelConfig:
     replace_after: float = -1.0
     # where each rank computes: "auto" (CUDA where its process sees a GPU, else CPU), "cpu" or "cuda". On a
     # GPU a group's ranks talk over NCCL (gloo for the step protocol's CPU tensors); the cross-group
-    # fault-tolerant all-reduce stays on gloo (runtime/parallel/device.py says why). Not yet run on a GPU.
+    # fault-tolerant all-reduce stays on gloo (runtime/parallel/device.py says why). Run on one GPU; NCCL
+    # inside a group (2 GPUs or more) not yet.
     device: str = "auto"
 
 

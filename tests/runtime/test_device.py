@@ -14,7 +14,8 @@ import torch
 from tests.conftest import unbroken
 from unbroken.config import ConfigError
 from unbroken.runtime.gradients import Accumulator, param_digest
-from unbroken.runtime.parallel.device import backend, bind, gpu_index, nccl_environment, resolve
+from unbroken.runtime.parallel.device import (backend, bind, check_gpus, exact_kernels, gpu_index, nccl_environment,
+                                              preflight, resolve)
 
 pytestmark = pytest.mark.timeout(240)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -48,6 +49,24 @@ def test_the_group_backend_and_nccl_settings():
     env = {"TORCH_NCCL_BLOCKING_WAIT": "0"}
     nccl_environment(env)
     assert env == {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # the user's kept
+
+
+def test_a_group_with_more_ranks_than_gpus_is_refused_in_one_line():
+    check_gpus(2, 2)
+    check_gpus(1, 1)
+    with pytest.raises(ConfigError, match=r"^parallel.group_size=3: .* this host sees 2 ") as e:
+        check_gpus(3, 2)
+    assert "\n" not in str(e.value)
+    preflight("cpu", 8)  # CPU ranks share a host freely
+    if not torch.cuda.is_available():
+        preflight("auto", 8)  # auto is the CPU here
+        with pytest.raises(ConfigError, match=r"parallel.device='cuda'"):
+            preflight("cuda", 1)
+
+
+def test_exact_kernels_leave_the_cpu_as_it_is():
+    exact_kernels(torch.device("cpu"))
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_the_accumulator_lives_on_its_parameters_device():
@@ -111,3 +130,30 @@ def test_an_fsdp2_group_on_nccl_loses_a_rank_and_the_other_group_finishes(tmp_pa
     ev = events(out)
     assert [(e["replica"], e.get("rank"), e["step"]) for e in ev if e["event"] == "fault"] == [(1, 1, 2)]
     assert all(e["members"] == [0] for e in ev if e["event"] == "step" and e["step"] > 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@cuda
+def test_under_exact_a_kill_on_cuda_leaves_every_digest_the_failure_free_runs(tmp_path):
+    """--exact on CUDA: the redone microbatches' gradients are the same bits (exact_kernels), so a run
+    that loses a replica in compute has the failure-free run's digest at every step."""
+    runs = {}
+    for name, faults in (("ref", ""), ("kill", "kill:replica=1,step=2,phase=compute")):
+        runs[name] = tmp_path / name
+        r = unbroken("train", "--replicas", "2", "--steps", "6", "--microbatches", "4", "--exact",
+                     "--run.progress=false", "--parallel.device=cuda", "--faults", faults, "--out", str(runs[name]))
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert [(e["replica"], e["step"]) for e in events(runs["kill"]) if e["event"] == "fault"] == [(1, 2)]
+    c = unbroken("compare", str(runs["ref"]), str(runs["kill"]))
+    assert c.returncode == 0 and "identical: 6/6" in c.stdout, c.stdout + c.stderr
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_group_with_more_ranks_than_the_hosts_gpus_is_one_line_and_exit_2(tmp_path):
+    size = torch.cuda.device_count() + 1
+    r = unbroken("train", "--replicas", "2", f"--parallel.group_size={size}", "--data.batch_size=" + str(4 * size),
+                 "--steps", "1", "--parallel.device=cuda", "--out", str(tmp_path / "a"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert f"parallel.group_size={size}" in r.stderr and not (tmp_path / "a").exists(), r.stderr

@@ -54,7 +54,7 @@ from unbroken.runtime.persist.state import materialize
 from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.collectives import keep
-from unbroken.runtime.parallel.device import backend, bind, nccl_environment, resolve
+from unbroken.runtime.parallel.device import backend, bind, exact_kernels, nccl_environment, resolve
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost, release_agent
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.trainer import Parts, Trainer
@@ -187,6 +187,8 @@ def run(factories: Factories) -> int:
         device = bind(resolve(where.cfg.parallel.device), os.environ)  # before any group or CUDA tensor
         if device.type == "cuda":
             nccl_environment(os.environ)
+            if where.cfg.run.exact:
+                exact_kernels(device)  # a redone microbatch's gradient: the same bits on any replica
         where = replace(where, device=str(device))
     except (ConfigError, TopologyError) as e:
         print(f"unbroken: error: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Owns: resolving `parallel.device` ("auto", "cpu", "cuda") in a trainer process; binding the process to its
 GPU before any CUDA work or process group exists (`bind`); the intra-group backend (`backend`); the NCCL
-error-handling settings a fault-tolerant group needs (`nccl_environment`). Does not own: the cross-group
+error-handling settings a fault-tolerant group needs (`nccl_environment`); the kernels `--exact` needs on a
+GPU (`exact_kernels`); refusing a group whose ranks would share a GPU (`check_gpus`). Does not own: the cross-group
 fault-tolerant all-reduce (collectives.py), which stays on gloo on a GPU too (gloo reduces CUDA tensors by
 staging them through host memory): an NCCL communicator whose peer died must be aborted, and a gloo group
 just times out and is dropped, which is what the epoch protocol does today.
@@ -13,11 +14,13 @@ puts every group on one host, UNBROKEN_DEVICE_BASE (r x group_size for group r, 
 out cores) plus RANK, the rank's index in its group (with one torchrun agent per rank, every rank's
 LOCAL_RANK is 0).
 
-Not run on a GPU yet (no GPU machine has been lent to this project): the CPU path of every function here is
-the one the test suite runs.
+Run on one GPU (an H200, 2026-11-28: README's GPU paragraph): `resolve`, `bind`, `check_gpus` and
+`exact_kernels` on CUDA, and NCCL refusing two ranks on one GPU. NCCL inside a group of 2 or more GPUs
+has not run; the test suite runs the CPU path of every function here.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, MutableMapping
 
 import torch
@@ -42,9 +45,56 @@ def bind(device: torch.device, env: Mapping[str, str]) -> torch.device:
     device for its communicator, and two ranks on one GPU are refused ("Duplicate GPU detected")."""
     if device.type != "cuda":
         return device
-    index = gpu_index(env, torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    # the group's ranks on this host: all of them under the local launcher, torchrun's count on a cluster
+    local = env.get("WORLD_SIZE", "1") if "UNBROKEN_DEVICE_BASE" in env else env.get("LOCAL_WORLD_SIZE", "1")
+    check_gpus(int(local), gpus)
+    index = gpu_index(env, gpus)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def check_gpus(group_size: int, gpus: int) -> None:
+    """Refuse, as bad input, a replica group with more ranks than the GPUs its host's processes see: its
+    ranks would share a GPU, and NCCL refuses two ranks of one communicator on one device ("Duplicate GPU
+    detected", at the group's first collective, in every rank). Call where the group's size is known and
+    before any process group: the launcher's config check, and each rank's `bind`. Groups may share GPUs
+    with each other: across groups the collectives are gloo. Raises ConfigError (one line)."""
+    if group_size > gpus:
+        raise ConfigError(f"parallel.group_size={group_size}: a replica group's ranks need a GPU each under NCCL, "
+                          f"and this host sees {gpus} (torch.cuda.device_count()); use --parallel.device=cpu or "
+                          f"a group size of at most {gpus} a host")
+
+
+def preflight(name: str, group_size: int) -> None:
+    """The local launcher's check, before it touches anything: every group runs on this host, so a
+    `parallel.device` that resolves to CUDA needs a GPU per rank of a group (`check_gpus`). Raises
+    ConfigError (one line)."""
+    if name != "cpu" and resolve(name).type == "cuda":
+        check_gpus(group_size, torch.cuda.device_count())
+
+
+def exact_kernels(device: torch.device) -> None:
+    """Make this process's CUDA kernels give the same bits for the same inputs, which `--exact` needs:
+    a microbatch redone by another replica must produce the gradient the lost one would have. By
+    default they do not: the embedding's backward adds with atomics, so the order of a token row's
+    additions varies, and SDPA's memory-efficient and flash backward kernels may too. This turns on
+    torch's deterministic algorithms (an op without one raises rather than varies), cuBLAS's fixed
+    workspace (CUBLAS_WORKSPACE_CONFIG, read when the first cuBLAS handle is made) and SDPA's math
+    backend. Off outside --exact. Call once, after `bind`, before any CUDA work. A no-op on CPU, whose
+    kernels here are deterministic already.
+
+    Measured on an H200 (torch 2.11, `benchmarks/gpu_exact.py`): a 4-layer, width-512 GPT's gradient of
+    one 16 x 256-token microbatch took 4 distinct digests over 7 passes with the default kernels and 1
+    with these, at 1.89x the pass time; `unbroken demo` on CUDA was identical at 24/24 steps. The
+    deterministic algorithms alone also gave 1 digest, at 1.58x, but no end-to-end run has used them
+    without the math SDPA yet, so the math backend stays until a GPU session shows it is not needed."""
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    for sdpa in ("flash", "mem_efficient", "cudnn"):
+        getattr(torch.backends.cuda, f"enable_{sdpa}_sdp")(False)  # the math backend only
 
 
 def gpu_index(env: Mapping[str, str], gpus: int) -> int:
