@@ -161,7 +161,8 @@ def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) 
     cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas), "--steps", str(LONG),
            "--microbatches", str(args.microbatches), f"--model.n_layer={args.n_layer}",
            f"--model.n_embd={args.n_embd}", "--run.progress=false", "--coord.heartbeat_timeout=3600",
-           "--coord.progress_timeout=3600", "--coord.collective_timeout=3600", "--coord.run_timeout=86400", "--out", str(out), *extra]
+           "--coord.progress_timeout=3600", "--coord.collective_timeout=3600", "--coord.run_timeout=86400",
+           "--parallel.device=cpu", "--out", str(out), *extra]  # on the CPU, as the gloo baselines, on a GPU host too
     log = open(out.parent / f"{out.name}.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     events = out / "events.jsonl"
