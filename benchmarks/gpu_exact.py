@@ -34,11 +34,11 @@ BATCH = {"default": (4, 64), "wide": (16, 256)}  # sequences, tokens each
 def measure(mode: str, size: str, repeats: int) -> dict:
     """One mode and size, in this process (the modes' switches are process-wide)."""
     import torch
-    import xxhash
 
     from unbroken.config import DataConfig, ModelConfig
     from unbroken.model.data import DataSource, mix, seed_microbatch
     from unbroken.model.gpt import GPT
+    from unbroken.runtime.gradients import quick_param_digest
     from unbroken.runtime.parallel.device import exact_kernels
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,10 +66,7 @@ def measure(mode: str, size: str, repeats: int) -> dict:
             torch.cuda.synchronize()
         if n:
             seconds.append(time.perf_counter() - t)
-        h = xxhash.xxh3_64()
-        for p in model.parameters():
-            h.update(p.grad.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        digests.append(h.hexdigest())
+        digests.append(quick_param_digest([p.grad for p in model.parameters()]))  # the bytes runs compare
     return dict(mode=mode, size=size, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 distinct=len(set(digests)), passes=len(digests), median_ms=1e3 * statistics.median(seconds))
 
