@@ -1,7 +1,8 @@
-"""Committed throughput after a rank is lost for good: a pipeline group shrunk onto its survivor against the
-group dropped.
+"""Committed throughput after a rank is lost for good: a pipeline (or FSDP2) group shrunk onto its survivor
+against the group dropped.
 
-Owns: running 2 groups x PP 2 through unbroken's own launcher (gloo, --exact), rank 1 (the last stage) of
+Owns: running 2 groups x PP 2 (`--layout hsdp`: 2 groups x 2 FSDP2 shards, each rank its rows of every
+microbatch) through unbroken's own launcher (gloo, --exact), rank 1 (the last stage, or shard 1) of
 group 1 SIGKILLed at step FROM and never replaced, under `--parallel.on_rank_loss=replan` (the coordinator's
 scheduler chooses; here it chooses shrink: group 1 goes on as its survivor running the whole model, healed
 from group 0, its quota weight the cost model's) and `--parallel.on_rank_loss=drop` (group 1 leaves for the
@@ -19,7 +20,7 @@ loss drop runs 2 processes on 2 cores and shrink 3 on the same 2: the survivor's
 back to work is not idle capacity here, and the wall-clock ratio cannot show what the device-time one does.
 What both leave out: the all-reduce, commit and optimizer step (in the wall clock only); a replaced rank
 growing the group back (the lost rank never returns here; tests/runtime/test_shrink.py grows groups back).
-Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 12]
+Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 12] [--layout pp|hsdp]
 """
 from __future__ import annotations
 
@@ -79,11 +80,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternations of shrink (replan) / drop")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--microbatches", type=int, default=12)
+    ap.add_argument("--layout", choices=("pp", "hsdp"), default="pp", help="what a group of 2 ranks splits: "
+                    "the layers (2 pipeline stages) or every microbatch's rows (2 FSDP2 shards)")
     add_pipeline_args(ap)
     args = ap.parse_args()
     t0 = time.time()
     base = pipeline_base(args, f"kill:replica=1,rank=1,step={FROM},phase=compute", coord__heartbeat_timeout=2.0,
                          coord__heartbeat_interval=0.1)
+    if args.layout == "hsdp":
+        base["parallel__pp"] = 1
     # reform 0.5 s: this host's order of magnitude for a shrink (rebuild + heal, ~0.1-0.3 s measured), not
     # the cost model's H100 default of 2 s, which over 20 steps of ~0.3 s would price shrink out
     modes = {"shrink": dict(parallel__on_rank_loss="replan", parallel__reform_seconds=0.5),
@@ -94,7 +99,8 @@ def main() -> None:
         f"device-time critical-path second{against(m['measured'])}"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
-    print(f"2 groups x PP 2, group 1's rank 1 killed at step {FROM} and never replaced, M={args.microbatches}, "
+    shape = "PP 2" if args.layout == "pp" else "2 FSDP2 shards"
+    print(f"2 groups x {shape}, group 1's rank 1 killed at step {FROM} and never replaced, M={args.microbatches}, "
           f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1} (the loss, redo, "
           f"re-form and heal included); wall {time.time() - t0:.0f} s")
     print(f"committed tokens/s (median over rounds): device-time critical path shrink {device['shrink']:.0f}, "
@@ -105,7 +111,7 @@ def main() -> None:
     print(f"steady state (steps {first}..{args.steps - 1}, after the shrunk group's heal): device-time critical "
           f"path shrink {calm['shrink']:.0f}, drop {calm['drop']:.0f}, ratio {calm['shrink'] / calm['drop']:.3f} "
           f"(1.5, 3 of 4 ranks busy, would need the stand-in's whole-model microbatch to cost exactly two of "
-          f"the pipeline's and M to split 2:1)")
+          f"the group's and M to split 2:1)")
     print(f"ratio shrink_over_drop_wall {wall['shrink'] / wall['drop']:.3f}")
     print(f"ratio shrink_over_drop {device['shrink'] / device['drop']:.3f}")
 

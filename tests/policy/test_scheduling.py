@@ -42,8 +42,12 @@ def test_topology_degrees_add_up_and_default_to_one():
 def test_full_plan_and_its_checks():
     full = P.full_plan(Topology(1, 8, 8, tp=2, pp=4), 10)
     assert full.stages == (3, 3, 2, 2) and full.teams[1] == (2, 3) and full.layer_ranges()[1] == range(3, 6)
-    with pytest.raises(ValueError, match="dp_shard=2"):
-        P.full_plan(Topology(1, 8, 8, tp=2, pp=2), 10)
+    # FSDP2 inside the stages: each stage's team is its shards of a TP team, TP innermost (topology.coords)
+    fsdp = P.full_plan(Topology(1, 8, 8, tp=2, pp=2), 10)
+    assert (fsdp.tp, fsdp.shard, fsdp.teams) == (2, 2, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert fsdp.shape() == "tp2 pp2 [5,5] fsdp2" and full.shape() == "tp2 pp4 [3,3,2,2]"
+    with pytest.raises(ValueError, match="tp x shard = 1 x 2"):
+        P.Plan(1, (2,), ((0,),), shard=2)
     with pytest.raises(ValueError, match="one stage only"):
         P.Plan(1, (1, 1), ((0,), (0,)))
     with pytest.raises(ValueError, match=">= 1 layer"):
@@ -56,6 +60,18 @@ def test_calibration_reproduces_the_measured_microbatch_time():
     assert C.group_seconds(full, 8, {}, s) == pytest.approx((8 + 3) * 0.5)  # bubble: pp-1 slots
     with pytest.raises(ValueError, match="communication"):
         setting(full, mb_seconds=0.01)
+
+
+def test_fsdp2_gathers_are_priced_and_a_survivor_computes_every_shard_without_them():
+    """A group of 4 FSDP2 shards: each layer's weights are all-gathered twice a microbatch (forward and
+    backward), which calibration takes out of the measured time; the one rank that stands in for the
+    group computes 4x the rows, with nothing to gather."""
+    full = P.full_plan(Topology(2, 4, 4), 8)
+    s = C.calibrate(1.0, full, C.ModelShape(8, 16e9, 0.0, 2e9), C.Hardware(), 4096, 16)
+    assert C.bottleneck(full, {}, s) == pytest.approx(1.0)
+    gathers = 8 * C.fsdp_comm(1, 4, s)
+    assert gathers == pytest.approx(8 * 2 * 0.75 * 2e9 / C.Hardware().tp_bytes_per_s)
+    assert C.bottleneck(P.Plan(1, (8,), ((2,),)), {}, s) == pytest.approx(4 * (1.0 - gathers))
 
 
 @settings(max_examples=300, deadline=None)
@@ -75,9 +91,9 @@ def test_partition_is_optimal_within_capacity(args):
     assert cost(got) <= min(cost(c) for c in feasible) + 1e-12
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1), (1, 1)])
 def test_two_groups_of_two_ranks_shrink_to_one_rank_at_half_speed(tp, pp):
-    """The runtime's case: 2 groups x (PP 2 or TP 2), rank 1 of group 0 lost. With no communication cost
+    """The runtime's case: 2 groups x (PP 2, TP 2 or FSDP2 2), rank 1 of group 0 lost. With no communication cost
     the survivor runs the whole model at half the pair's speed, takes a third of the microbatches, and the
     step is 2/3 of dropping the group (3 of 4 ranks busy instead of 2) less the pipeline's bubble."""
     full = P.full_plan(Topology(2, 2, 2, tp=tp, pp=pp), 4)
@@ -147,18 +163,21 @@ def test_no_peer_group_and_state_no_survivor_holds_leaves_only_drop():
 def situations(draw):
     tp = draw(st.sampled_from([1, 2, 4]))
     pp = draw(st.integers(1, 4))
+    shard = draw(st.sampled_from([1, 1, 2]))  # FSDP2 inside the stages, now and then
+    size = tp * pp * shard
     layers = draw(st.integers(pp, 12))
     groups = draw(st.integers(1, 4))
     microbatches = draw(st.integers(groups, 24))
-    full = P.full_plan(Topology(groups, tp * pp, tp * pp, tp=tp, pp=pp), layers)
+    full = P.full_plan(Topology(groups, size, size, tp=tp, pp=pp), layers)
     # state budget between 1 and 3 full stages' worth per rank: some shrinks do not fit
     per_layer_state = 1e9
     budget = draw(st.floats(1.0, 3.0)) * per_layer_state * max(full.stages) / tp
-    model = C.ModelShape(layers, per_layer_state, draw(st.sampled_from([0.0, 1024.0, 16384.0])))
+    model = C.ModelShape(layers, per_layer_state, draw(st.sampled_from([0.0, 1024.0, 16384.0])),
+                         draw(st.sampled_from([0.0, per_layer_state / 8])))
     hw = C.Hardware(state_budget_bytes=budget, reform_seconds=draw(st.floats(0.0, 5.0)))
     s = C.Setting(model, hw, C.Work(draw(st.floats(0.1, 50.0)), 4096, microbatches, draw(st.floats(0.0, 1.0))))
-    alive = draw(st.sets(st.sampled_from(range(tp * pp)), max_size=tp * pp))
-    speeds = draw(st.dictionaries(st.sampled_from(range(tp * pp)), st.floats(0.1, 1.0), max_size=3))
+    alive = draw(st.sets(st.sampled_from(range(size)), max_size=size))
+    speeds = draw(st.dictionaries(st.sampled_from(range(size)), st.floats(0.1, 1.0), max_size=3))
     current = draw(st.sampled_from([full, None]))
     plans = {g: full for g in range(1, groups)} | ({0: current} if current else {})
     horizon = draw(st.sampled_from([1.0, 10.0, 1000.0, math.inf]))
@@ -185,7 +204,7 @@ def test_every_option_keeps_the_batch_and_the_choice_never_loses_to_drop(case):
         # layers covered once, in order; only surviving ranks; state within each rank's budget
         assert [layer for r in o.plan.layer_ranges() for layer in r] == list(range(full.layers))
         assert o.plan.ranks <= alive and o.plan.tp <= full.tp and o.plan.pp <= full.pp
-        state = max(o.plan.stages) * s.model.state_bytes_per_layer / o.plan.tp
+        state = max(o.plan.stages) * s.model.state_bytes_per_layer / o.plan.tp / o.plan.shard
         assert o.kind == "keep" or state <= s.hardware.state_budget_bytes * (1 + 1e-9)
         if o.kind == "shrink":
             assert len(o.plan.ranks) < len(plans[0].ranks)

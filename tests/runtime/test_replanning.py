@@ -48,11 +48,12 @@ def test_equal_quotas_apply_keep_and_a_takeover_resumes_the_reweighted_groups(tm
     assert standby.weight_of(1, 0.38) == 0.38 and standby.weight_of(0, 1.0) == 1.0
 
 
-def test_groups_sharded_with_fsdp_or_without_a_shape_are_not_planned(tmp_path):
+def test_groups_without_a_shape_are_not_planned_and_fsdp2_groups_are(tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
     assert planner_for(None, 2, log, "speed") is None
     fsdp = GroupShape(group_size=4, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=20)
-    assert planner_for(fsdp, 2, log, "speed") is None
+    planner = planner_for(fsdp, 2, log, "speed")
+    assert planner.full.shape() == "tp1 pp2 [1,1] fsdp2" and planner.full.teams == ((0, 1), (2, 3))
 
 
 def test_drop_quotas_park_a_slow_group_for_good_and_a_takeover_keeps_it_parked(tmp_path):

@@ -87,8 +87,9 @@ def assert_measured(events: list[dict], why: str, heals: list[dict], required: b
     assert m["moved_bytes"] == sum(e["bytes"] for e in heals) > 0
     if plan["applied"] == "shrink":  # the survivor pulls its whole holding (it missed a step), as predicted;
         # a heal's embeddings and 12 B a parameter against the model's 16 B a block parameter: measured
-        # 1.04-1.08x for one stage or TP rank lost, 1.33x for PP x TP (the replicated rest, 4 heals)
-        assert m["predicted_moved_bytes"] <= m["moved_bytes"] <= 1.5 * m["predicted_moved_bytes"], m
+        # 1.04-1.08x for one stage or TP rank lost, 1.33x for PP x TP (the replicated rest, 4 heals), 0.92x
+        # for FSDP2 shards (each parameter once: no stage holds the tied weight twice)
+        assert 0.85 * m["predicted_moved_bytes"] <= m["moved_bytes"] <= 1.5 * m["predicted_moved_bytes"], m
     # from the decision to the joiner's last heal, as the event log's own clock saw both (same host)
     assert abs(m["measured_replan_seconds"] - (max(e["t"] for e in heals) - plan["t"])) < 0.5, m
     assert m["measured_weight"] > 0 and m["measured_step_seconds"] > 0 and m["predicted_step_seconds"] > 0
@@ -183,8 +184,8 @@ def assert_grown_back(events: list[dict], out: Path, dead: list[dict], shrank: b
                       full: str = "tp1 pp2 [1,1]", steps: int = 32, ranks: int = 2) -> None:
     """Group 1 grew back: the scheduler's `ranks back` decision (grow, to the `full` plan) if it had
     shrunk, one join at the full plan after its last death, its `ranks` ranks healed from a peer and
-    computing their own shard again, equal quotas at the last step; for a pipeline, every step's digest the plain
-    one-process loop's (a TP group's trajectory is checked by its test: TP 2 -> 1 is not bitwise)."""
+    computing their own shard again, equal quotas at the last step; for a pipeline or FSDP2 shards, every step's
+    digest the plain one-process loop's (a TP group's trajectory is checked by its test: TP 2 -> 1 is not bitwise)."""
     if shrank:
         back = one(events, "group_plan", replica=1, why="ranks back")
         assert back["applied"] == "grow" and back["plan"] == full
@@ -201,9 +202,10 @@ def assert_grown_back(events: list[dict], out: Path, dead: list[dict], shrank: b
     assert regrown == set(range(ranks))  # every rank computes again, each its own shard
     if shrank:
         assert_measured(events, "ranks back", heals, required=False)
-    if full.startswith("tp1"):
+    if full.startswith("tp1"):  # FSDP2 shards: the split oracle, digested in their layout; stages: in theirs
         cfg = Config.from_json((out / "config.json").read_text())
-        want, _, _ = plain_loop(cfg, split=False, digest=staged(2))
+        fsdp = full.endswith("fsdp2")
+        want, _, _ = plain_loop(cfg, split=fsdp, digest=None if fsdp else staged(2))
         assert [digests(out)[s] for s in range(steps)] == want
 
 

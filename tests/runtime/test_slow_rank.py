@@ -47,11 +47,11 @@ def test_a_slow_rank_1_is_declared_slow_within_a_few_steps(tmp_path, layout):
     assert verdicts and {e["replica"] for e in verdicts} == {1}, verdicts
     assert verdicts[0]["step"] <= 6 and verdicts[0]["speed"] < 0.6, verdicts[0]
     plans = [e for e in events if e["event"] == "group_plan"]
-    if layout == "tp":  # TP x PP groups are re-planned: the decision was told rank 1 is the slow one
-        assert plans and plans[0]["replica"] == 1 and plans[0]["located"] == [1], plans
-        assert plans[0]["rank_speeds"]["1"] < 0.7 <= plans[0]["rank_speeds"]["0"], plans[0]
-    else:  # FSDP groups are not re-planned; their quotas follow speed
-        assert plans == []
+    # TP and FSDP2 groups alike are re-planned: the decision was told rank 1 is the slow one
+    assert plans and plans[0]["replica"] == 1 and plans[0]["located"] == [1], plans
+    assert plans[0]["rank_speeds"]["1"] < 0.7 <= plans[0]["rank_speeds"]["0"], plans[0]
+    full = "tp2 pp1 [2]" if layout == "tp" else "tp1 pp1 [2] fsdp2"
+    assert {o["plan"] for o in plans[0]["options"] if o["kind"] in ("keep", "reweight")} == {full}, plans[0]
     record = steps(events)
     assert sorted(record) == list(range(STEPS))
     later = [s for s in record if s > verdicts[0]["step"] + 1]

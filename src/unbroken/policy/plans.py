@@ -1,14 +1,17 @@
-"""A replica group's parallel plan: TP degree, pipeline stages, their layers and ranks, quota weight.
+"""A replica group's parallel plan: TP and FSDP degrees, pipeline stages, their layers and ranks, quota weight.
 
 Owns: the frozen `Plan` value (checked when built: every layer in exactly one stage, in order; every
-stage's TP team of `tp` distinct ranks), the group's full plan from its topology (`full_plan`), the
+stage's team of `tp` x `shard` distinct ranks), the group's full plan from its topology (`full_plan`), the
 teams a set of surviving ranks can form (`teams`), and the layer partition that balances stages of
 unequal speed (`partition`). Does not own: what a plan costs (stepcost.py) or which plan to take
 (scheduling.py). Pure: plain ints and floats, the standard library only.
 
-Rank layout is the topology's (TP innermost): the full plan's stage k is ranks k*tp .. k*tp + tp-1, one
-host's GPUs for the usual TP 8 on 8-GPU hosts. A smaller plan keeps every TP team inside one of the full
-plan's teams (the fast intra-host links), so shrinking never stretches tensor parallelism across hosts.
+Rank layout is the topology's (TP innermost): the full plan's stage k is ranks k*t .. k*t + t-1 with
+t = tp x shard (FSDP2 shards of TP teams), one host's GPUs for the usual TP 8 on 8-GPU hosts. A smaller
+plan keeps every TP team inside one of the full plan's teams (the fast intra-host links), so shrinking
+never stretches tensor parallelism across hosts. A smaller plan never shards with FSDP2: another FSDP2
+degree cuts every parameter's rows elsewhere, where the cross-group reduction of shard index j needs
+the same rows in every group (a group that lost an FSDP2 rank goes on as one rank holding every shard).
 """
 from __future__ import annotations
 
@@ -21,18 +24,22 @@ from unbroken.topology import Topology
 
 @dataclass(frozen=True)
 class Plan:
-    """How one replica group computes: `stages[k]` layers on stage k, computed by the TP team `teams[k]`."""
+    """How one replica group computes: `stages[k]` layers on stage k, computed by the team `teams[k]`:
+    `shard` FSDP2 shards (each its share of every microbatch's rows) of a TP team of `tp` ranks."""
     tp: int  # tensor-parallel degree of every stage
     stages: tuple[int, ...]  # layers per pipeline stage, in pipeline order (contiguous runs of layers)
-    teams: tuple[tuple[int, ...], ...]  # group ranks of each stage's TP team; teams[k][j] has TP index j
+    teams: tuple[tuple[int, ...], ...]  # group ranks of each stage's team; teams[k][f * tp + j] has FSDP
+    # shard index f and TP index j (TP innermost, as the topology lays ranks out)
     weight: float = 1.0  # quota weight: microbatch throughput relative to the full plan on healthy ranks
+    shard: int = 1  # FSDP2 degree inside every stage (1: none)
 
     def __post_init__(self) -> None:
         ranks = [r for team in self.teams for r in team]
-        if self.tp < 1 or not self.stages or len(self.stages) != len(self.teams):
+        if self.tp < 1 or self.shard < 1 or not self.stages or len(self.stages) != len(self.teams):
             raise ValueError(f"plan needs tp >= 1 and one team per stage: {self}")
-        if min(self.stages) < 1 or any(len(team) != self.tp for team in self.teams):
-            raise ValueError(f"every stage needs >= 1 layer and a team of tp={self.tp} ranks: {self}")
+        if min(self.stages) < 1 or any(len(team) != self.tp * self.shard for team in self.teams):
+            raise ValueError(f"every stage needs >= 1 layer and a team of tp x shard = {self.tp} x {self.shard} "
+                             f"ranks: {self}")
         if len(set(ranks)) != len(ranks) or min(ranks) < 0:
             raise ValueError(f"a rank may serve one stage only: {self}")
         if not self.weight > 0:
@@ -59,26 +66,25 @@ class Plan:
         return tuple(out)
 
     def shape(self) -> str:
-        """A short human label, e.g. 'tp8 pp3 [27,27,26]'."""
-        return f"tp{self.tp} pp{self.pp} [{','.join(map(str, self.stages))}]"
+        """A short human label, e.g. 'tp8 pp3 [27,27,26]' ('tp1 pp1 [4] fsdp2' with FSDP2 inside)."""
+        fsdp = f" fsdp{self.shard}" if self.shard > 1 else ""
+        return f"tp{self.tp} pp{self.pp} [{','.join(map(str, self.stages))}]{fsdp}"
 
 
 def full_plan(topology: Topology, layers: int) -> Plan:
-    """The plan a group starts with: the topology's tp x pp, layers split evenly (earlier stages take
-    the remainder). Raises ValueError when there are fewer layers than stages or when the group also
-    shards with FSDP (dp_shard > 1): re-planning covers TP x PP groups only."""
-    tp, pp = topology.tp, topology.pp
-    if topology.dp_shard != 1:
-        raise ValueError(f"re-planning covers TP x PP groups only; this one has dp_shard={topology.dp_shard}")
+    """The plan a group starts with: the topology's tp x dp_shard x pp, layers split evenly (earlier
+    stages take the remainder). Raises ValueError when there are fewer layers than stages."""
+    tp, pp, shard = topology.tp, topology.pp, topology.dp_shard
     if layers < pp:
         raise ValueError(f"{layers} layers cannot fill {pp} stages")
     stages = tuple(layers // pp + (k < layers % pp) for k in range(pp))
-    return Plan(tp, stages, tuple(tuple(range(k * tp, (k + 1) * tp)) for k in range(pp)))
+    team = tp * shard
+    return Plan(tp, stages, tuple(tuple(range(k * team, (k + 1) * team)) for k in range(pp)), shard=shard)
 
 
 def teams(full: Plan, alive: Collection[int], tp: int, speeds: Mapping[int, float]) -> list[tuple[int, ...]]:
-    """Every TP team of `tp` ranks the survivors can form, each inside one team of the full plan, in the
-    full plan's stage order. Within a host the fastest survivors are taken first (then the lowest rank),
+    """Every TP team of `tp` ranks (no FSDP2: a smaller plan never shards) the survivors can form, each
+    inside one team of the full plan, in the full plan's stage order. Within a host the fastest survivors are taken first (then the lowest rank),
     so a slow or dead GPU is what is left out. `tp` must divide full.tp (heads split evenly)."""
     if tp < 1 or full.tp % tp:
         raise ValueError(f"tp={tp} must divide the full plan's tp={full.tp}")

@@ -8,8 +8,8 @@ runtime logs as a `group_plan` event and the simulator applies. Candidates:
   keep         the current plan as it is (only while all its ranks live: "report, do not act")
   reweight     the current plan, its quota weight set to its predicted speed
   repartition  the same ranks and degrees, layers moved off a slow stage
-  shrink       fewer ranks: fewer pipeline stages (layers re-partitioned) and/or a smaller TP degree,
-               missing shards pulled from the matching ranks of a live peer group
+  shrink       fewer ranks: fewer pipeline stages (layers re-partitioned), a smaller TP degree and/or
+               no FSDP2, missing shards pulled from the matching ranks of a live peer group
   grow         more ranks, up to the full plan, when lost ranks are back
 Does not own: the cost model (stepcost.py), plan shapes (plans.py), detecting faults, moving state.
 

@@ -5,11 +5,15 @@ predictor's per-microbatch time), a stage's time per microbatch, a group's pipel
 the whole step's time under everyone's plans (quotas from `workload`), and the state a plan change moves.
 Does not own: choosing a plan (scheduling.py), the plan's shape (plans.py), or measuring anything.
 
-The model, per microbatch of `tokens` tokens, on stage k of a plan with TP degree t:
-  compute    n_k / L * device_seconds / t / speed_k     (the team's slowest rank decides: it holds the
-             others at every TP collective; speed 1.0 healthy, 0.25 = 4x slower)
+The model, per microbatch of `tokens` tokens, on stage k of a plan with TP degree t and FSDP2 degree f:
+  compute    n_k / L * device_seconds / (t f) / speed_k     (the team's slowest rank decides: it holds
+             the others at every collective; speed 1.0 healthy, 0.25 = 4x slower)
   TP comm    n_k * 4 all-reduces (2 forward, 2 backward, Megatron-style) of tokens * activation bytes,
              ring cost 2 (t-1)/t * bytes / tp_bytes_per_s
+  FSDP comm  n_k * 2 all-gathers (forward, and again in backward: FSDP2 frees a layer's gathered
+             weights after its forward) of the layer's weights over the team's f shards, ring cost
+             (f-1)/f * weight bytes / t / tp_bytes_per_s (a group's FSDP2 ranks share a host); the
+             gradients' reduce-scatter, once a batch, is left out
   PP comm    pp > 1: 2 boundary transfers (activation forward, its gradient backward) of
              tokens * activation bytes at pp_bytes_per_s
 A group's m microbatches through a pp-stage pipeline (GPipe / 1F1B) take (m + pp - 1) x the slowest
@@ -43,6 +47,8 @@ class ModelShape:
     state_bytes_per_layer: float  # parameters + gradients + optimizer state of one block, bytes (16 B a
     # parameter with bf16 weights and fp32 master + Adam moments)
     activation_bytes_per_token: float  # one block boundary's activation, bytes per token (hidden x 2 in bf16)
+    weight_bytes_per_layer: float = 0.0  # one block's weights as FSDP2 gathers them, bytes (2 B a parameter
+    # in bf16); 0: FSDP2's all-gathers are not priced
 
 
 @dataclass(frozen=True)
@@ -74,15 +80,23 @@ def pp_comm(pp: int, s: Setting) -> float:
     return 0.0 if pp == 1 else 2 * s.work.tokens * s.model.activation_bytes_per_token / s.hardware.pp_bytes_per_s
 
 
-def per_layer_seconds(tp: int, speed: float, s: Setting) -> float:
-    """One layer of one microbatch on a TP team of `tp` whose slowest rank runs at `speed`, s."""
-    return s.work.device_seconds / s.model.layers / tp / speed + tp_comm(tp, s)
+def fsdp_comm(tp: int, shard: int, s: Setting) -> float:
+    """FSDP2 all-gather seconds per layer per microbatch over `shard` shards of a TP team of `tp`."""
+    if shard == 1:
+        return 0.0
+    return 2 * (shard - 1) / shard * s.model.weight_bytes_per_layer / tp / s.hardware.tp_bytes_per_s
+
+
+def per_layer_seconds(tp: int, speed: float, s: Setting, shard: int = 1) -> float:
+    """One layer of one microbatch on a team of `shard` FSDP2 shards of a TP team of `tp`, whose slowest
+    rank runs at `speed`, s."""
+    return s.work.device_seconds / s.model.layers / tp / shard / speed + tp_comm(tp, s) + fsdp_comm(tp, shard, s)
 
 
 def stage_seconds(plan: Plan, speeds: Mapping[int, float], s: Setting) -> tuple[float, ...]:
     """Each stage's time per microbatch, s (`speeds`: rank -> speed, missing = 1.0)."""
     fixed = pp_comm(plan.pp, s)
-    return tuple(fixed + n * per_layer_seconds(plan.tp, min(speeds.get(r, 1.0) for r in team), s)
+    return tuple(fixed + n * per_layer_seconds(plan.tp, min(speeds.get(r, 1.0) for r in team), s, plan.shard)
                  for n, team in zip(plan.stages, plan.teams))
 
 
@@ -104,10 +118,10 @@ def calibrate(per_microbatch_seconds: float, full: Plan, model: ModelShape, hard
     communication alone already exceeds that time (the constants contradict the measurement)."""
     probe = Setting(model, hardware, Work(0.0, tokens, microbatches, sync_seconds))
     n = max(full.stages)
-    comm = pp_comm(full.pp, probe) + n * tp_comm(full.tp, probe)
+    comm = pp_comm(full.pp, probe) + n * (tp_comm(full.tp, probe) + fsdp_comm(full.tp, full.shard, probe))
     if per_microbatch_seconds <= comm:
         raise ValueError(f"{per_microbatch_seconds} s per microbatch is below the plan's communication {comm:.4g} s")
-    device = (per_microbatch_seconds - comm) * full.tp * model.layers / n
+    device = (per_microbatch_seconds - comm) * full.tp * full.shard * model.layers / n
     return Setting(model, hardware, Work(device, tokens, microbatches, sync_seconds))
 
 
@@ -143,13 +157,20 @@ def step_seconds(plans: Mapping[int, Plan], speeds: Mapping[int, Mapping[int, fl
     return slowest + s.work.sync_seconds, owners
 
 
+def _units(full: Plan) -> int:
+    """The parts a layer's state is counted in: 1/(tp x shard) of a layer, the full plan's smallest
+    holding (every plan's tp divides full.tp, and a smaller plan never shards: plans.py)."""
+    return full.tp * full.shard
+
+
 def _holdings(plan: Plan | None, units: int) -> dict[int, tuple[range, range]]:
-    """rank -> (layers it holds, its TP slice in 1/units of a layer), under `plan`."""
+    """rank -> (layers it holds, its slice in 1/units of a layer: its TP slice, or its FSDP2 shard's rows
+    of it), under `plan`."""
     if plan is None:
         return {}
     out = {}
     for layers, team in zip(plan.layer_ranges(), plan.teams):
-        width = units // plan.tp
+        width = units // (plan.tp * plan.shard)
         for j, r in enumerate(team):
             out[r] = (layers, range(j * width, (j + 1) * width))
     return out
@@ -165,10 +186,9 @@ def moved_bytes(old: Plan | None, new: Plan | None, alive: Collection[int], full
 
     A rank holds its stage's layers and its TP slice of each; ranks not `alive` hold nothing (dead, or
     just returned). What it lacks it pulls from the matching ranks of a live peer group, which hold the
-    full plan's shards, or from a surviving rank of its own group. Slices are counted in 1/full.tp of a
-    layer: every plan's tp divides full.tp.
+    full plan's shards, or from a surviving rank of its own group. Slices are counted in `_units`.
     """
-    units = full.tp
+    units = _units(full)
     per_unit = s.model.state_bytes_per_layer / units
     had, need = _holdings(old, units), _holdings(new, units)
     out = {}
@@ -185,7 +205,7 @@ def moved_bytes(old: Plan | None, new: Plan | None, alive: Collection[int], full
 def self_sufficient(old: Plan | None, alive: Collection[int], full: Plan) -> bool:
     """True when the group's surviving ranks together still hold every layer's whole state under `old`
     (so a re-plan needs no peer group)."""
-    units = full.tp
+    units = _units(full)
     held: dict[int, set[int]] = {}
     for r, (layers, tslice) in _holdings(old, units).items():
         if r in alive:

@@ -81,9 +81,10 @@ class Accumulator:
         for p, view in zip(self.params, self._own):
             p.grad = view
 
-    def add(self, weighted_loss: torch.Tensor) -> None:
+    def add(self, weighted_loss: torch.Tensor, share: int = 0) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
-        into the buffer's views) and its weighted loss."""
+        into the buffer's views) and its weighted loss. `share` (whose FSDP2 rows) matters only to a
+        stand-in's accumulator (standin.ShardedAccumulator): this one holds one rank's own."""
         if self.hooked:
             for p in self.params:
                 p.grad = None

@@ -92,6 +92,8 @@ class Trainer:
         _, self.share, tp_index = topology.coords(who.rank)  # share: whose rows of each microbatch (data.part)
         self.shares = topology.dp_shard
         self.fsdp = self.group is not None and self.shares > 1  # FSDP2 inside: rows split, reduce-scatter
+        # the shares whose rows of each microbatch it computes: its own; a stand-in for FSDP2 shards, all
+        self.computes = tuple(range(self.shares)) if self.standin and self.standin.shares > 1 else (self.share,)
         self.counts_loss = tp_index == 0  # tensor-parallel ranks see the same loss: one counts it
         self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
         if self.standin:
@@ -339,14 +341,18 @@ class Trainer:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
             self.hb.at(step, "compute", i)
             self.ahead()  # an admission mid-compute: the joiner's groups form from the next microbatch on
-            mb = part(self.data.microbatch(step, i), self.share, self.shares)  # this rank's sequences
+            whole = self.data.microbatch(step, i)
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
-            seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
-            if self.standin:
-                self.standin.seed = mix(self.cfg.run.seed, step, i)  # and per stage, as a pipeline seeds it
-            loss = self.model(mb.x.to(self.device), mb.y.to(self.device)) * loss_weight(mb.tokens, work.tokens)
-            loss.backward()
-            work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the record sums ranks' shares
+            for share in self.computes:
+                mb = part(whole, share, self.shares)  # this share's sequences
+                seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
+                if self.standin:
+                    self.standin.seed = mix(self.cfg.run.seed, step, i)  # and per stage, as a pipeline seeds it
+                loss = self.model(mb.x.to(self.device), mb.y.to(self.device)) * loss_weight(mb.tokens, work.tokens)
+                loss.backward()
+                work.acc.add(loss if self.counts_loss else loss.new_zeros(()), share)  # the record sums shares
+            if len(self.computes) > 1:
+                mb = part(whole, 0, self.shares)  # a stand-in reports rank 0's rows, as its group did
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)
             seconds, wall = span.stop()
             work.timings[i] = (mb.tokens, mb.sumsq, seconds)

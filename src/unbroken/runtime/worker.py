@@ -333,12 +333,13 @@ def stale_parameters() -> dict[str, int]:
 
 def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
     """A shrunk group's one rank: the whole model (its state comes from a peer group's ranks by healing, so
-    the seed matters only for determinism), every stage's or TP rank's shard index held (standin.py)."""
+    the seed matters only for determinism), every stage's, TP rank's or FSDP2 shard's shard index held
+    (standin.py)."""
     import torch
 
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg).to(torch.device("cpu") if device is None else device)
-    standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp)
+    standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard)
     return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
 
 

@@ -13,8 +13,8 @@ group's quota weight is its measured speed: what --run.quotas=speed always did);
 microbatch of any later step (workload.assign), while it stays in the epoch reducing a zero share, so its
 state stays in step. Parking is for good: a parked group computes nothing, so nothing measures it back
 (the reason drop is not executable under the other settings). For a group that lost a
-rank (parallel.on_rank_loss=replan, groups of pipeline stages and/or TP ranks; `on_rank_lost`): drop (its
-survivor leaves) and shrink (one survivor, the first to claim, runs the whole model: standin.py), the shrunk
+rank (parallel.on_rank_loss=replan, groups of pipeline stages, TP ranks or FSDP2 shards; `on_rank_lost`):
+drop (its survivor leaves) and shrink (one survivor, the first to claim, runs the whole model: standin.py), the shrunk
 group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
 parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
 (`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
@@ -102,13 +102,13 @@ def group_shape(cfg: Config) -> GroupShape:
 
 
 def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, quotas: str) -> GroupPlanner | None:
-    """A planner for groups the scheduler covers (TP x PP groups, one-rank groups included), else None:
-    groups sharded with FSDP (dp_shard > 1) or no shape given (quota weights then follow speed as before).
-    `quotas` is config run.quotas (one of QUOTAS)."""
+    """A planner for the run's groups (TP x FSDP2 x PP, one-rank groups included), else None: no shape
+    given, or fewer layers than stages (quota weights then follow speed as before). `quotas` is config
+    run.quotas (one of QUOTAS)."""
     if shape is None:
         return None
     topology = Topology(replicas, shape.group_size, shape.group_size, tp=shape.tp, pp=shape.pp)
-    if topology.dp_shard != 1 or shape.layers < shape.pp:
+    if shape.layers < shape.pp:
         return None
     return GroupPlanner(shape, full_plan(topology, shape.layers), log, quotas)
 
@@ -214,8 +214,10 @@ class GroupPlanner:
         if r.applied.kind == "shrink":
             self.shrunk[group] = r.applied.plan
         # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
-        # every microbatch's gradients with the same kernels, so --exact stays bitwise; TP 2 -> 1 adds over
-        # all heads and units at once where the ranks added partial sums; a drop changes nothing
+        # every microbatch's gradients with the same kernels, so --exact stays bitwise, and so do FSDP2
+        # shards (one rank computes each shard's rows as that shard did, and --exact sums them in float64);
+        # TP 2 -> 1 adds over all heads and units at once where the ranks added partial sums; a drop
+        # changes nothing
         exact = r.applied.kind != "shrink" or self.full.tp == 1
         self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
@@ -341,10 +343,10 @@ class GroupPlanner:
         else:
             seconds, source = statistics.median(m.seconds for m in mbs), "measured median"
         w = self.shape.width
-        # fp32 weights, gradient and two Adam moments: 16 B per parameter; the activation a stage boundary
-        # sends is width float32s per token. Hardware: stepcost's stated H100 defaults, not this machine's:
+        # fp32 weights, gradient and two Adam moments: 16 B per parameter, of which FSDP2 gathers the 4 B
+        # weight; the activation a stage boundary sends is width float32s per token. Hardware: stepcost's stated H100 defaults, not this machine's:
         # they price only the options not executed here (keep and reweight move nothing).
-        model = stepcost.ModelShape(self.shape.layers, 12 * w * w * 16.0, 4.0 * w)
+        model = stepcost.ModelShape(self.shape.layers, 12 * w * w * 16.0, 4.0 * w, 12 * w * w * 4.0)
         hardware = stepcost.Hardware(reform_seconds=self.shape.reform_seconds)
         try:
             return stepcost.calibrate(seconds, self.full, model, hardware, max(1, round(tokens)),
@@ -356,10 +358,10 @@ class GroupPlanner:
 def plans_json(plans: Mapping[int, Plan]) -> str:
     """`plans` as the store keeps them (`keys.shrunk`)."""
     return json.dumps({str(g): {"tp": p.tp, "stages": list(p.stages), "teams": [list(t) for t in p.teams],
-                                "weight": p.weight} for g, p in sorted(plans.items())})
+                                "weight": p.weight, "shard": p.shard} for g, p in sorted(plans.items())})
 
 
 def plans_from(raw: bytes | str | None) -> dict[int, Plan]:
     """What `plans_json` wrote ({} for nothing)."""
-    return {int(g): Plan(d["tp"], tuple(d["stages"]), tuple(tuple(t) for t in d["teams"]), d["weight"])
-            for g, d in json.loads(raw or b"{}").items()}
+    return {int(g): Plan(d["tp"], tuple(d["stages"]), tuple(tuple(t) for t in d["teams"]), d["weight"],
+                         d.get("shard", 1)) for g, d in json.loads(raw or b"{}").items()}

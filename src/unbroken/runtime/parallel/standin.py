@@ -1,10 +1,11 @@
 """A shrunk replica group: one rank that holds every shard index of its group's plan (the whole model of
-a pipeline or tensor-parallel group that lost its other rank), so that it keeps reducing, digesting and
+a pipeline, tensor-parallel or FSDP2 group that lost a rank), so that it keeps reducing, digesting and
 healing per shard index exactly as the full group did.
 
 Owns: which part of the whole model's parameters makes up each shard index (`Slice`: pipeline stage j's
-parameters whole, as `pipeline.split` leaves them on rank j; or tensor-parallel rank j's rows or columns of
-each split layer, as `parallelize._tensor_parallel` leaves them, the rest whole); the accumulator that files
+parameters whole, as `pipeline.split` leaves them on rank j; tensor-parallel rank j's rows or columns of
+each split layer, as `parallelize._tensor_parallel` leaves them, the rest whole; or FSDP2 shard j's rows
+of every parameter, torch.chunk's j-th along dim 0, as `fully_shard` leaves them); the accumulator that files
 each microbatch's gradient under every shard index holding a part of it (`ShardedAccumulator`); the state a
 shard index heals with (`StandIn.heal_tensors`); the forward hook that re-seeds a microbatch's dropout at
 each stage boundary, as a pipeline's stages each seed it. Does not own: deciding to shrink
@@ -16,7 +17,10 @@ the same float32 tensor whether its stage's layers run alone or inside the whole
 same inputs); the tied embedding/head weight's per-microbatch gradient is the sum of its two float32
 parts either way (autograd sums them here, one all-reduce over the stages there: two addends, the same
 bits in either order); and every shard index still sums the same per-microbatch gradients in float64,
-in microbatch order, before the cross-group all-reduce of that shard index. For tensor parallelism it
+in microbatch order, before the cross-group all-reduce of that shard index. For FSDP2 shards too: the
+trainer computes each shard's rows of a microbatch in turn, as that shard's rank did (the same rows,
+kernels and dropout seed), and each shard index sums in float64 the float32 gradients that the group's
+float64 reduce-scatter summed (float32 addends, exact in float64 in any order). For tensor parallelism it
 cannot: the whole model's matmuls add over all heads and units at once where TP ranks add partial sums,
 so a shrunk TP group is within float32 tolerance of the TP trajectory, not on it (and with dropout > 0
 its masks differ: one stream over all heads here, one per rank's heads there).
@@ -110,13 +114,28 @@ def _tp_slice(name: str, p: nn.Parameter, j: int, tp: int) -> Slice:
     return _sliced(p, 0, None)
 
 
+def fsdp_layout(model: nn.Module, shards: int) -> list[list[Slice]]:
+    """FSDP2 shard j's rows of every parameter (torch.chunk's j-th along dim 0: `fully_shard`'s split,
+    the last shard's rows fewer, or none, when dim 0 does not divide), in `named_parameters` order."""
+    out = []
+    for j in range(shards):
+        shard = []
+        for _, p in model.named_parameters():
+            rows = -(-p.shape[0] // shards)  # ceil: torch.chunk's chunk size
+            shard.append(_sliced(p, 0, torch.arange(min(j * rows, p.shape[0]), min((j + 1) * rows, p.shape[0]))))
+        out.append(shard)
+    return out
+
+
 class ShardedAccumulator:
     """One `Accumulator` per shard index over that shard's parts, with the interface the trainer uses.
     Gradients arrive through `add_shard` (the hooks of `StandIn.attach`), one microbatch at a time; the
-    weighted loss goes to shard index `loss_shard` (the last pipeline stage, or TP rank 0, counts it)."""
+    weighted loss goes to shard index `loss_shard` (the last pipeline stage, or TP rank 0, counts it), or,
+    standing in for FSDP2 shards (`by_share`), to the shard index whose rows it is the loss of."""
 
-    def __init__(self, layout: list[list[Slice]], dtype: torch.dtype, params: list[nn.Parameter], loss_shard: int):
-        self.layout, self.params, self.loss_shard = layout, params, loss_shard
+    def __init__(self, layout: list[list[Slice]], dtype: torch.dtype, params: list[nn.Parameter], loss_shard: int,
+                 by_share: bool = False):
+        self.layout, self.params, self.loss_shard, self.by_share = layout, params, loss_shard, by_share
         self.parts = [Accumulator([s.ghost for s in shard], dtype, hooked=True) for shard in layout]
         self._holders: dict[int, list[tuple[Accumulator, Slice]]] = {id(p): [] for p in params}
         for a, shard in zip(self.parts, layout):
@@ -131,11 +150,14 @@ class ShardedAccumulator:
         for a in self.parts:
             a.zero()
 
-    def add(self, weighted_loss: torch.Tensor) -> None:
+    def add(self, weighted_loss: torch.Tensor, share: int = 0) -> None:
+        """After each backward: the weighted loss of FSDP2 share `share`'s rows (the whole microbatch's
+        outside FSDP2) goes to its shard index."""
         for p in self.params:
             p.grad = None
+        held = share if self.by_share else self.loss_shard
         for j, a in enumerate(self.parts):
-            a.add(weighted_loss if j == self.loss_shard else weighted_loss.new_zeros(()))
+            a.add(weighted_loss if j == held else weighted_loss.new_zeros(()))
 
     def add_shard(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         for a, s in self._holders[id(param)]:
@@ -158,14 +180,17 @@ class ShardedAccumulator:
 
 class StandIn:
     """Build once, on the whole model (after its construction, before the optimizer), for a rank that
-    holds every shard index of a group of `pp` pipeline stages, `tp` tensor-parallel ranks, or both."""
+    holds every shard index of a group of `pp` pipeline stages, `tp` tensor-parallel ranks, or both; or of
+    `shards` FSDP2 shards alone (`shares`: the trainer then computes each one's rows of a microbatch)."""
 
-    def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1):
-        if pp * tp == 1:
-            raise TopologyError(f"a shrunk group stands in for pipeline stages or TP ranks (pp={pp}, tp={tp})")
-        self.model, self.count = model, pp * tp
-        self.layout = tensor_layout(model, tp, pp) if tp > 1 else pipeline_layout(model, pp)
-        self.loss_shard = (pp - 1) * tp  # the last stage's TP index 0 counts the loss
+    def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1):
+        if pp * tp * shards == 1 or (shards > 1 and pp * tp > 1):
+            raise TopologyError(f"a shrunk group stands in for pipeline stages and/or TP ranks, or for FSDP2 "
+                                f"shards alone (pp={pp}, tp={tp}, FSDP2 shards={shards})")
+        self.model, self.count, self.shares = model, pp * tp * shards, shards
+        self.layout = fsdp_layout(model, shards) if shards > 1 else \
+            tensor_layout(model, tp, pp) if tp > 1 else pipeline_layout(model, pp)
+        self.loss_shard = (pp - 1) * tp  # the last stage's TP index 0 counts the loss (FSDP2: each share's)
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
         if pp > 1:
             names = [stage_names(model, j, pp) for j in range(1, pp)]
@@ -179,7 +204,7 @@ class StandIn:
             seed_microbatch(self.seed)
 
     def accumulator(self, dtype: torch.dtype, params: list[nn.Parameter]) -> ShardedAccumulator:
-        return ShardedAccumulator(self.layout, dtype, params, self.loss_shard)
+        return ShardedAccumulator(self.layout, dtype, params, self.loss_shard, by_share=self.shares > 1)
 
     def attach(self, params: list[nn.Parameter], sink: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Hand each parameter's per-microbatch float32 gradient to `sink(param, grad)` and clear `.grad`

@@ -1,0 +1,77 @@
+"""Re-planning an FSDP2 group at run time (`--parallel.on_rank_loss=replan`): 2 groups of 2 FSDP2 shards
+(HSDP), each rank a real torchrun agent of its own, in `--exact`. A rank of group 1 is SIGKILLed; its
+group leaves the step and group 0 redoes its microbatches; the coordinator's scheduler prices shrinking
+the group onto its survivor (the whole model on one rank, at about half the pair's speed) against
+dropping it, and shrinks. The survivor heals both shard indices (each shard's rows of every parameter
+and its Adam moments) from group 0's matching ranks, computes each shard's rows of every microbatch in
+turn, and reduces each shard index with group 0's rank of that index: every step's digest is the
+failure-free run's, dropout on. A replacement for the lost host then grows the group back to its two
+shards, still on the plain one-process loop's trajectory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.test_groups import digests, run_faults
+from tests.runtime.test_pp_tp import train
+from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, one, \
+    stand_in_heals
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+HSDP = [a for a in PIPELINE if a != "--parallel.pp=2"]  # group_size 2, pp 1, tp 1: 2 FSDP2 shards a group
+REPLAN = [*HSDP, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory) -> Path:
+    return train(tmp_path_factory, "hsdp-reference", HSDP)
+
+
+# alone, as test_shrink's shrink tests: the windows they time (the heal before the run's end, quotas
+# published while shrunk) are those of a quiet host
+@pytest.mark.alone
+@pytest.mark.parametrize("phase,rank", [("compute", 1), ("optimizer", 0)])
+def test_an_fsdp2_group_that_lost_a_rank_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, hsdp_reference,
+                                                                                  phase, rank):
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank={rank},step=3,phase={phase}; {HOLD}", base=REPLAN)
+    fault = one(events, "fault", kind="kill", replica=1, rank=rank)
+    assert (fault["step"], fault["phase"]) == (3, phase)
+    survivor = 1 - rank
+    one(events, "group_broken", replica=1, rank=survivor)  # its FSDP2 collective found the peer gone
+    released = one(events, "released", replica=1, rank=survivor)  # its shards went before the whole model
+    assert (released["parameters"], released["elements"]) == (0, 0), released
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    assert (plan["decision"], plan["applied"], plan["alive"], plan["plan"]) == ("shrink", "shrink", [survivor],
+                                                                               "tp1 pp1 [2]")
+    assert plan["trajectory"].startswith("bitwise") and 0.4 < plan["applied_weight"] < 0.6  # half the pair
+    heals = stand_in_heals(events)
+    assert sorted(e["rank"] for e in heals) == [0, 1] and len({e["donor"] for e in heals}) == 1  # both shards
+    healed = heals[0]["step"]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    shrunk_steps = [s for s in range(healed + 1, 16) if "1" in records[s]["owners"]]
+    assert shrunk_steps, "the shrunk group computed no microbatch after it healed"
+    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > healed]
+    assert stand_in and all(e.get("shards") == [0, 1] for e in stand_in)  # one process, both shards' rows
+    assert sorted({e["microbatch"] for e in stand_in if e["step"] == shrunk_steps[0]}) == \
+        records[shrunk_steps[0]]["owners"]["1"]
+    assert_measured(events, "rank lost", heals)
+    assert digests(out) == digests(hsdp_reference)  # on the failure-free HSDP trajectory, every step
+
+
+def test_a_replaced_host_grows_the_shrunk_fsdp2_group_back_to_its_two_shards(tmp_path):
+    """Rank 1 of group 1 dies with its host at step 3; group 1 goes on shrunk on rank 0; 2.5 s after the
+    lost agent ended the launcher starts a replacement, whose rendezvous restarts the survivor: group 1
+    re-forms at its full plan (2 FSDP2 shards), healed shard by shard from group 0, and every step's digest
+    is the plain one-process loop's, each microbatch's rows split as the shards split them (dropout 0)."""
+    base = [a for a in GROW if a != "--parallel.pp=2"]
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=base)
+    one(events, "fault", kind="kill", replica=1, rank=1)
+    assert one(events, "group_plan", replica=1, why="rank lost")["applied"] == "shrink"
+    shrunk = one(events, "join", replica=1, shrunk=True)
+    one(events, "agent_replaced", replica=1, slot=1)
+    dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
+    assert len(dead) == 2 and dead[1]["epoch"] > shrunk["epoch"]  # the loss, then the stand-in's restart
+    assert_grown_back(events, out, dead, full="tp1 pp1 [2] fsdp2")
