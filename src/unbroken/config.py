@@ -310,9 +310,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.on_rank_loss == "drop" or not cfg.coord.store,
          "parallel.on_rank_loss=replan with coord.store set: the groups' torchrun rendezvous is hosted on the "
          "coordinator's TCPStore, which an etcd store replaces"),
-        (cfg.run.quotas != "drop" or fsdp == 1,
-         f"run.quotas=drop with parallel.group_size={g}, pp={pp}, tp={tp}: the scheduler that parks a Slow group "
-         f"plans groups of pipeline stages and/or tensor-parallel ranks, not FSDP2 shards"),
         (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
          f"into its {fsdp} FSDP shards (group_size / (pp x tp): each takes an equal share of every "

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unbroken
+from tests.runtime.test_groups import digests, plain_loop
+from unbroken.config import Config
 from unbroken.events import read_events, steps
 from unbroken.report import audit
 
@@ -57,3 +59,28 @@ def test_a_slow_rank_1_is_declared_slow_within_a_few_steps(tmp_path, layout):
     later = [s for s in record if s > verdicts[0]["step"] + 1]
     assert any(len(record[s]["owners"]["1"]) < len(record[s]["owners"]["0"]) for s in later), record
     assert audit(out, M) == []
+
+
+def test_under_drop_quotas_a_slow_hsdp_group_is_parked_on_the_split_oracle_s_trajectory(tmp_path):
+    """--run.quotas=drop with FSDP2 groups (refused before the scheduler planned them): group 1 is declared
+    Slow for its spinning rank 1, the scheduler's decision is logged with drop applied, and from then on
+    group 1 owns no microbatch while it stays in every step's reduction (a zero share per shard index);
+    every step's digest is the plain one-process loop's, each microbatch's rows split as the shards do."""
+    out = tmp_path / "drop"
+    r = unbroken("train", *RUN, "--run.quotas=drop", "--steps", "16", "--microbatches", "8", "--out", str(out),
+                 timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    assert own_per_token(events, 1, 1, 2) > 1.5 * own_per_token(events, 0, 1, 2)  # the fault fired
+    (plan,) = [e for e in events if e["event"] == "group_plan"]
+    assert (plan["replica"], plan["why"], plan["applied"], plan["plan"]) == (1, "slow", "drop", "tp1 pp1 [2] fsdp2")
+    assert plan["located"] == [1] and "run.quotas=drop" in plan["not_executable"]["reweight"]
+    assert not [e for e in events if e["event"] == "member_dead"]
+    record = steps(events)
+    parked = [s for s in record if s > plan["step"] and not record[s]["owners"].get("1")]
+    assert parked and parked == list(range(parked[0], 16)), {s: record[s]["owners"] for s in record}
+    assert all(record[s]["owners"]["0"] == list(range(8)) for s in parked)
+    assert audit(out, 8) == []
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, _, _ = plain_loop(cfg, split=True)
+    assert [digests(out)[s] for s in range(16)] == want
