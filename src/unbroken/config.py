@@ -303,10 +303,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
         (p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: expected auto, cpu or cuda"),
         (p.on_rank_loss in ("drop", "replan"), f"parallel.on_rank_loss={p.on_rank_loss!r}: expected drop or replan"),
-        (p.on_rank_loss == "drop" or (g >= 2 and pp * tp in (g, 1)),
-         f"parallel.on_rank_loss=replan with parallel.group_size={g}, pp={pp}, tp={tp}: re-planning at run time "
-         f"is built for groups of pipeline stages and/or tensor-parallel ranks, or of FSDP2 shards alone, not "
-         f"FSDP2 beside them (one survivor runs the whole model)"),
+        (p.on_rank_loss == "drop" or g >= 2,
+         f"parallel.on_rank_loss=replan with parallel.group_size={g}: a group of one rank has no other rank to "
+         f"go on without it"),
         (p.on_rank_loss == "drop" or not cfg.coord.store,
          "parallel.on_rank_loss=replan with coord.store set: the groups' torchrun rendezvous is hosted on the "
          "coordinator's TCPStore, which an etcd store replaces"),

@@ -8,7 +8,7 @@ import torch
 from unbroken.config import Config
 from unbroken.model.gpt import GPT
 from unbroken.runtime.parallel.pipeline import stage_names
-from unbroken.runtime.parallel.standin import StandIn, tensor_layout
+from unbroken.runtime.parallel.standin import StandIn, layout
 from unbroken.topology import TopologyError
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,15 +21,15 @@ def test_each_stage_s_tensor_parallel_slices_cover_its_parameters_once():
     torch.manual_seed(0)
     model = GPT(Config().model)
     pp, tp = 2, 2
-    layout = tensor_layout(model, tp, pp)
-    assert len(layout) == pp * tp
+    held = layout(model, pp, tp)
+    assert len(held) == pp * tp
     named = dict(model.named_parameters(remove_duplicate=False))
     for s in range(pp):
         names = stage_names(model, s, pp)
         for t in range(tp):
-            assert [id(x.param) for x in layout[s * tp + t]] == [id(named[n]) for n in names]
+            assert [id(x.param) for x in held[s * tp + t]] == [id(named[n]) for n in names]
         for i, n in enumerate(names):
-            parts = [layout[s * tp + t][i] for t in range(tp)]
+            parts = [held[s * tp + t][i] for t in range(tp)]
             if parts[0].whole:
                 assert all(p.whole for p in parts)
                 continue
@@ -43,7 +43,7 @@ def test_each_stage_s_tensor_parallel_slices_cover_its_parameters_once():
 def test_the_stand_in_counts_every_shard_index_and_the_loss_once():
     torch.manual_seed(0)
     standin = StandIn(GPT(Config().model), pp=2, tp=2)
-    assert (standin.count, standin.loss_shard) == (4, 2)  # the last stage's TP index 0, as its rank counts it
+    assert (standin.count, standin.loss_shards) == (4, (2,))  # the last stage's TP index 0, as its rank counts it
 
 
 def test_fsdp2_shards_rows_are_torch_chunk_s_and_each_share_s_loss_goes_to_its_shard():
@@ -63,5 +63,50 @@ def test_fsdp2_shards_rows_are_torch_chunk_s_and_each_share_s_loss_goes_to_its_s
     for share in range(3):
         acc.add(torch.tensor(float(share + 1)), share)
     assert [float(a.buffer[-1]) for a in acc.parts] == [1.0, 2.0, 3.0]
-    with pytest.raises(TopologyError, match="FSDP2 shards alone"):
-        StandIn(model, pp=2, shards=2)
+    with pytest.raises(TopologyError, match="several ranks"):
+        StandIn(model)
+
+
+def _local_shards(rank: int, world: int, init: str, pp: int, tp: int, out: str) -> None:
+    """One rank of a real group (gloo): the seeded model parallelized as the worker does it, its local
+    tensors (`gradients.local`, in `unique_parameters` order) saved for the parent to compare."""
+    import torch.distributed as dist
+
+    from unbroken.runtime.gradients import local, unique_parameters
+    from unbroken.runtime.parallel.parallelize import parallelize
+    from unbroken.topology import Topology
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model, _ = parallelize(GPT(Config().model), Topology(1, world, world, tp=tp, pp=pp), dist.group.WORLD,
+                           rank=rank, shape=(2, 16))
+    torch.save([local(p).detach().clone() for p in unique_parameters(model)], f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_layout_of_a_3d_group_is_each_rank_s_own_local_tensors(tmp_path):
+    """2 stages x 2 FSDP2 shards x TP 2 (8 real ranks, parallelize as the worker calls it): every shard
+    index's slices of one whole model (the same seed) are, bit for bit and in order, the local tensors
+    that rank holds: its stage's parameters, its TP part of each (qkv's heads reordered, row-wise
+    columns) and FSDP2's chunk of that along dim 0 (2-D pieces where both cut one weight)."""
+    import torch.multiprocessing as mp
+
+    pp, tp, world = 2, 2, 8
+    mp.spawn(_local_shards, args=(world, f"file://{tmp_path}/rdzv", pp, tp, str(tmp_path)), nprocs=world)
+    torch.manual_seed(0)
+    standin = StandIn(GPT(Config().model), pp=pp, tp=tp, shards=world // (pp * tp))
+    for rank in range(world):
+        theirs = torch.load(tmp_path / f"{rank}.pt")
+        ours = [s.take(s.param.detach()) for s in standin.layout[rank]]
+        assert [t.shape for t in ours] == [t.shape for t in theirs], rank
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), rank
+    assert standin.loss_shards == (4, 6)  # stage 1's TP index 0 of shard 0 and of shard 1
+    # and `put` writes each part back where `take` read it: together the parts rebuild every parameter
+    rebuilt = {id(p): torch.zeros_like(p) for p in standin.model.parameters()}
+    for shard in standin.layout:
+        for s in shard:
+            s.put(rebuilt[id(s.param)], s.take(s.param.detach()))
+    assert all(torch.equal(rebuilt[id(p)], p.detach()) for p in standin.model.parameters())

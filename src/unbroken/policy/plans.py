@@ -84,8 +84,9 @@ def full_plan(topology: Topology, layers: int) -> Plan:
 
 def teams(full: Plan, alive: Collection[int], tp: int, speeds: Mapping[int, float]) -> list[tuple[int, ...]]:
     """Every TP team of `tp` ranks (no FSDP2: a smaller plan never shards) the survivors can form, each
-    inside one team of the full plan, in the full plan's stage order. Within a host the fastest survivors are taken first (then the lowest rank),
-    so a slow or dead GPU is what is left out. `tp` must divide full.tp (heads split evenly)."""
+    inside one team of the full plan, in the full plan's stage order. Within a host the fastest survivors
+    are taken first (then the lowest rank), so a slow or dead GPU is what is left out. `tp` must divide
+    full.tp (heads split evenly)."""
     if tp < 1 or full.tp % tp:
         raise ValueError(f"tp={tp} must divide the full plan's tp={full.tp}")
     out = []

@@ -18,7 +18,7 @@ BEYOND_RUNTIME: dict[str, str] = {
     # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
     # declares a group Slow or Healthy again (executing keep or reweight, and under --run.quotas=drop
     # dropping a Slow group: parked for good, tests/runtime/test_slow_pp.py) and when a group of 2 pipeline
-    # stages, 2 TP ranks or 2 FSDP2 shards, or a TP x PP group, loses a rank (executing drop or shrink
+    # stages, 2 TP ranks or 2 FSDP2 shards, or a TP x FSDP2 x PP group, loses a rank (executing drop or shrink
     # onto one survivor, and growing back), or has one slow rank located (shrinking around it onto one
     # healthy rank)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
@@ -27,7 +27,7 @@ BEYOND_RUNTIME: dict[str, str] = {
                   "executes keep and reweight for a slow group, and under --run.quotas=drop drops it for good: "
                   "a parked group computes nothing, so nothing measures it back; for a group that lost a rank, "
                   "drop or shrink onto one survivor, and grow back tested for groups of 2 ranks and of 2 stages "
-                  "x 2 TP ranks; FSDP2 beside PP or TP is not re-planned on a rank's loss), with the slow rank inside a group located exactly (the runtime locates it "
+                  "x 2 TP ranks), with the slow rank inside a group located exactly (the runtime locates it "
                   "from its ranks' own device times against the same rank of the peer groups, and only below "
                   "0.7 of their speed: policy/locating.py), and a grow back that moves only what the returning "
                   "ranks lack (the runtime's grow restarts the whole group under torchrun, and every rank "

@@ -12,10 +12,10 @@ group's quota weight is its measured speed: what --run.quotas=speed always did);
 (ResiHP's "drop" baseline) every group declared Slow is parked instead: quota weight `PARKED`, no
 microbatch of any later step (workload.assign), while it stays in the epoch reducing a zero share, so its
 state stays in step. Parking is for good: a parked group computes nothing, so nothing measures it back
-(the reason drop is not executable under the other settings). For a group that lost a
-rank (parallel.on_rank_loss=replan, groups of pipeline stages, TP ranks or FSDP2 shards; `on_rank_lost`):
-drop (its survivor leaves) and shrink (one survivor, the first to claim, runs the whole model: standin.py), the shrunk
-group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
+(the reason drop is not executable under the other settings). For a group that lost a rank
+(parallel.on_rank_loss=replan, groups of pipeline stages, TP ranks, FSDP2 shards or a mix; `on_rank_lost`):
+drop (its survivor leaves) and shrink (one survivor, the first to claim, runs the whole model:
+standin.py), the shrunk group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
 parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
 (`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
 ends it), and the rank-loss path above runs, the scheduler deciding again. Quotas come from
@@ -216,13 +216,16 @@ class GroupPlanner:
         # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
         # every microbatch's gradients with the same kernels, so --exact stays bitwise, and so do FSDP2
         # shards (one rank computes each shard's rows as that shard did, and --exact sums them in float64);
-        # TP 2 -> 1 adds over all heads and units at once where the ranks added partial sums; a drop
-        # changes nothing
-        exact = r.applied.kind != "shrink" or self.full.tp == 1
+        # TP 2 -> 1 adds over all heads and units at once where the ranks added partial sums, and FSDP2
+        # inside stages adds the tied weight's two uses per batch in float64 where one model adds them per
+        # microbatch in float32 (pipeline._sum_tied_shards); a drop changes nothing
+        full = self.full
+        exact = r.applied.kind != "shrink" or (full.tp == 1 and (full.pp == 1 or full.shard == 1))
         self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
                       trajectory="bitwise (the same kernels per microbatch)" if exact else
-                      "within float32 tolerance (a TP degree change reorders float32 sums)", **r.record())
+                      "within float32 tolerance (a TP degree change, or FSDP2 leaving pipeline stages, reorders "
+                      "float32 sums)", **r.record())
         return r
 
     def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor

@@ -2,10 +2,10 @@
 a pipeline, tensor-parallel or FSDP2 group that lost a rank), so that it keeps reducing, digesting and
 healing per shard index exactly as the full group did.
 
-Owns: which part of the whole model's parameters makes up each shard index (`Slice`: pipeline stage j's
-parameters whole, as `pipeline.split` leaves them on rank j; tensor-parallel rank j's rows or columns of
-each split layer, as `parallelize._tensor_parallel` leaves them, the rest whole; or FSDP2 shard j's rows
-of every parameter, torch.chunk's j-th along dim 0, as `fully_shard` leaves them); the accumulator that files
+Owns: which part of the whole model's parameters makes up each shard index (`layout`, of `Slice`s: the
+stage's parameters, as `pipeline.split` leaves them; of each, the TP rank's rows or columns of a split
+layer, as `parallelize._tensor_parallel` leaves them, the rest whole; and of that, the FSDP2 shard's rows,
+torch.chunk's along dim 0, as `fully_shard` cuts a rank's local tensor); the accumulator that files
 each microbatch's gradient under every shard index holding a part of it (`ShardedAccumulator`); the state a
 shard index heals with (`StandIn.heal_tensors`); the forward hook that re-seeds a microbatch's dropout at
 each stage boundary, as a pipeline's stages each seed it. Does not own: deciding to shrink
@@ -20,7 +20,9 @@ bits in either order); and every shard index still sums the same per-microbatch 
 in microbatch order, before the cross-group all-reduce of that shard index. For FSDP2 shards too: the
 trainer computes each shard's rows of a microbatch in turn, as that shard's rank did (the same rows,
 kernels and dropout seed), and each shard index sums in float64 the float32 gradients that the group's
-float64 reduce-scatter summed (float32 addends, exact in float64 in any order). For tensor parallelism it
+float64 reduce-scatter summed (float32 addends, exact in float64 in any order). Not for FSDP2 inside
+pipeline stages: there the stages add the tied weight's two uses per batch in float64
+(pipeline._sum_tied_shards), here autograd adds them per microbatch in float32. For tensor parallelism it
 cannot: the whole model's matmuls add over all heads and units at once where TP ranks add partial sums,
 so a shrunk TP group is within float32 tolerance of the TP trajectory, not on it (and with dropout > 0
 its masks differ: one stream over all heads here, one per rank's heads there).
@@ -42,11 +44,13 @@ from unbroken.topology import TopologyError
 @dataclass(frozen=True)
 class Slice:
     """Shard index j's part of one parameter of the whole model: all of it (`index` None), or the entries
-    at `index` along `dim` (a TP rank's rows of a column-wise layer, columns of a row-wise one)."""
+    at `index` along `dim` (a TP rank's rows of a column-wise layer, columns of a row-wise one; an FSDP2
+    shard's rows), and of those the rows `rows` where both split it (FSDP2 shard k of a TP rank's columns)."""
     param: nn.Parameter
     dim: int = 0
     index: torch.Tensor | None = None
     ghost: torch.Tensor | None = None  # what the accumulator files this part under: `param` when whole
+    rows: torch.Tensor | None = None  # dim-0 entries of the `index` part (only with dim 1)
 
     @property
     def whole(self) -> bool:
@@ -55,7 +59,10 @@ class Slice:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This part of `t` (the parameter, its gradient or a state tensor shaped like it): `t` itself when
         whole, else a copy."""
-        return t if self.whole or t.shape != self.param.shape else t.index_select(self.dim, self.index)
+        if self.whole or t.shape != self.param.shape:
+            return t
+        part = t.index_select(self.dim, self.index)
+        return part if self.rows is None else part.index_select(0, self.rows)
 
     def put(self, full: torch.Tensor, part: torch.Tensor) -> None:
         """Write `part` (as `take` gave it) back into `full`."""
@@ -63,79 +70,77 @@ class Slice:
             with torch.no_grad():
                 if self.whole or full.shape != self.param.shape:
                     full.copy_(part)
-                else:
+                elif self.rows is None:
                     full.index_copy_(self.dim, self.index, part)
+                else:
+                    columns = full.index_select(self.dim, self.index)
+                    columns.index_copy_(0, self.rows, part)
+                    full.index_copy_(self.dim, self.index, columns)
 
 
-def _sliced(param: nn.Parameter, dim: int, index: torch.Tensor | None) -> Slice:
-    if index is None:
-        return Slice(param, ghost=param)
-    shape = list(param.shape)
-    shape[dim] = len(index)
-    return Slice(param, dim, index.to(param.device), torch.empty(shape, dtype=param.dtype, device=param.device))
-
-
-def pipeline_layout(model: nn.Module, stages: int) -> list[list[Slice]]:
-    """Stage j's parameters, whole, in the order stage j's rank lists them."""
-    named = dict(model.named_parameters(remove_duplicate=False))
-    return [[_sliced(named[n], 0, None) for n in stage_names(model, j, stages)] for j in range(stages)]
-
-
-def tensor_layout(model: nn.Module, tp: int, pp: int = 1) -> list[list[Slice]]:
-    """TP rank j's part of every parameter, in the order it lists them (the whole model's: TP keeps names):
-    qkv's rows of its heads ([q | k | v] of them), mlp.0's rows of its units (weights and biases), proj's
-    and mlp.2's columns; everything else whole (embeddings, norms, row-wise biases: replicated). With
-    `pp` > 1 stages (TP inside each: rank = stage x tp + TP index), shard index s x tp + t is TP rank t's
-    part of stage s's parameters, in the order that stage lists them."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleDict):
+def layout(model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1) -> list[list[Slice]]:
+    """Every shard index's part of the whole model, in topology.coords' rank order (rank = (stage x shards
+    + FSDP2 shard) x tp + TP index), each in the order that rank lists its parameters: stage s's (all of
+    them when pp is 1; pipeline.stage_names), TP rank t's part of each (`_tp_part`), and FSDP2 shard k's
+    rows of that part (torch.chunk's k-th along dim 0, as fully_shard cuts a rank's local tensor; the last
+    shard's rows fewer, or none, where dim 0 does not divide)."""
+    if tp > 1 and not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
         raise TopologyError(f"parallel.tp={tp}: a shrunk group needs a GPT-like model (blocks)")
-    if pp > 1:
-        named = dict(model.named_parameters(remove_duplicate=False))
-        return [[_tp_slice(n, named[n], t, tp) for n in stage_names(model, st, pp)]
-                for st in range(pp) for t in range(tp)]
-    return [[_tp_slice(n, p, j, tp) for n, p in model.named_parameters() if p.requires_grad] for j in range(tp)]
+    named = dict(model.named_parameters(remove_duplicate=False))
+    names = [stage_names(model, st, pp) for st in range(pp)] if pp > 1 else \
+        [[n for n, p in model.named_parameters() if p.requires_grad]]
+    return [[_part(n, named[n], t, tp, k, shards) for n in names[st]]
+            for st in range(pp) for k in range(shards) for t in range(tp)]
 
 
-def _tp_slice(name: str, p: nn.Parameter, j: int, tp: int) -> Slice:
-    """TP rank j's part of parameter `name` (the split `parallelize._tensor_parallel` makes)."""
+def _part(name: str, p: nn.Parameter, t: int, tp: int, k: int, shards: int) -> Slice:
+    """TP rank t's part of parameter `name`, and of it FSDP2 shard k's rows."""
+    dim, index = _tp_part(name, p, t, tp) if tp > 1 else (0, None)
+    rows = None
+    if shards > 1:
+        n = len(index) if index is not None and dim == 0 else p.shape[0]  # dim 0 of the TP rank's tensor
+        step = -(-n // shards)  # torch.chunk's chunk size
+        rows = torch.arange(min(k * step, n), min((k + 1) * step, n))
+        if index is None or dim == 0:  # one cut along dim 0: the shard's rows of the rank's rows
+            dim, index, rows = 0, rows if index is None else index[rows], None
+    if index is None:
+        return Slice(p, ghost=p)
+    shape = list(p.shape)
+    shape[dim] = len(index)
+    if rows is not None:
+        shape[0] = len(rows)
+        rows = rows.to(p.device)
+    return Slice(p, dim, index.to(p.device), torch.empty(shape, dtype=p.dtype, device=p.device), rows)
+
+
+def _tp_part(name: str, p: nn.Parameter, j: int, tp: int) -> tuple[int, torch.Tensor | None]:
+    """(dim, index) of TP rank j's part of parameter `name` (the split `parallelize._tensor_parallel`
+    makes): qkv's rows of its heads ([q | k | v] of them), mlp.0's rows of its units (weights and
+    biases), proj's and mlp.2's columns; everything else whole (embeddings, norms, row-wise biases:
+    replicated on every TP rank)."""
     parts = name.split(".")
     layer = ".".join(parts[2:-1]) if parts[0] == "blocks" else ""
     if layer == "attn.qkv":  # rows of heads j: q, then k, then v (the order _tensor_parallel makes)
         width = p.shape[0] // 3 // tp
-        return _sliced(p, 0, torch.cat([torch.arange(j * width, (j + 1) * width) + part * (p.shape[0] // 3)
-                                        for part in range(3)]))
+        return 0, torch.cat([torch.arange(j * width, (j + 1) * width) + part * (p.shape[0] // 3) for part in range(3)])
     if layer == "mlp.0":
         n = p.shape[0] // tp
-        return _sliced(p, 0, torch.arange(j * n, (j + 1) * n))
+        return 0, torch.arange(j * n, (j + 1) * n)
     if layer in ("attn.proj", "mlp.2") and parts[-1] == "weight":
         n = p.shape[1] // tp
-        return _sliced(p, 1, torch.arange(j * n, (j + 1) * n))
-    return _sliced(p, 0, None)
-
-
-def fsdp_layout(model: nn.Module, shards: int) -> list[list[Slice]]:
-    """FSDP2 shard j's rows of every parameter (torch.chunk's j-th along dim 0: `fully_shard`'s split,
-    the last shard's rows fewer, or none, when dim 0 does not divide), in `named_parameters` order."""
-    out = []
-    for j in range(shards):
-        shard = []
-        for _, p in model.named_parameters():
-            rows = -(-p.shape[0] // shards)  # ceil: torch.chunk's chunk size
-            shard.append(_sliced(p, 0, torch.arange(min(j * rows, p.shape[0]), min((j + 1) * rows, p.shape[0]))))
-        out.append(shard)
-    return out
+        return 1, torch.arange(j * n, (j + 1) * n)
+    return 0, None
 
 
 class ShardedAccumulator:
     """One `Accumulator` per shard index over that shard's parts, with the interface the trainer uses.
     Gradients arrive through `add_shard` (the hooks of `StandIn.attach`), one microbatch at a time; the
-    weighted loss goes to shard index `loss_shard` (the last pipeline stage, or TP rank 0, counts it), or,
-    standing in for FSDP2 shards (`by_share`), to the shard index whose rows it is the loss of."""
+    weighted loss of FSDP2 share k's rows goes to shard index `loss_shards[k]` (the last stage's TP index 0
+    of shard k counts it, as its rank does: the whole microbatch's is share 0's without FSDP2)."""
 
-    def __init__(self, layout: list[list[Slice]], dtype: torch.dtype, params: list[nn.Parameter], loss_shard: int,
-                 by_share: bool = False):
-        self.layout, self.params, self.loss_shard, self.by_share = layout, params, loss_shard, by_share
+    def __init__(self, layout: list[list[Slice]], dtype: torch.dtype, params: list[nn.Parameter],
+                 loss_shards: tuple[int, ...]):
+        self.layout, self.params, self.loss_shards = layout, params, loss_shards
         self.parts = [Accumulator([s.ghost for s in shard], dtype, hooked=True) for shard in layout]
         self._holders: dict[int, list[tuple[Accumulator, Slice]]] = {id(p): [] for p in params}
         for a, shard in zip(self.parts, layout):
@@ -144,7 +149,7 @@ class ShardedAccumulator:
 
     @property
     def buffer(self) -> torch.Tensor:  # step.py reads its dtype and size
-        return self.parts[self.loss_shard].buffer
+        return self.parts[self.loss_shards[0]].buffer
 
     def zero(self) -> None:
         for a in self.parts:
@@ -155,7 +160,7 @@ class ShardedAccumulator:
         outside FSDP2) goes to its shard index."""
         for p in self.params:
             p.grad = None
-        held = share if self.by_share else self.loss_shard
+        held = self.loss_shards[share]
         for j, a in enumerate(self.parts):
             a.add(weighted_loss if j == held else weighted_loss.new_zeros(()))
 
@@ -180,17 +185,16 @@ class ShardedAccumulator:
 
 class StandIn:
     """Build once, on the whole model (after its construction, before the optimizer), for a rank that
-    holds every shard index of a group of `pp` pipeline stages, `tp` tensor-parallel ranks, or both; or of
-    `shards` FSDP2 shards alone (`shares`: the trainer then computes each one's rows of a microbatch)."""
+    holds every shard index of a group of `pp` pipeline stages x `shards` FSDP2 shards x `tp` TP ranks
+    (`shares`: the trainer computes each FSDP2 shard's rows of a microbatch in turn)."""
 
     def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1):
-        if pp * tp * shards == 1 or (shards > 1 and pp * tp > 1):
-            raise TopologyError(f"a shrunk group stands in for pipeline stages and/or TP ranks, or for FSDP2 "
-                                f"shards alone (pp={pp}, tp={tp}, FSDP2 shards={shards})")
+        if pp * tp * shards == 1:
+            raise TopologyError(f"a shrunk group stands in for several ranks (pp={pp}, tp={tp}, FSDP2 shards=1)")
         self.model, self.count, self.shares = model, pp * tp * shards, shards
-        self.layout = fsdp_layout(model, shards) if shards > 1 else \
-            tensor_layout(model, tp, pp) if tp > 1 else pipeline_layout(model, pp)
-        self.loss_shard = (pp - 1) * tp  # the last stage's TP index 0 counts the loss (FSDP2: each share's)
+        self.layout = layout(model, pp, tp, shards)
+        # the last stage's TP index 0 of each FSDP2 shard counts that shard's rows' loss
+        self.loss_shards = tuple(((pp - 1) * shards + k) * tp for k in range(shards))
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
         if pp > 1:
             names = [stage_names(model, j, pp) for j in range(1, pp)]
@@ -204,7 +208,7 @@ class StandIn:
             seed_microbatch(self.seed)
 
     def accumulator(self, dtype: torch.dtype, params: list[nn.Parameter]) -> ShardedAccumulator:
-        return ShardedAccumulator(self.layout, dtype, params, self.loss_shard, by_share=self.shares > 1)
+        return ShardedAccumulator(self.layout, dtype, params, self.loss_shards)
 
     def attach(self, params: list[nn.Parameter], sink: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Hand each parameter's per-microbatch float32 gradient to `sink(param, grad)` and clear `.grad`
