@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import digests, plain_loop, run_faults
+from tests.runtime.test_groups import digests, run_faults
 from tests.runtime.test_pp_tp import train
 from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, one, \
-    stand_in_heals
-from unbroken.config import Config
+    shrinks_onto_one_of_four, stand_in_heals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -89,22 +88,4 @@ def test_fsdp2_beside_tp_or_inside_stages_shrinks_onto_one_survivor_within_float
     bitwise (TP 2 -> 1 reorders float32 sums; a pipeline's tied weight is summed over stages per batch in
     float64 there, per microbatch in float32 here), and its `group_plan` says so: every step's loss within
     1e-5 (relative) of the plain one-process loop's (measured: 3.3e-6 with TP, 6.5e-7 with stages)."""
-    base = [*REPLAN, "--parallel.group_size=4", beside, "--model.dropout=0"]
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; {HOLD}", base=base)
-    one(events, "fault", kind="kill", replica=1, rank=3)
-    plan = one(events, "group_plan", replica=1, why="rank lost")
-    (standin,) = plan["alive"]
-    left = [e.get("rank", 0) for e in events if e["event"] in ("survivor_left", "fenced") and e["replica"] == 1]
-    assert sorted([*left, standin]) == [0, 1, 2], (left, standin)
-    assert (plan["applied"], plan["plan"]) == ("shrink", "tp1 pp1 [2]")
-    assert plan["trajectory"].startswith("within float32 tolerance")
-    heals = stand_in_heals(events)
-    assert sorted(e["rank"] for e in heals) == [0, 1, 2, 3]
-    records = {e["step"]: e for e in events if e["event"] == "step"}
-    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > heals[0]["step"]]
-    assert stand_in and all(e.get("shards") == [0, 1, 2, 3] for e in stand_in)
-    assert any("1" in records[s]["owners"] for s in range(heals[0]["step"] + 1, 16))
-    cfg = Config.from_json((out / "config.json").read_text())
-    _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
-    drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(16)]
-    assert max(drift) <= 1e-5, drift
+    shrinks_onto_one_of_four(tmp_path, [*REPLAN, "--parallel.group_size=4", beside, "--model.dropout=0"])
