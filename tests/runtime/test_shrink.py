@@ -103,6 +103,22 @@ def assert_measured(events: list[dict], why: str, heals: list[dict], required: b
         assert m["quota_weight"] is None  # a grow's quotas are equal again (ranks back)
 
 
+def assert_stood_in(events: list[dict], shards: list[int]) -> list[dict]:
+    """Group 1's stand-in healed every shard index in `shards` from one donor, then computed its quota of
+    a step as all of them (one process); returns its heals."""
+    heals = stand_in_heals(events)
+    assert sorted(e["rank"] for e in heals) == shards and len({e["donor"] for e in heals}) == 1
+    healed = heals[0]["step"]
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    shrunk_steps = [s for s in range(healed + 1, 16) if "1" in records[s]["owners"]]
+    assert shrunk_steps, "the shrunk group computed no microbatch after it healed"
+    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > healed]
+    assert stand_in and all(e.get("shards") == shards for e in stand_in)
+    assert sorted({e["microbatch"] for e in stand_in if e["step"] == shrunk_steps[0]}) == \
+        records[shrunk_steps[0]]["owners"]["1"]
+    return heals
+
+
 # alone (no other test on the host meanwhile): under 2 test workers' load these runs found two races of the
 # shrink (a joiner counted into the step it left, a record written twice), fixed since; the timing of their
 # windows (heal before the end, quotas published while shrunk) is still that of a quiet host
@@ -125,17 +141,8 @@ def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pi
     assert plan["trajectory"].startswith("bitwise")
     join = one(events, "join", replica=1, shrunk=True)
     assert join["alive"] == [survivor] and join["epoch"] > dead["epoch"]
-    heals = stand_in_heals(events)
-    assert sorted(e["rank"] for e in heals) == [0, 1] and len({e["donor"] for e in heals}) == 1  # both stages
-    healed = heals[0]["step"]
-    records = {e["step"]: e for e in events if e["event"] == "step"}
-    shrunk_steps = [s for s in range(healed + 1, 16) if "1" in records[s]["owners"]]
-    assert shrunk_steps, "the shrunk group computed no microbatch after it healed"
     # the stand-in computed its microbatches as both stages (one process, the whole model) ...
-    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > healed]
-    assert stand_in and all(e.get("shards") == [0, 1] for e in stand_in)
-    assert sorted({e["microbatch"] for e in stand_in if e["step"] == shrunk_steps[0]}) == \
-        records[shrunk_steps[0]]["owners"]["1"]
+    heals = assert_stood_in(events, [0, 1])
     assert_measured(events, "rank lost", heals)  # the shrink's cost, measured beside its prediction
     # ... and the run never left the failure-free pipeline trajectory, through the loss and the shrink
     assert digests(out) == digests(pipeline_reference)

@@ -17,8 +17,8 @@ import pytest
 
 from tests.runtime.test_groups import digests, run_faults
 from tests.runtime.test_pp_tp import train
-from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, one, \
-    shrinks_onto_one_of_four, stand_in_heals
+from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
+    assert_stood_in, one, shrinks_onto_one_of_four
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -48,16 +48,7 @@ def test_an_fsdp2_group_that_lost_a_rank_goes_on_shrunk_on_its_survivor_bitwise(
     assert (plan["decision"], plan["applied"], plan["alive"], plan["plan"]) == ("shrink", "shrink", [survivor],
                                                                                "tp1 pp1 [2]")
     assert plan["trajectory"].startswith("bitwise") and 0.4 < plan["applied_weight"] < 0.6  # half the pair
-    heals = stand_in_heals(events)
-    assert sorted(e["rank"] for e in heals) == [0, 1] and len({e["donor"] for e in heals}) == 1  # both shards
-    healed = heals[0]["step"]
-    records = {e["step"]: e for e in events if e["event"] == "step"}
-    shrunk_steps = [s for s in range(healed + 1, 16) if "1" in records[s]["owners"]]
-    assert shrunk_steps, "the shrunk group computed no microbatch after it healed"
-    stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > healed]
-    assert stand_in and all(e.get("shards") == [0, 1] for e in stand_in)  # one process, both shards' rows
-    assert sorted({e["microbatch"] for e in stand_in if e["step"] == shrunk_steps[0]}) == \
-        records[shrunk_steps[0]]["owners"]["1"]
+    heals = assert_stood_in(events, [0, 1])  # one process, both shards' rows
     assert_measured(events, "rank lost", heals)
     assert digests(out) == digests(hsdp_reference)  # on the failure-free HSDP trajectory, every step
 
