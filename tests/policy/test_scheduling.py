@@ -62,16 +62,20 @@ def test_calibration_reproduces_the_measured_microbatch_time():
         setting(full, mb_seconds=0.01)
 
 
-def test_fsdp2_gathers_are_priced_and_a_survivor_computes_every_shard_without_them():
+def test_fsdp2_gathers_overlap_the_compute_and_a_survivor_computes_every_shard_without_them():
     """A group of 4 FSDP2 shards: each layer's weights are all-gathered twice a microbatch (forward and
-    backward), which calibration takes out of the measured time; the one rank that stands in for the
-    group computes 4x the rows, with nothing to gather."""
+    backward) while the layer before computes, so a layer takes the larger of the two; the one rank that
+    stands in for the group computes 4x the rows, with nothing to gather. A slow rank whose compute falls
+    behind the gathers sets the pace; a measured time the gathers alone exceed cannot be calibrated."""
     full = P.full_plan(Topology(2, 4, 4), 8)
     s = C.calibrate(1.0, full, C.ModelShape(8, 16e9, 0.0, 2e9), C.Hardware(), 4096, 16)
-    assert C.bottleneck(full, {}, s) == pytest.approx(1.0)
-    gathers = 8 * C.fsdp_comm(1, 4, s)
-    assert gathers == pytest.approx(8 * 2 * 0.75 * 2e9 / C.Hardware().tp_bytes_per_s)
-    assert C.bottleneck(P.Plan(1, (8,), ((2,),)), {}, s) == pytest.approx(4 * (1.0 - gathers))
+    gathers = C.fsdp_comm(1, 4, s)
+    assert gathers == pytest.approx(2 * 0.75 * 2e9 / C.Hardware().tp_bytes_per_s) and gathers < 1.0 / 8
+    assert C.bottleneck(full, {}, s) == pytest.approx(1.0)  # compute-bound: the gathers hidden
+    assert C.bottleneck(P.Plan(1, (8,), ((2,),)), {}, s) == pytest.approx(4.0)
+    assert C.bottleneck(full, {3: 0.5}, s) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="FSDP2 gathers"):
+        C.calibrate(8 * gathers, full, C.ModelShape(8, 16e9, 0.0, 2e9), C.Hardware(), 4096, 16)
 
 
 @settings(max_examples=300, deadline=None)

@@ -10,10 +10,11 @@ The model, per microbatch of `tokens` tokens, on stage k of a plan with TP degre
              the others at every collective; speed 1.0 healthy, 0.25 = 4x slower)
   TP comm    n_k * 4 all-reduces (2 forward, 2 backward, Megatron-style) of tokens * activation bytes,
              ring cost 2 (t-1)/t * bytes / tp_bytes_per_s
-  FSDP comm  n_k * 2 all-gathers (forward, and again in backward: FSDP2 frees a layer's gathered
-             weights after its forward) of the layer's weights over the team's f shards, ring cost
-             (f-1)/f * weight bytes / t / tp_bytes_per_s (a group's FSDP2 ranks share a host); the
-             gradients' reduce-scatter, once a batch, is left out
+  FSDP comm  per layer 2 all-gathers (forward, and again in backward: FSDP2 frees a layer's gathered
+             weights after its forward) of its weights over the team's f shards, ring cost
+             (f-1)/f * weight bytes / t / tp_bytes_per_s (a group's FSDP2 ranks share a host); FSDP2
+             gathers the next layer while computing this one, so a layer takes the larger of its compute
+             and its gathers, not their sum; the gradients' reduce-scatter, once a batch, is left out
   PP comm    pp > 1: 2 boundary transfers (activation forward, its gradient backward) of
              tokens * activation bytes at pp_bytes_per_s
 A group's m microbatches through a pp-stage pipeline (GPipe / 1F1B) take (m + pp - 1) x the slowest
@@ -90,7 +91,8 @@ def fsdp_comm(tp: int, shard: int, s: Setting) -> float:
 def per_layer_seconds(tp: int, speed: float, s: Setting, shard: int = 1) -> float:
     """One layer of one microbatch on a team of `shard` FSDP2 shards of a TP team of `tp`, whose slowest
     rank runs at `speed`, s."""
-    return s.work.device_seconds / s.model.layers / tp / shard / speed + tp_comm(tp, s) + fsdp_comm(tp, shard, s)
+    compute = s.work.device_seconds / s.model.layers / tp / shard / speed
+    return max(compute, fsdp_comm(tp, shard, s)) + tp_comm(tp, s)  # the gathers overlap the compute
 
 
 def stage_seconds(plan: Plan, speeds: Mapping[int, float], s: Setting) -> tuple[float, ...]:
@@ -118,10 +120,14 @@ def calibrate(per_microbatch_seconds: float, full: Plan, model: ModelShape, hard
     communication alone already exceeds that time (the constants contradict the measurement)."""
     probe = Setting(model, hardware, Work(0.0, tokens, microbatches, sync_seconds))
     n = max(full.stages)
-    comm = pp_comm(full.pp, probe) + n * (tp_comm(full.tp, probe) + fsdp_comm(full.tp, full.shard, probe))
+    comm = pp_comm(full.pp, probe) + n * tp_comm(full.tp, probe)
     if per_microbatch_seconds <= comm:
         raise ValueError(f"{per_microbatch_seconds} s per microbatch is below the plan's communication {comm:.4g} s")
-    device = (per_microbatch_seconds - comm) * full.tp * full.shard * model.layers / n
+    layer = (per_microbatch_seconds - comm) / n  # one layer's compute, or its FSDP2 gathers where they are longer
+    if layer <= fsdp_comm(full.tp, full.shard, probe):
+        raise ValueError(f"{per_microbatch_seconds} s per microbatch leaves a layer {layer:.4g} s, no more than "
+                         f"its FSDP2 gathers: the compute cannot be told from the communication")
+    device = layer * full.tp * full.shard * model.layers
     return Setting(model, hardware, Work(device, tokens, microbatches, sync_seconds))
 
 
