@@ -342,11 +342,12 @@ def test_a_pipeline_of_tensor_parallel_stages_goes_on_shrunk_on_one_survivor(tmp
     shrinks_onto_one_of_four(tmp_path, BOTH)
 
 
-def shrinks_onto_one_of_four(tmp_path: Path, base: list[str]) -> None:
-    """A run of 2 groups of 4 ranks under `base`, rank 3 of group 1 killed with its host at step 3: one
-    survivor stands in for the group (the others leave), heals all 4 shard indices from one peer, computes
-    as all four, and every step's loss is within 1e-5 (relative) of the plain one-process loop's."""
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; {HOLD}", base=base)
+def shrinks_onto_one_of_four(tmp_path: Path, base: list[str], hold: str = HOLD) -> None:
+    """A run of 2 groups of 4 ranks under `base`, rank 3 of group 1 killed with its host at step 3 (group 0
+    slowed by `hold`): one survivor stands in for the group (the others leave), heals all 4 shard indices
+    from one peer, computes as all four, and every step's loss is within 1e-5 (relative) of the plain
+    one-process loop's."""
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; {hold}", base=base)
     one(events, "fault", kind="kill", replica=1, rank=3)
     # the others leave: on finding the group broken (survivor_left), or fenced when the coordinator's
     # verdict on their group (a leaving survivor's exit) came first

@@ -24,6 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 HSDP = [a for a in PIPELINE if a != "--parallel.pp=2"]  # group_size 2, pp 1, tp 1: 2 FSDP2 shards a group
 REPLAN = [*HSDP, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+# Group 0 sleeps 0.5 s after each compute span from step 4 on (a pipeline's is its step, FSDP2 x TP's each
+# microbatch), so the stand-in's rebuild and heal land with steps left. Not HOLD (10x the span): a span
+# is seconds long under CI's load with 16 processes on 2 cores, and 10x of it made step 4 last 73 s and
+# the run time out at 150 s (CI at 76436be, FSDP2 x TP); there, unslowed steps took ~4 s, so the run is
+# given 240 s.
+FIXED_HOLD = "slow:replica=0,from=4,for=0.5"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +75,7 @@ def test_a_replaced_host_grows_the_shrunk_fsdp2_group_back_to_its_two_shards(tmp
     assert_grown_back(events, out, dead, full="tp1 pp1 [2] fsdp2")
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("beside", ["--parallel.tp=2", "--parallel.pp=2"])
 def test_fsdp2_beside_tp_or_inside_stages_shrinks_onto_one_survivor_within_float32_tolerance(tmp_path, beside):
     """2 groups of 4 ranks, 2 FSDP2 shards of TP 2 (rank = shard x 2 + TP index) or 2 stages of 2 FSDP2
@@ -79,4 +86,5 @@ def test_fsdp2_beside_tp_or_inside_stages_shrinks_onto_one_survivor_within_float
     bitwise (TP 2 -> 1 reorders float32 sums; a pipeline's tied weight is summed over stages per batch in
     float64 there, per microbatch in float32 here), and its `group_plan` says so: every step's loss within
     1e-5 (relative) of the plain one-process loop's (measured: 3.3e-6 with TP, 6.5e-7 with stages)."""
-    shrinks_onto_one_of_four(tmp_path, [*REPLAN, "--parallel.group_size=4", beside, "--model.dropout=0"])
+    shrinks_onto_one_of_four(tmp_path, [*REPLAN, "--parallel.group_size=4", beside, "--model.dropout=0",
+                                        "--coord.run_timeout=240"], hold=FIXED_HOLD)
