@@ -347,8 +347,9 @@ class GroupPlanner:
             seconds, source = statistics.median(m.seconds for m in mbs), "measured median"
         w = self.shape.width
         # fp32 weights, gradient and two Adam moments: 16 B per parameter, of which FSDP2 gathers the 4 B
-        # weight; the activation a stage boundary sends is width float32s per token. Hardware: stepcost's stated H100 defaults, not this machine's:
-        # they price only the options not executed here (keep and reweight move nothing).
+        # weight; the activation a stage boundary sends is width float32s per token. Hardware: stepcost's
+        # stated H100 defaults, not this machine's, but for the re-form time (config): a shrink's state
+        # pull and the state budget that decides whether a stand-in fits are an H100 cluster's.
         model = stepcost.ModelShape(self.shape.layers, 12 * w * w * 16.0, 4.0 * w, 12 * w * w * 4.0)
         hardware = stepcost.Hardware(reform_seconds=self.shape.reform_seconds)
         try:

@@ -89,6 +89,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     error: str | None = "launcher failed"
     restore_sigterm = _sigterm_interrupts()
     lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
+    watch: _Watch | None = None
     try:
         coordinator, address = start_coordinator(cfg, run_dir)
         procs.append(coordinator)
@@ -142,6 +143,15 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         error = "interrupted"
     except _CoordinatorLost as e:
         error, lost = str(e), True
+    except DistError:
+        # A store call after the watch (the shutdown's write, a restart's) that found the coordinator gone
+        # ends the run as the watch's "lost" does. The watch sees the coordinator's end only once it is
+        # reaped: SIGKILLed as its trainers saw the store go, it was not yet, the watch said "failed", and
+        # the shutdown's write raised, so no run_end and no memory kept (CI at cc84d6f, the README's
+        # persistence commands).
+        if watch is None or watch.coordinator is None or not watch._coordinator_gone(wait_s=2.0):
+            raise
+        error, lost = watch._lost(), True
     finally:
         restore_sigterm()
         view.close()
