@@ -216,6 +216,10 @@ def assert_grown_back(events: list[dict], out: Path, dead: list[dict], shrank: b
         assert [digests(out)[s] for s in range(steps)] == want
 
 
+# alone: its check of the shrunk quotas needs the stand-in to compute a step before the replacement's
+# rendezvous restarts it (2.5 s after the loss); beside another test's 16 processes (CI at 9f29495) the
+# stand-in healed 4 s after the loss and was restarted before computing any
+@pytest.mark.alone
 def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     """Rank 1 of group 1 dies at step 3 with its torchrun agent (its host lost); group 1 goes on shrunk on
     rank 0 with the quota weight of its smaller plan; 2.5 s after the lost agent ended, the launcher starts
