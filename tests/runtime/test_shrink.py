@@ -343,34 +343,36 @@ def test_a_pipeline_of_tensor_parallel_stages_goes_on_shrunk_on_one_survivor(tmp
     dropping the group, and under shrink it takes each of the 4 shard indices (a stage's TP slices) from
     group 0's matching rank, one heal each, and computes as all four. TP 2 -> 1 reorders float32 sums:
     every step's loss within 1e-5 (relative) of the plain one-process loop's over 16 steps."""
-    shrinks_onto_one_of_four(tmp_path, BOTH)
+    shrinks_onto_one_survivor(tmp_path, BOTH)
 
 
-def shrinks_onto_one_of_four(tmp_path: Path, base: list[str], hold: str = HOLD) -> None:
-    """A run of 2 groups of 4 ranks under `base`, rank 3 of group 1 killed with its host at step 3 (group 0
-    slowed by `hold`): one survivor stands in for the group (the others leave), heals all 4 shard indices
-    from one peer, computes as all four, and every step's loss is within 1e-5 (relative) of the plain
-    one-process loop's."""
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; {hold}", base=base)
-    one(events, "fault", kind="kill", replica=1, rank=3)
+def shrinks_onto_one_survivor(tmp_path: Path, base: list[str], hold: str = HOLD, ranks: int = 4, lost: int = 3,
+                              at: int = 3, steps: int = 16) -> None:
+    """A run of 2 groups of `ranks` ranks under `base` (`steps` steps), rank `lost` of group 1 killed with
+    its host at step `at` (group 0 slowed by `hold`): one survivor stands in for the group (the others
+    leave), heals all `ranks` shard indices from one peer, computes as all of them, and every step's loss
+    is within 1e-5 (relative) of the plain one-process loop's."""
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank={lost},step={at},phase=compute; {hold}", base=base)
+    one(events, "fault", kind="kill", replica=1, rank=lost)
     # the others leave: on finding the group broken (survivor_left), or fenced when the coordinator's
     # verdict on their group (a leaving survivor's exit) came first
     left = [e.get("rank", 0) for e in events if e["event"] in ("survivor_left", "fenced") and e["replica"] == 1]
     plan = one(events, "group_plan", replica=1, why="rank lost")
     (standin,) = plan["alive"]
-    assert sorted([*left, standin]) == [0, 1, 2], (left, plan["alive"])  # every survivor: one stays, two leave
+    survivors = [j for j in range(ranks) if j != lost]
+    assert sorted([*left, standin]) == survivors, (left, plan["alive"])  # every survivor: one stays, the rest leave
     assert (plan["applied"], plan["plan"]) == ("shrink", "tp1 pp1 [2]")
     assert plan["trajectory"].startswith("within float32 tolerance")
     one(events, "join", replica=1, shrunk=True)
     heals = stand_in_heals(events)
-    assert sorted(e["rank"] for e in heals) == [0, 1, 2, 3]
+    assert sorted(e["rank"] for e in heals) == list(range(ranks))
     records = {e["step"]: e for e in events if e["event"] == "step"}
     stand_in = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > heals[0]["step"]]
-    assert stand_in and all(e.get("shards") == [0, 1, 2, 3] for e in stand_in)
-    assert any("1" in records[s]["owners"] for s in range(heals[0]["step"] + 1, 16))
+    assert stand_in and all(e.get("shards") == list(range(ranks)) for e in stand_in)
+    assert any("1" in records[s]["owners"] for s in range(heals[0]["step"] + 1, steps))
     cfg = Config.from_json((out / "config.json").read_text())
     _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
-    drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(16)]
+    drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(steps)]
     assert max(drift) <= 1e-5, drift
 
 

@@ -6,8 +6,8 @@ dropping it, and shrinks. The survivor heals both shard indices (each shard's ro
 and its Adam moments) from group 0's matching ranks, computes each shard's rows of every microbatch in
 turn, and reduces each shard index with group 0's rank of that index: every step's digest is the
 failure-free run's, dropout on. A replacement for the lost host then grows the group back to its two
-shards, still on the plain one-process loop's trajectory. Groups of FSDP2 shards of TP teams, and of
-pipeline stages sharded with FSDP2, shrink onto one survivor the same way, within float32 tolerance.
+shards, still on the plain one-process loop's trajectory. A group of all three degrees (2 stages x 2
+FSDP2 shards x TP 2) shrinks onto one survivor the same way, within float32 tolerance.
 """
 from __future__ import annotations
 
@@ -18,18 +18,12 @@ import pytest
 from tests.runtime.test_groups import digests, run_faults
 from tests.runtime.test_pp_tp import train
 from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
-    assert_stood_in, one, shrinks_onto_one_of_four
+    assert_stood_in, one, shrinks_onto_one_survivor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 HSDP = [a for a in PIPELINE if a != "--parallel.pp=2"]  # group_size 2, pp 1, tp 1: 2 FSDP2 shards a group
 REPLAN = [*HSDP, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
-# Group 0 sleeps 0.5 s after each compute span from step 4 on (a pipeline's is its step, FSDP2 x TP's each
-# microbatch), so the stand-in's rebuild and heal land with steps left. Not HOLD (10x the span): a span
-# is seconds long under CI's load with 16 processes on 2 cores, and 10x of it made step 4 last 73 s and
-# the run time out at 150 s (CI at 76436be, FSDP2 x TP); there, unslowed steps took ~4 s, so the run is
-# given 240 s.
-FIXED_HOLD = "slow:replica=0,from=4,for=0.5"
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +69,27 @@ def test_a_replaced_host_grows_the_shrunk_fsdp2_group_back_to_its_two_shards(tmp
     assert_grown_back(events, out, dead, full="tp1 pp1 [2] fsdp2")
 
 
+# 2 groups of 8 ranks, torchtitan's (pp, dp_shard, tp) mesh: 2 stages x 2 FSDP2 shards x TP 2
+THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "48", "--exact", "--run.progress=false",
+           "--coord.heartbeat_timeout=4.0", "--coord.heartbeat_interval=0.2", "--coord.run_timeout=270",
+           "--coord.progress_timeout=200", "--model.dropout=0", "--parallel.group_size=8", "--parallel.pp=2",
+           "--parallel.tp=2", "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("beside", ["--parallel.tp=2", "--parallel.pp=2"])
-def test_fsdp2_beside_tp_or_inside_stages_shrinks_onto_one_survivor_within_float32_tolerance(tmp_path, beside):
-    """2 groups of 4 ranks, 2 FSDP2 shards of TP 2 (rank = shard x 2 + TP index) or 2 stages of 2 FSDP2
-    shards (rank = stage x 2 + shard): rank 3 of group 1 dies with its host at step 3. One survivor stands
-    in (the others leave or are fenced), heals the 4 shard indices (2-D pieces where FSDP2 cuts a TP
-    rank's columns: the layout test in test_standin.py checks them against real ranks' tensors), computes
-    each FSDP2 shard's rows in turn and files each share's loss under its last stage's shard index. Not
-    bitwise (TP 2 -> 1 reorders float32 sums; a pipeline's tied weight is summed over stages per batch in
-    float64 there, per microbatch in float32 here), and its `group_plan` says so: every step's loss within
-    1e-5 (relative) of the plain one-process loop's (measured: 3.3e-6 with TP, 6.5e-7 with stages)."""
-    shrinks_onto_one_of_four(tmp_path, [*REPLAN, "--parallel.group_size=4", beside, "--model.dropout=0",
-                                        "--coord.run_timeout=240"], hold=FIXED_HOLD)
+def test_a_3d_group_shrinks_onto_one_survivor_within_float32_tolerance(tmp_path):
+    """2 groups of 8 ranks, 2 stages x 2 FSDP2 shards x TP 2 (rank = (stage x 2 + shard) x 2 + TP index):
+    rank 5 (stage 1, shard 0, TP index 1) of group 1 dies with its host at step 2. One survivor stands in
+    for all 8 shard indices (the other six leave or are fenced): it heals each index's part from group
+    0's matching rank (a stage's parameters, a TP rank's rows or columns of them, FSDP2's rows of that:
+    2-D pieces where FSDP2 cuts a TP rank's columns, checked against real ranks' tensors in
+    test_standin.py), computes each FSDP2 shard's rows in turn, and files each share's loss under its
+    last stage's shard index. Not bitwise (TP 2 -> 1 reorders float32 sums; the tied weight is summed
+    over stages per batch in float64 there, per microbatch in float32 here), and its `group_plan` says
+    so: every step's loss within 1e-5 (relative) of the plain one-process loop's (measured alone: 2.6e-8,
+    87 s). 48 microbatches a step: the one survivor is priced at 1/8 of the group, and with 4 the
+    scheduler rightly drops the group (a microbatch of 8 units there would outlast group 0's whole
+    step; measured: shrink 0.125 s a step against drop 0.078 s). Group 0 sleeps 1 s after each of its
+    steps from step 3 (a pipeline's compute span is its step) so the heal lands with steps left."""
+    shrinks_onto_one_survivor(tmp_path, THREE_D, hold="slow:replica=0,from=3,for=1.0", ranks=8, lost=5, at=2,
+                             steps=8)
