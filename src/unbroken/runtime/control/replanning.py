@@ -56,7 +56,8 @@ from unbroken.topology import Topology
 REFUSED = {
     "drop": "a parked group computes nothing, so nothing measures it back: parking is for good, chosen "
             "only with run.quotas=drop",
-    "repartition": "a group's layer split is fixed when its torchrun job starts",
+    "repartition": "moving layers changes which layers shard index j holds in this group, where the "
+                   "cross-group reduction of index j needs the same layers in every group",
     "shrink": "a group re-forms a smaller plan only when it lost a rank, or around one slow rank located "
               "(policy/locating.py) onto one healthy rank, under parallel.on_rank_loss=replan and "
               "run.quotas=speed",
