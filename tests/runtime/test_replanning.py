@@ -8,7 +8,7 @@ from unbroken.policy.predictor import MicrobatchTiming, Predictor
 import pytest
 
 from unbroken.policy.workload import PARKED
-from unbroken.runtime.control.replanning import DROP, EQUAL, GroupShape, planner_for
+from unbroken.runtime.control.replanning import DROP, EQUAL, MULTI_RANK, GroupShape, planner_for
 
 SHAPE = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=20)
 TIMINGS = {g: [MicrobatchTiming(256, 16384.0, 0.004)] * 4 for g in (0, 1)}
@@ -165,3 +165,28 @@ def test_a_shrunk_group_is_slow_only_below_what_its_plan_was_expected_to_give(tm
     assert all(o["plan"] in (None, "tp1 pp1 [2]") for o in e["options"])  # one rank: no two-rank plan
     assert planner.weight_of(1, speed) == (weight if applied == "keep" else speed)
     assert planner.evictions() == {}
+
+
+def test_a_lost_rank_s_every_survivor_is_priced_beside_the_one_that_stands_in(tmp_path):
+    """2 stages x TP 2 (4 ranks), rank 3 lost, ranks 0-2 claimed, rank 1 stands in: the applied shrink is
+    rank 1 alone (the whole model at ~1/4 of the group); `every_survivor` says what the three could do
+    (two of them at ~1/2: the TP pair of stage 0 running both stages, no pipeline bubble), that it is not
+    executed and why, and its predicted gain.
+    With one survivor (or none named) nothing is added."""
+    log = EventLog(tmp_path / "events.jsonl")
+    shape = GroupShape(group_size=4, tp=2, pp=2, layers=2, width=64, microbatches=8, steps=20, reform_seconds=0.01)
+    planner = planner_for(shape, 2, log, quotas="speed")
+    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
+    planner.forget(1)
+    assert planner.on_rank_lost(1, [1], 4, [0], Predictor(), survivors=[0, 1, 2]).applied.kind == "shrink"
+    e = read_events(tmp_path)[-1]
+    assert (e["alive"], e["plan"], e["teams"]) == ([1], "tp1 pp1 [2]", [[1]])
+    every = e["every_survivor"]
+    assert every["alive"] == [0, 1, 2] and every["decision"] == "shrink"
+    assert (every["plan"], every["teams"]) == ("tp2 pp1 [2]", [[0, 1]])
+    assert every["weight"] > 1.5 * e["applied_weight"] and every["not_executable"] == MULTI_RANK
+    assert every["over_applied"] > 1.0 and every["amortised_seconds"] < min(
+        o["amortised_seconds"] for o in e["options"] if o["kind"] == "shrink")
+    planner.forget(1)
+    planner.on_rank_lost(1, [1], 6, [0], Predictor(), survivors=[1])
+    assert "every_survivor" not in read_events(tmp_path)[-1]

@@ -363,6 +363,13 @@ def shrinks_onto_one_survivor(tmp_path: Path, base: list[str], hold: str = HOLD,
     assert sorted([*left, standin]) == survivors, (left, plan["alive"])  # every survivor: one stays, the rest leave
     assert (plan["applied"], plan["plan"]) == ("shrink", "tp1 pp1 [2]")
     assert plan["trajectory"].startswith("within float32 tolerance")
+    # the survivors that had claimed when the stand-in asked, priced re-formed into one plan (not executed);
+    # absent where none had (a fenced rank never claims)
+    every = plan.get("every_survivor")
+    if every is not None:
+        assert standin in every["alive"] and set(every["alive"]) <= set(survivors) and len(every["alive"]) > 1
+        several = len({r for team in every["teams"] for r in team}) > 1
+        assert every["over_applied"] >= 0.999 and (every["not_executable"] is not None) == several
     one(events, "join", replica=1, shrunk=True)
     heals = stand_in_heals(events)
     assert sorted(e["rank"] for e in heals) == list(range(ranks))

@@ -203,10 +203,12 @@ def run(factories: Factories) -> int:
     return _serve(where, who, log, factories)
 
 
-def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories, lost_from: int = -1) -> int:
+def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories, lost_from: int = -1,
+           incarnation: str = "start") -> int:
     """Train as `who` until the last step; the exit code of `run`. `lost_from` >= 0: this process is the
-    survivor (then rank `lost_from`) of a group that lost a rank, going on as its whole group shrunk onto
-    one rank (standin.py) if the coordinator's scheduler admits it (parallel.on_rank_loss=replan)."""
+    survivor (then rank `lost_from`, of its group's `incarnation`) of a group that lost a rank, going on
+    as its whole group shrunk onto one rank (standin.py) if the coordinator's scheduler admits it
+    (parallel.on_rank_loss=replan)."""
     address, run_dir, cfg, generation = where.address, where.run_dir, where.cfg, where.generation
     resume, run_id, me = where.resume, where.run_id, who.group
     shrinking = lost_from >= 0
@@ -268,7 +270,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         plan = None
         if joining:
             first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, nonce,
-                               [lost_from] if shrinking else None)
+                               [lost_from] if shrinking else None, incarnation)
             if first < 0:  # the scheduler chose to drop the group: the survivor leaves (exit 4, as before)
                 release_agent(replan)
                 return 4
@@ -309,7 +311,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             keep(list(trainer.groups.values()))  # the cross-group gloo groups live on (collectives.keep)
         trainer = parts = persist = sidecar = injector = None
         log.emit("released", replica=me, **tag, **stale_parameters())
-        return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank)
+        return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank,
+                      incarnation=coord.incarnation)
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0
@@ -372,11 +375,12 @@ def signature(cfg: Config, parts: Parts) -> str:
 
 
 def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat | Beats, parts: Parts, log: EventLog,
-         restart: int, nonce: str, alive: list[int] | None = None) -> tuple[int, object]:
+         restart: int, nonce: str, alive: list[int] | None = None, incarnation: str = "start") -> tuple[int, object]:
     """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
     step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1),
-    or (-1, None) when the coordinator refused a shrunk group (`alive`: the survivor's rank before; it
-    takes every shard index from the donor's ranks, one heal each). Call once, after `build`, before
+    or (-1, None) when the coordinator refused a shrunk group (`alive`: the survivor's rank before, in its
+    group's `incarnation`; it takes every shard index from the donor's ranks, one heal each, and names
+    every survivor that claimed to the scheduler). Call once, after `build`, before
     training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
     at once after a `leave`) and for a step boundary: up to the start-up timeout."""
     if alive is not None:
@@ -386,7 +390,7 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     # the admission on a shared host, the window the rejoin's stall is measured over (benchmarks/rejoin.py).
     materialize(parts.model, parts.optimizer)
     if who.rank == 0:
-        coord.ask_to_join(nonce, restart, alive)
+        coord.ask_to_join(nonce, restart, alive, coord.survivors(who.group_size, incarnation) if alive else None)
     wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
     admitted = coord.admitted(nonce, wait)
     if admitted < 0:

@@ -192,6 +192,12 @@ def standin(group: int, incarnation: str) -> str:
     return f"standin/{group}/{incarnation}"
 
 
+def survivor(group: int, incarnation: str, rank: int) -> str:
+    """Set by rank `rank` of `group`'s incarnation when it claims (`standin`), whether it goes on or leaves:
+    the survivors the stand-in names to the coordinator's scheduler."""
+    return f"standin/{group}/{incarnation}/rank{rank}"
+
+
 def heal(group: int, epoch: int) -> str:
     return f"heal/{group}/{epoch}"
 

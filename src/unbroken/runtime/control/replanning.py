@@ -15,7 +15,8 @@ state stays in step. Parking is for good: a parked group computes nothing, so no
 (the reason drop is not executable under the other settings). For a group that lost a rank
 (parallel.on_rank_loss=replan, groups of pipeline stages, TP ranks, FSDP2 shards or a mix; `on_rank_lost`):
 drop (its survivor leaves) and shrink (one survivor, the first to claim, runs the whole model:
-standin.py), the shrunk group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
+standin.py), the shrunk group's quota weight its smaller plan's; where several survivors claimed,
+the event also prices them all re-formed into one smaller plan (`every_survivor`: not executed). A Slow group whose one slow rank is located, under
 parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
 (`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
 ends it), and the rank-loss path above runs, the scheduler deciding again. Quotas come from
@@ -71,6 +72,9 @@ LOST_REFUSED = {
     "keep": "the group lost a rank",
     "reweight": "the group lost a rank",
 }
+# why a plan of several survivors is priced (group_plan's every_survivor) but not executed
+MULTI_RANK = ("re-forming several survivors into one smaller plan is not built: one survivor stands in for "
+              "the whole group (standin.py), the others leave")
 EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused too under that setting
 DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline)"  # why the others are refused
 MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measured speed may take (`measured`)
@@ -193,12 +197,14 @@ class GroupPlanner:
             self.was_shrunk[group] = self.shrunk.pop(group)
 
     def on_rank_lost(self, group: int, alive: Sequence[int], step: int, members: Sequence[int],
-                     predictor: Predictor) -> scheduling.Restricted | None:
+                     predictor: Predictor, survivors: Sequence[int] | None = None) -> scheduling.Restricted | None:
         """A group lost ranks (its survivors, `alive`, ask to go on without them): the scheduler's choice
         between dropping it and shrinking it onto them, logged as a `group_plan` event. Returns the
         restricted decision (its `applied.kind` is "shrink" or "drop"), or None when the cost model
         cannot be set up (logged: the group is then dropped). Call once per request, after its old
-        incarnation was declared dead (`forget`), with the members that stay."""
+        incarnation was declared dead (`forget`), with the members that stay. `survivors`: every rank
+        of the group that claimed (the stand-in among them); where there are several, the event's
+        `every_survivor` says what the scheduler would choose with all of them (`_every_survivor`)."""
         setting, source, seconds = self._setting(self.timings, predictor)
         if setting is None:
             self.log.emit("group_plan_skipped", step=step, replica=group, why=source)
@@ -226,8 +232,28 @@ class GroupPlanner:
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
                       trajectory="bitwise (the same kernels per microbatch)" if exact else
                       "within float32 tolerance (a TP degree change, or FSDP2 leaving pipeline stages, reorders "
-                      "float32 sums)", **r.record())
+                      "float32 sums)", **r.record(),
+                      **self._every_survivor(group, plans, survivors, alive, speeds, setting, horizon, r))
         return r
+
+    def _every_survivor(self, group: int, plans: Mapping[int, Plan], survivors: Sequence[int] | None,
+                        alive: Sequence[int], speeds: Mapping[int, Mapping[int, float]],
+                        setting: stepcost.Setting, horizon: float, r: scheduling.Restricted) -> dict:
+        """{"every_survivor": ...}: the scheduler's choice had every survivor been offered (several ranks
+        re-formed into one smaller plan, which this runtime does not execute: `MULTI_RANK`), its
+        predicted cost beside the applied option's, when `survivors` are more than `alive`; else {}."""
+        if not survivors or set(survivors) <= set(alive):
+            return {}
+        d = scheduling.decide(group, plans, self.full, frozenset(survivors), speeds, setting, horizon,
+                              peers=len(plans) > 1)
+        c = d.chosen
+        return {"every_survivor": {
+            "alive": sorted(survivors), "decision": c.kind, "plan": c.plan.shape() if c.plan else None,
+            "teams": [list(t) for t in c.plan.teams] if c.plan else [],
+            "weight": round(c.plan.weight, 4) if c.plan else 0.0,
+            "predicted_step_seconds": round(c.step_seconds, 6), "amortised_seconds": round(c.amortised_seconds, 6),
+            "over_applied": round(r.applied.amortised_seconds / c.amortised_seconds, 4),
+            "not_executable": MULTI_RANK if c.plan is not None and len(c.plan.ranks) > 1 else None}}
 
     def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor
                       ) -> scheduling.Restricted | None:

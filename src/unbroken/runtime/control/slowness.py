@@ -102,14 +102,16 @@ class SlownessMonitor:
         `poll`."""
         return self.planner.evictions() if self.planner is not None else {}
 
-    def rank_lost(self, group: int, alive: list[int], members: list[int], epoch: int = -1) -> str:
+    def rank_lost(self, group: int, alive: list[int], members: list[int], epoch: int = -1,
+                  survivors: list[int] | None = None) -> str:
         """A group whose survivors `alive` ask to go on without its lost ranks: "shrink" (the scheduler
         chose it: the group's quota weight becomes its smaller plan's, published now) or "drop" (its
         choice, or no planner). Call once per request, from the coordinator's admission round, with the
-        `epoch` in force (a shrink's measurement counts only steps committed after it)."""
+        `epoch` in force (a shrink's measurement counts only steps committed after it); `survivors`: every
+        rank that claimed (replanning.on_rank_lost prices their re-form too)."""
         if self.planner is None:
             return "drop"
-        r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
+        r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor, survivors)
         if r is None or r.applied.kind != "shrink":
             return "drop"
         # a stand-in is one process, rank 0, reporting every shard index's heal
