@@ -127,7 +127,7 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
     """A verdict reached just after step 5's commit (weights published once its record was out) plans
     step 7 through step 6's commit: read at the proposal, not step 7 with step 8's (the plan of step 6
     came with step 5's commit). Without the re-read the proposal carries the weights read at the record."""
-    from unbroken.runtime.control.epochwatch import WeightsWatch, publish_weights
+    from unbroken.runtime.control.epochwatch import WeightsWatch, publish_weights, stop
 
     log = EventLog(tmp_path / "events.jsonl")
 
@@ -147,3 +147,6 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
     assert won == Decision("commit", 2, Plan(0, MEMBERS, {0: 1.0, 1: 1.0, 2: 0.5}))
     assert members[0].fresh(stale) == Plan(0, MEMBERS, {0: 1.0, 1: 1.0, 2: 0.5})  # the path without step-ahead
     assert members[2].fresh(won.plan) is won.plan  # the proposer read them: no store read, the same plan
+    watches = [s.coord._weights_watch for s in members]
+    stop(watches, store)  # before the fixture's server goes: else each prints a C++ warning (seen in CI)
+    assert not any(w._thread.is_alive() for w in watches)

@@ -53,6 +53,7 @@ class CounterWatch:
         self._key, self._read = key, read
         self.current = read(store)
         self.cond = threading.Condition()  # notified on every change; other watches may share it
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -65,6 +66,8 @@ class CounterWatch:
         while True:
             try:
                 self._store.wait([self._key(self.current + 1)], _WAIT)
+                if self._stopped:
+                    return
                 value = self._read(self._store)  # the authority: changes may have come in a burst
             except DistStoreError:  # a day without a change: wait again
                 if self._reconnect is not None:
@@ -154,6 +157,20 @@ class DecisionWatch:
             with self.cond:
                 self._decided[(step, epoch)] = value
                 self.cond.notify_all()
+
+
+def stop(watches: list[CounterWatch], via: Store, timeout_s: float = 5.0) -> None:
+    """End the watches' threads now, for a process that goes on without their store (a test whose store
+    server closes next: a thread left waiting prints a C++ warning when its connection drops). Every
+    watch of a counter on this store must be among them: their waits are woken by setting the counter's
+    next key through `via` (another client of the store), which any other watch of it would then find
+    set at once, again and again. `read` stays the counter's authority. Call once, at the end."""
+    for w in watches:
+        w._stopped = True
+    for key in {w._key(w.current + 1) for w in watches}:
+        via.set(key, "stop")
+    for w in watches:
+        w._thread.join(timeout_s)
 
 
 def publish_weights(store: Store, weights: str) -> None:
