@@ -110,3 +110,33 @@ def test_the_layout_of_a_3d_group_is_each_rank_s_own_local_tensors(tmp_path):
         for s in shard:
             s.put(rebuilt[id(s.param)], s.take(s.param.detach()))
     assert all(torch.equal(rebuilt[id(p)], p.detach()) for p in standin.model.parameters())
+
+
+def test_a_stage_that_merges_full_stages_holds_their_names_and_only_their_shard_indices():
+    """A group of 3 stages re-formed into 2 (its middle stage merged into the first): the merged stage
+    keeps exactly the blocks of full stages 0 and 1 (and the embeddings), the other those of stage 2 (and
+    the head); a partial stand-in on the merged stage holds shard indices 0 and 1, the parameters of
+    those stages, and counts no loss (the last stage does); on the other, index 2 and the loss."""
+    from unbroken.runtime.parallel.pipeline import merged_bounds, split
+
+    from dataclasses import replace
+
+    model_cfg = replace(Config().model, n_layer=6)
+    torch.manual_seed(0)
+    whole = GPT(model_cfg)
+    merged = [range(0, 2), range(2, 3)]
+    bounds = merged_bounds(whole, 3, merged)
+    assert bounds == [0, 4, 6]
+    with pytest.raises(TopologyError):
+        merged_bounds(whole, 3, [range(0, 1), range(2, 3)])
+    for k, held in enumerate(((0, 1), (2,))):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        want = [n for j in held for n in stage_names(model, j, 3)]
+        standin = StandIn(model, pp=3, held=held)
+        model, _ = split(model, k, 2, bounds)
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        got = [names[id(s.param)] for shard in standin.layout for s in shard]
+        assert sorted(got) == sorted(want) and len(standin.layout) == len(held) == standin.count
+        assert set(names.values()) == set(want) | ({"head.weight"} if k == 1 else {"tok.weight"} - set(want))
+        assert standin.loss_shards == ((0,) if k == 1 else ())

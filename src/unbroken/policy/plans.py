@@ -117,3 +117,49 @@ def partition(layers: int, per_layer: Sequence[float], fixed: Sequence[float],
         if counts[k] < capacity[k]:
             heapq.heappush(heap, (fixed[k] + (counts[k] + 1) * per_layer[k], k))
     return tuple(counts)
+
+
+def coarsen(full: Sequence[int], stages: int, per_layer: Sequence[float], fixed: Sequence[float],
+            capacity: Sequence[int]) -> tuple[int, ...] | None:
+    """Layers per stage of `stages` stages, each the union of consecutive stages of the `full` split (its
+    layers per stage), minimising the slowest stage's time as `partition` does; None when none fits.
+
+    Why: shard index j of every group reduces the same layers across groups, so a group whose surviving
+    ranks re-form into fewer stages can hold whole old stages only (each rank then holds the shard
+    indices of the old stages it merged). Dynamic programming over (old stages taken, new stages
+    filled): O(len(full)^2 x stages)."""
+    n = len(full)
+    if not 1 <= stages <= n or len(per_layer) != stages:
+        return None
+    starts = [0]
+    for layers in full:
+        starts.append(starts[-1] + layers)
+    inf = float("inf")
+    # best[k][i]: the least bottleneck of new stages 0..k-1 over old stages 0..i-1; cut[k][i] its last cut
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[-1] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                layers = starts[i] - starts[j]
+                if best[k - 1][j] == inf or layers > capacity[k - 1]:
+                    continue
+                t = max(best[k - 1][j], fixed[k - 1] + layers * per_layer[k - 1])
+                if t < best[k][i]:
+                    best[k][i], cut[k][i] = t, j
+    if best[stages][n] == inf:
+        return None
+    out, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        out.append(starts[i] - starts[j])
+        i = j
+    return tuple(reversed(out))
+
+
+def aligned(plan: Plan, full: Plan) -> bool:
+    """Whether every stage of `plan` is a union of consecutive stages of `full` (see `coarsen`)."""
+    ends = {r.stop for r in full.layer_ranges()}
+    return plan.layers == full.layers and all(r.stop in ends for r in plan.layer_ranges())
+

@@ -123,9 +123,10 @@ def options(group: int, plans: Mapping[int, P.Plan], full: P.Plan, alive: Collec
 def reshapes(full: P.Plan, alive: Collection[int], speeds: Mapping[int, float], s: C.Setting) -> list[P.Plan]:
     """Every plan the survivors can run: each TP degree dividing the full one, each number of stages
     up to the full plan's and what the survivors' teams fill (the fastest teams kept), layers
-    partitioned by stage speed within each rank's state budget; quota weight = the plan's predicted
-    speed. Never more stages or a larger TP degree than the full plan (its activation memory and
-    host layout are what the user sized). Deterministic."""
+    partitioned by stage speed within each rank's state budget, freely and as whole stages of the full
+    plan merged (`plans.coarsen`) where that differs; quota weight = the plan's predicted speed. Never
+    more stages or a larger TP degree than the full plan (its activation memory and host layout are what
+    the user sized). Deterministic."""
     out = []
     tp = full.tp
     while tp >= 1:
@@ -137,8 +138,12 @@ def reshapes(full: P.Plan, alive: Collection[int], speeds: Mapping[int, float], 
                 chosen = [pool[i] for i in sorted(fastest[:pp])]  # kept in host order along the pipeline
                 team_speed = [min(speeds.get(r, 1.0) for r in t) for t in chosen]
                 per_layer = [C.per_layer_seconds(tp, v, s) for v in team_speed]
-                stages = P.partition(full.layers, per_layer, [C.pp_comm(pp, s)] * pp, [cap] * pp)
-                if stages is not None:
+                fixed, caps = [C.pp_comm(pp, s)] * pp, [cap] * pp
+                free = P.partition(full.layers, per_layer, fixed, caps)
+                merged = P.coarsen(full.stages, pp, per_layer, fixed, caps)
+                # the free split balances best; whole old stages merged (`coarsen`) is what keeps shard
+                # index j's layers those of every group's index j: both are offered when they differ
+                for stages in dict.fromkeys(x for x in (free, merged) if x is not None):
                     plan = P.Plan(tp, stages, tuple(chosen))
                     out.append(replace(plan, weight=C.rate(plan, speeds, full, s)))
         tp -= 1

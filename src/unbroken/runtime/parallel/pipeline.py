@@ -41,8 +41,10 @@ from unbroken.topology import TopologyError
 Tied = list[tuple[tuple[str, ...], tuple[int, ...]]]  # (names sharing one tensor, its shape)
 
 
-def split(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, Tied]:
+def split(model: nn.Module, stage: int, stages: int, bounds: list[int] | None = None) -> tuple[nn.Module, Tied]:
     """Prune `model` in place to pipeline stage `stage` of `stages` and return (it, the tied names).
+    `bounds`: where each stage's blocks start, then the block count (`merged_bounds`); the even split
+    when None.
 
     The model must be prunable as `model.gpt.GPT` is: `tok`, `pos`, `drop` (before the blocks), `blocks`
     (a ModuleDict keyed by index), `ln_f`, `head` (after them). Stage 0 keeps the embeddings, the last
@@ -54,7 +56,7 @@ def split(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, Tied]:
     if missing or not isinstance(model.blocks, nn.ModuleDict):
         raise TopologyError(f"parallel.pp={stages} needs a GPT-like model (tok, pos, drop, blocks as a "
                             f"ModuleDict, ln_f, head); this one lacks {', '.join(missing) or 'a ModuleDict'}")
-    bounds = _bounds(model, stages)
+    bounds = _bounds(model, stages) if bounds is None else bounds
     by_tensor: dict[int, tuple[list[str], tuple[int, ...]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), ([], tuple(p.shape)))[0].append(name)
@@ -76,6 +78,17 @@ def _bounds(model: nn.Module, stages: int) -> list[int]:
     if not 1 <= stages <= n:
         raise TopologyError(f"parallel.pp={stages}: the model has {n} blocks")
     return [s * (n // stages) + min(s, n % stages) for s in range(stages + 1)]
+
+
+def merged_bounds(model: nn.Module, stages: int, merged: list[range]) -> list[int]:
+    """The `bounds` of a pipeline whose stage k is the full split's stages `merged[k]` (consecutive, in
+    order, covering 0 .. stages-1 once): a group's surviving ranks re-formed into fewer stages, each
+    holding whole stages of the full split (policy.plans.coarsen says why). Raises TopologyError
+    otherwise. Call on the whole model, before `split`."""
+    if [j for r in merged for j in r] != list(range(stages)) or any(len(r) == 0 for r in merged):
+        raise TopologyError(f"stages {[list(r) for r in merged]} do not merge the {stages} stages in order")
+    full = _bounds(model, stages)
+    return [full[r.start] for r in merged] + [full[-1]]
 
 
 def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:

@@ -149,7 +149,7 @@ class ShardedAccumulator:
 
     @property
     def buffer(self) -> torch.Tensor:  # step.py reads its dtype and size
-        return self.parts[self.loss_shards[0]].buffer
+        return self.parts[self.loss_shards[0] if self.loss_shards else 0].buffer
 
     def zero(self) -> None:
         for a in self.parts:
@@ -160,7 +160,7 @@ class ShardedAccumulator:
         outside FSDP2) goes to its shard index."""
         for p in self.params:
             p.grad = None
-        held = self.loss_shards[share]
+        held = self.loss_shards[share] if self.loss_shards else -1  # none here: a zero in every index
         for j, a in enumerate(self.parts):
             a.add(weighted_loss if j == held else weighted_loss.new_zeros(()))
 
@@ -188,19 +188,29 @@ class StandIn:
     holds every shard index of a group of `pp` pipeline stages x `shards` FSDP2 shards x `tp` TP ranks
     (`shares`: the trainer computes each FSDP2 shard's rows of a microbatch in turn)."""
 
-    def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1):
+    def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1,
+                 held: tuple[int, ...] | None = None):
+        """`held`: the shard indices this rank holds, in order, when it holds some of them (a rank of a
+        group re-formed into fewer pipeline stages: the indices of the full stages its stage merged);
+        every index when None. `model` is the whole model, split (pipeline.split) after this, if at all."""
         if pp * tp * shards == 1:
             raise TopologyError(f"a shrunk group stands in for several ranks (pp={pp}, tp={tp}, FSDP2 shards=1)")
-        self.model, self.count, self.shares = model, pp * tp * shards, shards
-        self.layout = layout(model, pp, tp, shards)
-        # the last stage's TP index 0 of each FSDP2 shard counts that shard's rows' loss
-        self.loss_shards = tuple(((pp - 1) * shards + k) * tp for k in range(shards))
+        every = layout(model, pp, tp, shards)
+        self.held = tuple(range(len(every))) if held is None else tuple(held)
+        self.model, self.count, self.shares = model, len(self.held), shards
+        self.layout = [every[j] for j in self.held]
+        # the last stage's TP index 0 of each FSDP2 shard counts that shard's rows' loss: their positions
+        # here (none when this rank does not hold the last stage: its loss is counted where it is held)
+        position = {j: i for i, j in enumerate(self.held)}
+        self.loss_shards = tuple(position[j] for j in (((pp - 1) * shards + k) * tp for k in range(shards))
+                                 if j in position)
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
         if pp > 1:
-            names = [stage_names(model, j, pp) for j in range(1, pp)]
+            stages = sorted({j // (shards * tp) for j in self.held})  # the full stages it holds
+            names = [stage_names(model, j, pp) for j in stages[1:]]  # a stage's own start is seeded by it
             firsts = {int(ns[0].split(".")[1]) for ns in names if ns and ns[0].startswith("blocks.")}
             for key, block in model.blocks.items():
-                if int(key) in firsts:  # the first block of stage j > 0: that stage seeds its own dropout
+                if int(key) in firsts:  # the first block of a later full stage: that stage seeded its dropout
                     block.register_forward_pre_hook(self._reseed)
 
     def _reseed(self, _module, _args) -> None:
