@@ -61,10 +61,6 @@ their fields:
                  drop), applied_weight, not_executable (kind -> why);
                  for a group running shrunk also shrunk (true) and device_speed (its speed over its
                  plan's weight: below 1, its device is slower than its plan was expected to run);
-                 for a lost rank whose group had several survivors claim, every_survivor: the
-                 scheduler's choice had all of them been offered (alive, decision, plan, teams, weight,
-                 predicted_step_seconds, amortised_seconds, over_applied: the applied option's amortised
-                 time over it; not_executable: why, for a plan of several ranks)
   group_plan_measured  step (the last measured), replica, why, applied (shrink|grow|keep|reweight), plan,
                  decided_step, steps, then each prediction beside its measurement: predicted_/measured_
                  replan_seconds, predicted_moved_bytes / moved_bytes, predicted_/measured_weight,

@@ -167,26 +167,28 @@ def test_a_shrunk_group_is_slow_only_below_what_its_plan_was_expected_to_give(tm
     assert planner.evictions() == {}
 
 
-def test_a_lost_rank_s_every_survivor_is_priced_beside_the_one_that_stands_in(tmp_path):
-    """2 stages x TP 2 (4 ranks), rank 3 lost, ranks 0-2 claimed, rank 1 stands in: the applied shrink is
-    rank 1 alone (the whole model at ~1/4 of the group); `every_survivor` says what the three could do
-    (two of them at ~1/2: the TP pair of stage 0 running both stages, no pipeline bubble), that it is not
-    executed and why, and its predicted gain.
-    With one survivor (or none named) nothing is added."""
+def test_several_survivors_re_form_only_a_pipeline_of_whole_stages(tmp_path):
+    """2 stages x TP 2 (4 ranks), rank 3 lost, ranks 0-2 claimed: the scheduler's choice is the TP pair of
+    stage 0 running both stages (~1/2 of the group), which is not executed (a TP team re-formed across
+    stages: MULTI_RANK, listed under its plan); the applied shrink is one survivor holding every stage.
+    3 stages (3 ranks), the middle one lost: its two survivors re-form 2 stages, one merging two of the
+    full plan's stages, executed."""
     log = EventLog(tmp_path / "events.jsonl")
     shape = GroupShape(group_size=4, tp=2, pp=2, layers=2, width=64, microbatches=8, steps=20, reform_seconds=0.01)
     planner = planner_for(shape, 2, log, quotas="speed")
     planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
     planner.forget(1)
-    assert planner.on_rank_lost(1, [1], 4, [0], Predictor(), survivors=[0, 1, 2]).applied.kind == "shrink"
+    r = planner.on_rank_lost(1, [0, 1, 2], 4, [0], Predictor())
+    assert r.applied.kind == "shrink" and len(r.applied.plan.ranks) == 1 and r.applied.plan.pp == 1
     e = read_events(tmp_path)[-1]
-    assert (e["alive"], e["plan"], e["teams"]) == ([1], "tp1 pp1 [2]", [[1]])
-    every = e["every_survivor"]
-    assert every["alive"] == [0, 1, 2] and every["decision"] == "shrink"
-    assert (every["plan"], every["teams"]) == ("tp2 pp1 [2]", [[0, 1]])
-    assert every["weight"] > 1.5 * e["applied_weight"] and every["not_executable"] == MULTI_RANK
-    assert every["over_applied"] > 1.0 and every["amortised_seconds"] < min(
-        o["amortised_seconds"] for o in e["options"] if o["kind"] == "shrink")
+    assert (e["alive"], e["decision"], e["plan"], e["teams"]) == ([0, 1, 2], "shrink", "tp2 pp1 [2]", [[0, 1]])
+    assert e["not_executable"]["shrink tp2 pp1 [2]"] == MULTI_RANK
+    assert e["applied_weight"] < 0.6 * r.decision.chosen.plan.weight  # the whole model on one rank: ~1/4
+    three = GroupShape(group_size=3, tp=1, pp=3, layers=3, width=64, microbatches=8, steps=20, reform_seconds=0.01)
+    planner = planner_for(three, 2, log, quotas="speed")
+    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
     planner.forget(1)
-    planner.on_rank_lost(1, [1], 6, [0], Predictor(), survivors=[1])
-    assert "every_survivor" not in read_events(tmp_path)[-1]
+    r = planner.on_rank_lost(1, [0, 2], 4, [0], Predictor())
+    assert r.applied.kind == "shrink" and r.applied.plan.teams == ((0,), (2,)), r.applied.plan
+    assert r.applied.plan.stages in ((2, 1), (1, 2))
+    assert not any(k.startswith("shrink") for k in read_events(tmp_path)[-1]["not_executable"])

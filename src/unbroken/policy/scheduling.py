@@ -23,7 +23,7 @@ microbatches (s, 0..M-1) are each assigned exactly once, and the global batch ne
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -191,19 +191,27 @@ class Restricted:
                 "not_executable": {kind: why for kind, why in self.not_executable}}
 
 
-def restrict(decision: Decision, refused: Mapping[str, str]) -> Restricted:
-    """The option to apply when the executor cannot run the kinds in `refused` (kind -> why not).
+def restrict(decision: Decision, refused: Mapping[str, str],
+             unable: Callable[[Option], str | None] | None = None) -> Restricted:
+    """The option to apply when the executor cannot run the kinds in `refused` (kind -> why not), nor
+    the candidates for which `unable(option)` gives a reason (a plan of a kind it runs in some shapes).
 
     Call with a `decide` result; every candidate whose kind is in `refused` is listed (once per kind) in
-    `not_executable`, and the rest compete as in `decide` (least amortised step time, ties by KINDS).
-    Raises ValueError when no candidate is executable (`keep` always is while every rank of the group's
-    current plan lives, so an executor that can keep never sees it then)."""
+    `not_executable`, each one `unable` refuses under "kind plan", and the rest compete as in `decide`
+    (least amortised step time, ties by KINDS). Raises ValueError when no candidate is executable
+    (`keep` always is while every rank of the group's current plan lives, so an executor that can keep
+    never sees it then)."""
     unknown = set(refused) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown option kinds {sorted(unknown)}")
-    able = [o for o in decision.options if o.kind not in refused]
+    why = {}
+    for o in decision.options:
+        if o.kind in refused:
+            why.setdefault(o.kind, refused[o.kind])
+        elif unable is not None and (reason := unable(o)) is not None:
+            why[f"{o.kind} {o.plan.shape() if o.plan else ''}".strip()] = reason
+    able = [o for o in decision.options if o.kind not in refused and (unable is None or unable(o) is None)]
     if not able:
         raise ValueError(f"no executable option among {[o.kind for o in decision.options]}")
     best = min(able, key=lambda o: (o.amortised_seconds, KINDS.index(o.kind)))
-    seen = dict.fromkeys(o.kind for o in decision.options if o.kind in refused)
-    return Restricted(decision, best, tuple((kind, refused[kind]) for kind in seen))
+    return Restricted(decision, best, tuple(why.items()))

@@ -81,9 +81,8 @@ class Trainer:
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
         self.stages, self.standin = parts.stages, parts.standin
-        # the shard indices this rank reduces, digests and heals: its own; all of them when it stands in
-        # for a shrunk group (standin.py)
-        self.holds = tuple(range(self.standin.count)) if self.standin else (who.rank,)
+        # the shard indices it reduces, digests and heals: its own, or those it holds in a shrunk group
+        self.holds = self.standin.held if self.standin else (who.rank,)
         self.shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not self.standin
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
@@ -108,7 +107,8 @@ class Trainer:
         hooked = self.stages is not None or (self.fsdp and cfg.run.exact)
         if self.standin:
             self.accs = (self.standin.accumulator(dtype, self.params), self.standin.accumulator(dtype, self.params))
-            self.standin.attach(self.params, lambda p, grad: self.acc.add_shard(p, grad))
+            if self.stages is None:  # a merged pipeline stage's gradients come through Stages' hooks
+                self.standin.attach(self.params, lambda p, grad: self.acc.add_shard(p, grad))
         else:
             self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
         self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
@@ -374,6 +374,8 @@ class Trainer:
         def before(k: int) -> None:  # this stage's forward of microbatch k
             self.hb.at(step, "compute", microbatches[k])
             seed_microbatch(mix(self.cfg.run.seed, step, microbatches[k]))  # dropout: per microbatch (and stage)
+            if self.standin:  # and per full stage inside a merged one
+                self.standin.seed = mix(self.cfg.run.seed, step, microbatches[k])
 
         def after(k: int) -> None:
             if k == 0:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed import DistStoreError, PrefixStore
 
 from unbroken.config import Config, ConfigError, store_url_problem
@@ -57,6 +58,7 @@ from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.device import backend, bind, exact_kernels, nccl_environment, resolve
 from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost, release_agent
 from unbroken.runtime.parallel.standin import StandIn
+from unbroken.runtime.reform import Reform, agree as agree_on_plan, build as build_reformed, regroup
 from unbroken.runtime.trainer import Parts, Trainer
 from unbroken.topology import Identity, TopologyError
 
@@ -204,10 +206,11 @@ def run(factories: Factories) -> int:
 
 
 def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories, lost_from: int = -1,
-           incarnation: str = "start") -> int:
+           incarnation: str = "start", reform: Reform | None = None) -> int:
     """Train as `who` until the last step; the exit code of `run`. `lost_from` >= 0: this process is the
     survivor (then rank `lost_from`, of its group's `incarnation`) of a group that lost a rank, going on
-    as its whole group shrunk onto one rank (standin.py) if the coordinator's scheduler admits it
+    as its place in its group's shrunk plan, `reform` (reform.py: one rank standing in for the whole
+    group, standin.py, or a stage of a pipeline of merged stages), admitted by the coordinator's scheduler
     (parallel.on_rank_loss=replan)."""
     address, run_dir, cfg, generation = where.address, where.run_dir, where.cfg, where.generation
     resume, run_id, me = where.resume, where.run_id, who.group
@@ -221,7 +224,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     coord = Coordination(PrefixStore(keys.generation_prefix(generation), raw), me, watch, reconnect=client,
                          decisions=DecisionWatch(client(), watch.cond, reconnect=client), rank=who.rank)
     tag = {"rank": who.rank} if who.group_size > 1 else {}
-    holds = range(who.group_size) if shrinking else (who.rank,)  # the rank indices it beats for
+    holds = (reform.held or range(cfg.parallel.group_size)) if shrinking else (who.rank,)  # the rank indices it beats for
     replan = cfg.parallel.on_rank_loss == "replan"
     shrinkable = replan and who.group_size > 1 and not shrinking
     beats = [Heartbeat(address, me, cfg.coord.heartbeat_interval,
@@ -245,8 +248,10 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
                         and "TORCHELASTIC_RUN_ID" in os.environ)
     try:
         device = torch.device(where.device)
-        group = None if shrinking else intra_group(who.group_size, cfg.coord.collective_timeout,
-                                                   backend=backend(device), device=device)
+        if shrinking and reform.stages > 1:
+            regroup(coord, who, reform, backend(device), cfg.coord.collective_timeout)
+        group = (dist.group.WORLD if reform.stages > 1 else None) if shrinking else \
+            intra_group(who.group_size, cfg.coord.collective_timeout, backend=backend(device), device=device)
         joining, nonce = agree(group, joining, restart, me)
         if joining and not shrinking and who.rank == 0 and not coord.is_dead():
             # torchrun stopped every process of this group before it started us: the coordinator need not
@@ -254,7 +259,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             coord.leave("its ranks were restarted by torchrun")
         if not joining:
             heartbeat.start()
-        parts = build_standin(cfg, factories, device) if shrinking else build(cfg, factories, who, group, device)
+        parts = (build_reformed(cfg, factories, reform, device) if reform.stages > 1 else
+                 build_standin(cfg, factories, device)) if shrinking else build(cfg, factories, who, group, device)
         mine = signature(cfg, parts)
         if who.rank == 0 and not shrinking and coord.claim_signature(mine) != mine:
             raise ConfigError(f"replica group {me}'s config or model differs from the run's (signature "
@@ -270,7 +276,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         plan = None
         if joining:
             first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, nonce,
-                               [lost_from] if shrinking else None, incarnation)
+                               [lost_from] if shrinking else None, reform.admitted if shrinking else -1)
             if first < 0:  # the scheduler chose to drop the group: the survivor leaves (exit 4, as before)
                 release_agent(replan)
                 return 4
@@ -298,11 +304,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         else:
             log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
             return 1
-    if go_on and not coord.claim_standin():  # of a group's several survivors, one goes on as the group
-        log.emit("survivor_left", replica=me, why="another survivor stands in for the group", **tag)
-        release_agent(replan)
-        return 4
     if go_on:  # shrunk onto this rank, outside the except: its traceback would keep the old stage alive
+        leader = coord.claim_standin()  # first, so the first survivor to claim sees the others' claims
         # Its stage's model, optimizer state and pipeline go before the whole model is built: on a GPU
         # that is one stage's weights and Adam moments too many. `released` counts what still holds on.
         if parts is not None and parts.stages is not None:
@@ -311,8 +314,18 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             keep(list(trainer.groups.values()))  # the cross-group gloo groups live on (collectives.keep)
         trainer = parts = persist = sidecar = injector = None
         log.emit("released", replica=me, **tag, **stale_parameters())
-        return _serve(where, Identity(me, 0, who.group_size, who.node), log, factories, lost_from=who.rank,
-                      incarnation=coord.incarnation)
+        # the survivors agree on the plan the coordinator chose for them: each takes its place or leaves
+        place = agree_on_plan(cfg, coord, who, leader, restart, coord.incarnation,
+                              cfg.coord.startup_timeout)
+        if isinstance(place, str):  # the group dropped, or its plan runs on the other survivors
+            event, fields = ("shrink_refused", {"alive": [who.rank]}) if place == "refused" else \
+                ("survivor_left", {"why": "its group's shrunk plan runs on other survivors", **tag})
+            log.emit(event, replica=me, **fields)
+            release_agent(replan)
+            return 4
+        return _serve(where, Identity(me, place.stage, place.stages if place.stages > 1 else who.group_size,
+                                      who.node), log, factories, lost_from=who.rank, incarnation=coord.incarnation,
+                      reform=place)
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0
@@ -375,7 +388,7 @@ def signature(cfg: Config, parts: Parts) -> str:
 
 
 def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat | Beats, parts: Parts, log: EventLog,
-         restart: int, nonce: str, alive: list[int] | None = None, incarnation: str = "start") -> tuple[int, object]:
+         restart: int, nonce: str, alive: list[int] | None = None, admitted: int = -1) -> tuple[int, object]:
     """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
     step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1),
     or (-1, None) when the coordinator refused a shrunk group (`alive`: the survivor's rank before, in its
@@ -383,23 +396,19 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     every survivor that claimed to the scheduler). Call once, after `build`, before
     training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
     at once after a `leave`) and for a step boundary: up to the start-up timeout."""
-    if alive is not None:
-        nonce = f"shrink-{os.getpid()}-{who.group}"
     # The optimizer's state tensors to load into, before asking: its one step imports torch._dynamo
     # (~1 CPU-s, AdamW's first step), which done after the request landed in the survivors' steps around
     # the admission on a shared host, the window the rejoin's stall is measured over (benchmarks/rejoin.py).
     materialize(parts.model, parts.optimizer)
-    if who.rank == 0:
-        coord.ask_to_join(nonce, restart, alive, coord.survivors(who.group_size, incarnation) if alive else None)
     wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
-    admitted = coord.admitted(nonce, wait)
-    if admitted < 0:
-        log.emit("shrink_refused", replica=who.group, alive=alive)
-        return -1, None
+    if alive is None:  # a shrunk group's survivors asked and were admitted before they built (reform.agree)
+        if who.rank == 0:
+            coord.ask_to_join(nonce, restart)
+        admitted = coord.admitted(nonce, wait)
     coord.incarnation = str(admitted)  # its survivors claim a stand-in for this incarnation (claim_standin)
     heartbeat.start()
     standin = parts.standin
-    shards = [(j, lambda j=j: standin.heal_tensors(j, parts.optimizer)) for j in range(standin.count)] \
+    shards = [(j, lambda j=j: standin.heal_tensors(j, parts.optimizer)) for j in standin.held] \
         if standin else [(who.rank, None)]
 
     def forming(d: int, shard: int) -> Forming:

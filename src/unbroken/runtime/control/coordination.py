@@ -278,14 +278,11 @@ class Coordination:
         return [tuple(json.loads(v)) for v in self.store.multi_get(names)]
 
     # joining ----------------------------------------------------------------------------------------
-    def ask_to_join(self, nonce: str, restart: int, alive: list[int] | None = None,
-                    survivors: list[int] | None = None) -> None:
+    def ask_to_join(self, nonce: str, restart: int, alive: list[int] | None = None) -> None:
         """A restarted or new group's rank 0: ask the coordinator for admission (`admitted` says when).
-        `alive`: the ranks of a group that lost others and asks to go on shrunk (the coordinator's
-        scheduler may refuse: `admitted` then returns -1); `survivors`: every rank of it that claimed
-        (`survivors`), which the scheduler prices a re-form of too (not executed: replanning.py)."""
-        request = {"nonce": nonce, "restart": restart, **({"alive": alive} if alive is not None else {}),
-                   **({"survivors": survivors} if survivors else {})}
+        `alive`: the survivors of a group that lost ranks, asking to go on shrunk (every one that claimed:
+        reform.agree; the coordinator's scheduler may refuse: `admitted` then returns -1)."""
+        request = {"nonce": nonce, "restart": restart, **({"alive": alive} if alive is not None else {})}
         self.store.set(keys.join(self.me), json.dumps(request))
 
     def admitted(self, nonce: str, timeout_s: float) -> int:
@@ -295,18 +292,17 @@ class Coordination:
         return int(self.store.get(keys.admitted(self.me, nonce)))
 
     def claim_standin(self) -> bool:
-        """Whether this survivor of its group's lost rank is the one that goes on as the whole group (the
-        first to claim for its own incarnation, `incarnation`); the others must leave. Call once, after
-        the group broke. A group of 2 ranks has one survivor, whose claim wins, unless its group already
-        went on without it: a rank that broke late (stuck 30 s in its group's first rendezvous, its peer
-        long since shrunk) claims for the incarnation it belonged to, not the stand-in's, and leaves."""
+        """Claim to go on for this group's incarnation (`incarnation`) after it lost a rank; True for the
+        first claim, whose survivor asks the coordinator for every survivor that claimed (reform.agree:
+        the plan chosen names the ones that go on). Call once, after the group broke. A rank that broke
+        late (stuck 30 s in its group's first rendezvous, its peer long since shrunk) claims for the
+        incarnation it belonged to, after that request: no plan names it, and it leaves."""
         self.store.set(keys.survivor(self.me, self.incarnation, self.rank), "1")
         return self.store.add(keys.standin(self.me, self.incarnation), 1) == 1
 
     def survivors(self, group_size: int, incarnation: str) -> list[int]:
         """The ranks of this group's `incarnation` that claimed (`claim_standin`) so far: every survivor of
-        its lost rank that noticed, the stand-in included. G round trips; the stand-in asks once, before
-        asking to go on shrunk (its own rebuild gives the others about a second to claim)."""
+        its lost rank that noticed. G round trips; the first to claim reads them (reform.agree)."""
         return [j for j in range(group_size) if self.store.check([keys.survivor(self.me, incarnation, j)])]
 
     def was_admitted(self, group: int | None = None) -> bool:

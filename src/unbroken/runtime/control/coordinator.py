@@ -146,8 +146,7 @@ class Coordinator:
         members, epoch = list(self.membership.members), self.membership.epoch
         for g, request in sorted(requests.items()):
             # survivors of a group that lost ranks (parallel.on_rank_loss=replan): the scheduler decides
-            if "alive" in request and self.slowness.rank_lost(g, request["alive"], members, epoch,
-                                                              request.get("survivors")) != "shrink":
+            if "alive" in request and self.slowness.rank_lost(g, request["alive"], members, epoch) != "shrink":
                 self.store.set(keys.admitted(g, request["nonce"]), "-1")  # refused: the survivor leaves
                 self.store.delete_key(keys.join(g))
                 del requests[g]

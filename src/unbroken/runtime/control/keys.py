@@ -213,6 +213,11 @@ def healed(group: int, epoch: int, rank: int) -> str:
     return f"heal/{group}/{epoch}/done/{rank}"
 
 
+def reform_prefix(group: int, epoch: int) -> str:
+    """Where the ranks of `group`'s shrunk plan admitted in `epoch` form their new process group."""
+    return f"regroup/{group}/{epoch}/"
+
+
 def heal_prefix(group: int, epoch: int, donor: int, shard: int) -> str:
     """Where donor `donor`'s rank `shard` and the joiner's rank `shard` form their two-rank group."""
     return f"heal/{group}/{epoch}/pg/{donor}/{shard}/"

@@ -14,9 +14,10 @@ microbatch of any later step (workload.assign), while it stays in the epoch redu
 state stays in step. Parking is for good: a parked group computes nothing, so nothing measures it back
 (the reason drop is not executable under the other settings). For a group that lost a rank
 (parallel.on_rank_loss=replan, groups of pipeline stages, TP ranks, FSDP2 shards or a mix; `on_rank_lost`):
-drop (its survivor leaves) and shrink (one survivor, the first to claim, runs the whole model:
-standin.py), the shrunk group's quota weight its smaller plan's; where several survivors claimed,
-the event also prices them all re-formed into one smaller plan (`every_survivor`: not executed). A Slow group whose one slow rank is located, under
+drop (its survivors leave) and shrink: onto one survivor running the whole model (standin.py), or,
+for a pipeline without TP or FSDP2, the survivors re-formed into fewer stages that merge whole stages of
+the full plan (runtime/reform.py; `reformable` refuses other plans of several ranks); the shrunk group's
+quota weight its smaller plan's. A Slow group whose one slow rank is located, under
 parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
 (`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
 ends it), and the rank-loss path above runs, the scheduler deciding again. Quotas come from
@@ -41,7 +42,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from unbroken.config import Config
@@ -49,7 +50,7 @@ from unbroken.events import EventLog
 from unbroken.runtime.control.coordination import EVICTED
 from unbroken.policy import locating, scheduling, stepcost
 from unbroken.policy.detection import VerdictChange, Verdict
-from unbroken.policy.plans import Plan, full_plan
+from unbroken.policy.plans import Plan, aligned, full_plan
 from unbroken.policy.predictor import MicrobatchTiming, Predictor
 from unbroken.policy.workload import PARKED
 from unbroken.topology import Topology
@@ -72,9 +73,24 @@ LOST_REFUSED = {
     "keep": "the group lost a rank",
     "reweight": "the group lost a rank",
 }
-# why a plan of several survivors is priced (group_plan's every_survivor) but not executed
-MULTI_RANK = ("re-forming several survivors into one smaller plan is not built: one survivor stands in for "
-              "the whole group (standin.py), the others leave")
+# why a plan of several survivors is not executed where it is not a pipeline of whole stages of the full
+# plan without TP or FSDP2 (`reformable`)
+MULTI_RANK = ("several survivors re-form only into pipeline stages that merge whole stages of the full plan, "
+              "in a group without tensor parallelism or FSDP2 (worker.py: reform); one survivor stands in "
+              "for the whole group otherwise")
+
+
+def reformable(full: Plan) -> Callable[[scheduling.Option], str | None]:
+    """For `scheduling.restrict`: why a plan of several ranks cannot be executed for a group whose full
+    plan is `full` (None where it can): its team members re-form a pipeline whose stage k holds whole
+    stages of the full plan (policy/plans.coarsen), each a rank alone."""
+    def unable(o: scheduling.Option) -> str | None:
+        if o.plan is None or len(o.plan.ranks) <= 1:
+            return None
+        if full.tp > 1 or full.shard > 1 or o.plan.tp > 1 or not aligned(o.plan, full):
+            return MULTI_RANK
+        return None
+    return unable
 EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused too under that setting
 DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline)"  # why the others are refused
 MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measured speed may take (`measured`)
@@ -197,14 +213,13 @@ class GroupPlanner:
             self.was_shrunk[group] = self.shrunk.pop(group)
 
     def on_rank_lost(self, group: int, alive: Sequence[int], step: int, members: Sequence[int],
-                     predictor: Predictor, survivors: Sequence[int] | None = None) -> scheduling.Restricted | None:
+                     predictor: Predictor) -> scheduling.Restricted | None:
         """A group lost ranks (its survivors, `alive`, ask to go on without them): the scheduler's choice
         between dropping it and shrinking it onto them, logged as a `group_plan` event. Returns the
         restricted decision (its `applied.kind` is "shrink" or "drop"), or None when the cost model
         cannot be set up (logged: the group is then dropped). Call once per request, after its old
-        incarnation was declared dead (`forget`), with the members that stay. `survivors`: every rank
-        of the group that claimed (the stand-in among them); where there are several, the event's
-        `every_survivor` says what the scheduler would choose with all of them (`_every_survivor`)."""
+        incarnation was declared dead (`forget`), with the members that stay. `alive`: every survivor
+        that claimed (reform.agree); the plan applied names the ones that go on (its teams)."""
         setting, source, seconds = self._setting(self.timings, predictor)
         if setting is None:
             self.log.emit("group_plan_skipped", step=step, replica=group, why=source)
@@ -217,7 +232,7 @@ class GroupPlanner:
         d = scheduling.decide(group, plans, self.full, frozenset(alive), speeds, setting, horizon,
                               peers=len(plans) > 1)
         refused = {k: why for k, why in LOST_REFUSED.items()}
-        r = scheduling.restrict(d, refused)
+        r = scheduling.restrict(d, refused, reformable(self.full))
         if r.applied.kind == "shrink":
             self.shrunk[group] = r.applied.plan
         # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
@@ -232,28 +247,8 @@ class GroupPlanner:
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
                       trajectory="bitwise (the same kernels per microbatch)" if exact else
                       "within float32 tolerance (a TP degree change, or FSDP2 leaving pipeline stages, reorders "
-                      "float32 sums)", **r.record(),
-                      **self._every_survivor(group, plans, survivors, alive, speeds, setting, horizon, r))
+                      "float32 sums)", **r.record())
         return r
-
-    def _every_survivor(self, group: int, plans: Mapping[int, Plan], survivors: Sequence[int] | None,
-                        alive: Sequence[int], speeds: Mapping[int, Mapping[int, float]],
-                        setting: stepcost.Setting, horizon: float, r: scheduling.Restricted) -> dict:
-        """{"every_survivor": ...}: the scheduler's choice had every survivor been offered (several ranks
-        re-formed into one smaller plan, which this runtime does not execute: `MULTI_RANK`), its
-        predicted cost beside the applied option's, when `survivors` are more than `alive`; else {}."""
-        if not survivors or set(survivors) <= set(alive):
-            return {}
-        d = scheduling.decide(group, plans, self.full, frozenset(survivors), speeds, setting, horizon,
-                              peers=len(plans) > 1)
-        c = d.chosen
-        return {"every_survivor": {
-            "alive": sorted(survivors), "decision": c.kind, "plan": c.plan.shape() if c.plan else None,
-            "teams": [list(t) for t in c.plan.teams] if c.plan else [],
-            "weight": round(c.plan.weight, 4) if c.plan else 0.0,
-            "predicted_step_seconds": round(c.step_seconds, 6), "amortised_seconds": round(c.amortised_seconds, 6),
-            "over_applied": round(r.applied.amortised_seconds / c.amortised_seconds, 4),
-            "not_executable": MULTI_RANK if c.plan is not None and len(c.plan.ranks) > 1 else None}}
 
     def on_ranks_back(self, group: int, step: int, members: Sequence[int], predictor: Predictor
                       ) -> scheduling.Restricted | None:

@@ -102,20 +102,19 @@ class SlownessMonitor:
         `poll`."""
         return self.planner.evictions() if self.planner is not None else {}
 
-    def rank_lost(self, group: int, alive: list[int], members: list[int], epoch: int = -1,
-                  survivors: list[int] | None = None) -> str:
+    def rank_lost(self, group: int, alive: list[int], members: list[int], epoch: int = -1) -> str:
         """A group whose survivors `alive` ask to go on without its lost ranks: "shrink" (the scheduler
         chose it: the group's quota weight becomes its smaller plan's, published now) or "drop" (its
         choice, or no planner). Call once per request, from the coordinator's admission round, with the
-        `epoch` in force (a shrink's measurement counts only steps committed after it); `survivors`: every
-        rank that claimed (replanning.on_rank_lost prices their re-form too)."""
+        `epoch` in force (a shrink's measurement counts only steps committed after it)."""
         if self.planner is None:
             return "drop"
-        r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor, survivors)
+        r = self.planner.on_rank_lost(group, alive, self.next_step, members, self.detector.predictor)
         if r is None or r.applied.kind != "shrink":
             return "drop"
-        # a stand-in is one process, rank 0, reporting every shard index's heal
-        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(), (0,), epoch)
+        # each stage of the shrunk plan is one process (stage k reports as rank k), reporting its shard indices' heals
+        self.measurer.begin(group, "rank lost", r.applied, self.next_step, time.time(),
+                            tuple(range(len(r.applied.plan.teams))), epoch)
         self._save_shrunk()
         if self.publishes:
             self._publish({**{m: self.published.get(m, 1.0) for m in members}, group: round(r.applied.plan.weight, 4)})

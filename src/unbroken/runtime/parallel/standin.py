@@ -201,7 +201,7 @@ class StandIn:
         self.layout = [every[j] for j in self.held]
         # the last stage's TP index 0 of each FSDP2 shard counts that shard's rows' loss: their positions
         # here (none when this rank does not hold the last stage: its loss is counted where it is held)
-        position = {j: i for i, j in enumerate(self.held)}
+        position = self._position = {j: i for i, j in enumerate(self.held)}
         self.loss_shards = tuple(position[j] for j in (((pp - 1) * shards + k) * tp for k in range(shards))
                                  if j in position)
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
@@ -232,7 +232,7 @@ class StandIn:
 
     def parameters(self, shard: int) -> list[torch.Tensor]:
         """Shard index `shard`'s parameters as its rank holds them (for its digests)."""
-        return [s.take(s.param.detach()) for s in self.layout[shard]]
+        return [s.take(s.param.detach()) for s in self.layout[self._position[shard]]]
 
     def heal_tensors(self, shard: int, optimizer: torch.optim.Optimizer
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]:
@@ -240,12 +240,13 @@ class StandIn:
         sorted key, as healing orders a rank's, and `put_back`, which writes received values into the whole
         model's tensors: call after filling them)."""
         params, tensors, homes = [], [], []
-        for s in self.layout[shard]:
+        mine = self.layout[self._position[shard]]
+        for s in mine:
             part = s.take(s.param.detach())
             params.append(part)
             tensors.append(part)
             homes.append((s, s.param.data))
-        for s in self.layout[shard]:
+        for s in mine:
             for _, v in sorted(optimizer.state.get(s.param, {}).items()):
                 if torch.is_tensor(v):
                     tensors.append(s.take(v))

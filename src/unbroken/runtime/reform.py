@@ -1,0 +1,121 @@
+"""A replica group that lost ranks, re-formed from its survivors (parallel.on_rank_loss=replan): the plan
+the coordinator's scheduler chose for them, the new process group among its ranks, and what each builds.
+
+Owns: the survivors' agreement (`agree`: the first survivor to claim asks the coordinator to go on with
+every survivor that claimed; each then waits for the admission, reads the plan chosen, and takes its
+stage in it or leaves), the process group of the plan's ranks (`regroup`), and the model each rank of a
+plan of several stages builds (`build`). Does not own: the choice (policy/scheduling.py, asked by
+replanning.py, which executes only plans this module can build: `replanning.reformable`), the step
+(trainer.py), the heal (worker.join), or a plan of one rank (worker.build_standin).
+
+A plan of several ranks is a pipeline whose stage k holds whole stages of the full plan (policy/
+plans.coarsen): the cross-group reduction of shard index j needs the same layers in every group, so a
+rank holds the shard indices of the full stages it merged (`standin.StandIn(held=...)`), reduces,
+digests and heals each, and beats for each. Bitwise under --exact, as one rank holding every stage is
+(standin.py): the same kernels per microbatch, the tied weight's two float32 parts summed once across
+the first and last stage, dropout re-seeded at every full stage's first block.
+
+Why the survivors re-initialise the default process group rather than add a group beside it: torch's
+PipelineStage needs a registered group, and the old default group is broken (a peer died). Its
+destroy_process_group takes 10-20 ms with the dead peer, init_process_group of the new one <10 ms, and a
+2-stage GPipe over it gives the one-process gradients bitwise (benchmarks/reform_group_probe.py).
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import DistStoreError, PrefixStore
+
+from unbroken.config import Config
+from unbroken.policy.plans import full_plan
+from unbroken.runtime.control import keys
+from unbroken.runtime.control.coordination import Coordination
+from unbroken.runtime.control.replanning import plans_from
+from unbroken.runtime.control.store import read
+from unbroken.topology import Identity
+
+CLAIM_WAIT_S = 3.0  # how long the first survivor waits for the others to claim before it asks
+
+
+@dataclass(frozen=True)
+class Reform:
+    """This survivor's place in its group's shrunk plan."""
+    admitted: int  # the epoch that admitted the shrunk group
+    stage: int  # this rank's stage in the plan (its rank in the new process group)
+    stages: int  # the plan's stages (one rank each)
+    merged: tuple[range, ...]  # the full plan's stages that each of the plan's stages holds
+    held: tuple[int, ...] | None  # the shard indices it holds: its stage's full stages (no TP, no FSDP2);
+    # None: every one (a plan of one rank: worker.build_standin)
+
+
+def nonce(group: int, incarnation: str) -> str:
+    """The one admission request of a group's survivors (every survivor names it to wait on it)."""
+    return f"shrink-{group}-{incarnation}"
+
+
+def agree(cfg: Config, coord: Coordination, who: Identity, leader: bool, restart: int, incarnation: str,
+          wait_s: float) -> Reform | str:
+    """This survivor's place in the plan the coordinator chose for its group, or why it leaves: "refused"
+    (the scheduler dropped the group) or "left out" (the plan runs on other survivors). `leader`: this survivor claimed first
+    (coordination.claim_standin) and asks for every survivor that claimed within CLAIM_WAIT_S. Call
+    once per survivor, after its group broke and it released its stage; "refused" too when no admission
+    comes within `wait_s` (the first survivor died before asking)."""
+    request = nonce(who.group, incarnation)
+    if leader:
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        survivors = coord.survivors(who.group_size, incarnation)
+        while len(survivors) < who.group_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            survivors = coord.survivors(who.group_size, incarnation)
+        coord.ask_to_join(request, restart, survivors)
+    try:
+        admitted = coord.admitted(request, wait_s)
+    except DistStoreError:  # nobody asked (the first survivor died first): the group is out
+        return "refused"
+    if admitted < 0:
+        return "refused"
+    plan = plans_from(read(coord.store, keys.shrunk())).get(who.group)
+    mine = [k for k, team in enumerate(plan.teams) if who.rank in team] if plan is not None else []
+    if not mine:
+        return "left out"
+    full = full_plan(cfg.topology(), cfg.model.n_layer).layer_ranges()
+    merged = tuple(range(min(j for j, r in enumerate(full) if r.start >= new.start),
+                         max(j for j, r in enumerate(full) if r.stop <= new.stop) + 1)
+                   for new in plan.layer_ranges())
+    return Reform(admitted, mine[0], plan.pp, merged, tuple(merged[mine[0]]) if plan.pp > 1 else None)
+
+
+def regroup(coord: Coordination, who: Identity, reform: Reform, backend: str, timeout_s: float) -> None:
+    """Replace the broken default process group with one of the plan's ranks (rank = stage), rendezvousing
+    on the coordinator's store under the admission's prefix. Call once, before `build`."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = PrefixStore(keys.reform_prefix(who.group, reform.admitted), coord.group_store())
+    dist.init_process_group(backend, store=store, rank=reform.stage, world_size=reform.stages,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build(cfg: Config, factories, reform: Reform, device: torch.device):
+    """This rank's `trainer.Parts`: the whole model (its state comes from a peer group's ranks by healing),
+    a stand-in of its held shard indices on it, pruned to its stage (the full stages it merged) and fed
+    through the new group's pipeline."""
+    from unbroken.runtime.gradients import unique_parameters
+    from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
+    from unbroken.runtime.parallel.standin import StandIn
+    from unbroken.runtime.trainer import Parts
+
+    torch.manual_seed(cfg.run.seed)
+    model = factories.model(cfg).to(device)
+    pp = cfg.topology().pp
+    standin = StandIn(model, pp, held=reform.held)
+    vocab, width = model.tok.weight.shape
+    bounds = merged_bounds(model, pp, list(reform.merged))
+    model, tied = split(model, reform.stage, reform.stages, bounds)
+    shape = (cfg.data.batch_size, int(cfg.data.seq_len))
+    stages = Stages(model, reform.stage, reform.stages, dist.group.WORLD, tied, shape, width, vocab, model.loss, device)
+    optimizer = factories.optimizer(unique_parameters(model), cfg)
+    return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)
