@@ -79,8 +79,12 @@ their fields:
   worker_error   replica, error                       (an exception in a trainer: the run fails)
   group_broken   replica, rank, error                 (a rank's group process group failed under it: a
                                                        peer rank died; the group leaves, the run goes on)
-  survivor_left  replica, rank, why                   (replan: another survivor of its group stands in for
-                                                       the group; this one leaves)
+  survivor_left  replica, rank, why                   (replan: its group's shrunk plan runs on other
+                                                       survivors; this one leaves)
+  regroup        replica, rank, stages, shards, seconds  (replan: a survivor took stage `rank` of its group's
+                                                       shrunk plan of `stages` stages, holding the full
+                                                       plan's shard indices `shards`; `seconds` to replace
+                                                       the broken process group with the plan's ranks')
   woke           replica, step, phase                 (a stopped process continued; it will fence)
   verdict        step, replica, old, new, speed, score (fail-slow detector: healthy/suspect/slow)
   regime         step, device_class, factor, moved, replicas   (every cost moved: predictor rescaled)

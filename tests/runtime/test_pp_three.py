@@ -95,8 +95,10 @@ def test_a_lost_middle_stage_s_two_survivors_re_form_a_two_stage_pipeline_bitwis
     assert one(events, "join", replica=1, shrunk=True)["epoch"] > dead["epoch"]
     plan = one(events, "group_plan", replica=1, why="rank lost")
     assert plan["alive"] == [0, 2] and plan["trajectory"].startswith("bitwise")
-    assert (plan["decision"], plan["applied"]) == ("shrink", "shrink") and plan["teams"] == [[0], [2]], plan
-    assert plan["plan"] in ("tp1 pp2 [2,1]", "tp1 pp2 [1,2]")
+    assert (plan["decision"], plan["applied"]) == ("shrink", "shrink") and plan["applied_teams"] == [[0], [2]], plan
+    assert plan["applied_plan"] in ("tp1 pp2 [2,1]", "tp1 pp2 [1,2]") and not plan["not_executable"]
+    regroups = [e for e in events if e["event"] == "regroup" and e["replica"] == 1]
+    assert sorted(tuple(e["shards"]) for e in regroups) in ([(0,), (1, 2)], [(0, 1), (2,)]), regroups
     assert not [e for e in events if e["event"] == "survivor_left" and e["replica"] == 1]
     heals = stand_in_heals(events)
     assert sorted(e["rank"] for e in heals) == [0, 1, 2] and len({e["donor"] for e in heals}) == 1

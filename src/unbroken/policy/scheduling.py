@@ -184,9 +184,11 @@ class Restricted:
     not_executable: tuple[tuple[str, str], ...]  # (kind, why) of each candidate the executor cannot run
 
     def record(self) -> dict[str, Any]:
-        """`Decision.record()` plus `applied` (its kind and quota weight) and `not_executable` (kind -> why)."""
+        """`Decision.record()` plus `applied` (its kind, plan, teams and quota weight) and `not_executable`
+        (kind, or kind and plan shape -> why)."""
         a = self.applied
-        return {**self.decision.record(), "applied": a.kind,
+        return {**self.decision.record(), "applied": a.kind, "applied_plan": a.plan.shape() if a.plan else None,
+                "applied_teams": [list(team) for team in a.plan.teams] if a.plan else [],
                 "applied_weight": round(a.plan.weight, 4) if a.plan else 0.0,
                 "not_executable": {kind: why for kind, why in self.not_executable}}
 

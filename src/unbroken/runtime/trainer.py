@@ -126,7 +126,7 @@ class Trainer:
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
         also = [(j, lambda j=j: param_digest(self.standin.parameters(j))) for j in self.holds[1:]]
         self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.shard_parameters(self.holds[0])),
-                               self.ranks, self.wait_s, also)
+                               cfg.parallel.group_size, self.wait_s, also, self.holds[0])
         # Snapshots and checkpoints of a step start once it is known committed; pipelined, that comes
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
         # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).

@@ -249,7 +249,10 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     try:
         device = torch.device(where.device)
         if shrinking and reform.stages > 1:
+            began = time.monotonic()
             regroup(coord, who, reform, backend(device), cfg.coord.collective_timeout)
+            log.emit("regroup", replica=me, rank=who.rank, stages=reform.stages, shards=list(reform.held),
+                     seconds=round(time.monotonic() - began, 6))
         group = (dist.group.WORLD if reform.stages > 1 else None) if shrinking else \
             intra_group(who.group_size, cfg.coord.collective_timeout, backend=backend(device), device=device)
         joining, nonce = agree(group, joining, restart, me)

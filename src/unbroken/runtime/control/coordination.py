@@ -270,10 +270,11 @@ class Coordination:
         self.store.set(keys.shard_digest(step, self.me, self.rank if rank is None else rank),
                        json.dumps([digest, loss]))
 
-    def shards(self, step: int, group_size: int, timeout_s: float) -> list[tuple[str, float]]:
-        """Rank 0 of a group: (shard digest, loss share) that its ranks 1..G-1 posted after `step`, in rank
-        order. Raises on a timeout (a rank that died first: its group is then declared dead anyway)."""
-        names = [keys.shard_digest(step, self.me, j) for j in range(1, group_size)]
+    def shards(self, step: int, indices: list[int], timeout_s: float) -> list[tuple[str, float]]:
+        """Rank 0 of a group: (shard digest, loss share) posted after `step` for each shard index of
+        `indices` (those its ranks 1..G-1 hold), in that order. Raises on a timeout (a rank that died
+        first: its group is then declared dead anyway)."""
+        names = [keys.shard_digest(step, self.me, j) for j in indices]
         self.store.wait(names, datetime.timedelta(seconds=timeout_s))
         return [tuple(json.loads(v)) for v in self.store.multi_get(names)]
 

@@ -188,13 +188,13 @@ def joined(group: int) -> str:
 
 def standin(group: int, incarnation: str) -> str:
     """Counter: the survivors of `group`'s incarnation (its last admission epoch, or "start") that claimed
-    to stand in for it; the first claim (1) goes on shrunk, the others leave."""
+    to go on; the first claim (1) asks the coordinator for all of them (reform.agree)."""
     return f"standin/{group}/{incarnation}"
 
 
 def survivor(group: int, incarnation: str, rank: int) -> str:
-    """Set by rank `rank` of `group`'s incarnation when it claims (`standin`), whether it goes on or leaves:
-    the survivors the stand-in names to the coordinator's scheduler."""
+    """Set by rank `rank` of `group`'s incarnation when it claims (`standin`): the survivors the first
+    claimant names to the coordinator's scheduler."""
     return f"standin/{group}/{incarnation}/rank{rank}"
 
 

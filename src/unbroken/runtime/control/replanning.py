@@ -65,10 +65,12 @@ REFUSED = {
               "run.quotas=speed",
     "grow": "a group's plan is fixed when its torchrun job starts (it runs its full plan or is out)",
 }
-# A group that lost a rank (parallel.on_rank_loss=replan): dropping it and shrinking it onto its one
-# survivor (the whole model, every shard index: runtime/parallel/standin.py) are executed; nothing else.
+# A group that lost a rank (parallel.on_rank_loss=replan): dropping it, shrinking it onto one survivor
+# (the whole model, every shard index: runtime/parallel/standin.py) or onto a pipeline of merged full
+# stages (runtime/reform.py: `reformable`) are executed; nothing else.
 LOST_REFUSED = {
-    "repartition": "a group's survivors run the whole model on one rank or leave: other layer splits are not built",
+    "repartition": "moving layers changes which layers shard index j holds in this group, where the "
+                   "cross-group reduction of index j needs the same layers in every group",
     "grow": "a lost rank comes back by its group's restart (torchrun), which rejoins at the full plan",
     "keep": "the group lost a rank",
     "reweight": "the group lost a rank",
@@ -76,7 +78,7 @@ LOST_REFUSED = {
 # why a plan of several survivors is not executed where it is not a pipeline of whole stages of the full
 # plan without TP or FSDP2 (`reformable`)
 MULTI_RANK = ("several survivors re-form only into pipeline stages that merge whole stages of the full plan, "
-              "in a group without tensor parallelism or FSDP2 (worker.py: reform); one survivor stands in "
+              "in a group without tensor parallelism or FSDP2 (runtime/reform.py); one survivor stands in "
               "for the whole group otherwise")
 
 

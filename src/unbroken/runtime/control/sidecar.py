@@ -45,15 +45,18 @@ class Sidecar:
     """
 
     def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str], group_size: int = 1,
-                 wait_s: float = 60.0, also: list[tuple[int, Callable[[], str]]] | None = None):
+                 wait_s: float = 60.0, also: list[tuple[int, Callable[[], str]]] | None = None,
+                 shard: int | None = None):
         self.coord, self.log, self.own_digest = coord, log, digest
         # A group of G ranks: each holds a shard, so the record's digest (written by rank 0 of the
         # writer's group) is the sha256 of its ranks' shard digests in rank order, which ranks 1..G-1
         # post after every step (`coord.post_shard`); identical in every group (they hold the same state).
         self.group_size, self.wait_s = group_size, wait_s
-        # A shrunk group's one rank holds shard indices 1..G-1 as well (standin.py): their digests are its
-        # own to take, with loss share 0 (the whole loss sits in its own slot), where ranks would post them.
+        # A shrunk group's rank holds several shard indices (standin.py): `digest` is that of `shard` (its
+        # first; its rank's by default), `also` the others'; their digests are its own to take (or to
+        # post, rank j > 0 of a re-formed group), with loss share 0 (its loss sits in its own slot).
         self.also = also or []
+        self.shard = coord.rank if shard is None else shard
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._records: Future | None = None
@@ -140,15 +143,17 @@ class Sidecar:
         already reduced across groups: summed here, off the step's path, where an all-reduce inside the
         group cost every rank ~5 ms a step (measured, 2 x 2 ranks on 2 cores)."""
         own = self.own_digest()
-        if self.coord.rank:
-            self.coord.post_shard(step, own, loss)
-            return own, loss
         if self.group_size == 1:
             return own, loss
-        others = [(d(), 0.0) for _, d in self.also] if self.also else self.coord.shards(step, self.group_size,
-                                                                                         self.wait_s)
-        parts = [(own, loss), *others]
-        return hashlib.sha256("".join(d for d, _ in parts).encode()).hexdigest(), sum(x for _, x in parts)
+        mine = {self.shard: (own, loss), **{j: (d(), 0.0) for j, d in self.also}}
+        if self.coord.rank:
+            for j, (d, x) in mine.items():
+                self.coord.post_shard(step, d, x, rank=j)
+            return own, loss
+        missing = [j for j in range(self.group_size) if j not in mine]
+        parts = {**mine, **dict(zip(missing, self.coord.shards(step, missing, self.wait_s)))}
+        return (hashlib.sha256("".join(parts[j][0] for j in range(self.group_size)).encode()).hexdigest(),
+                sum(x for _, x in parts.values()))
 
     def _record(self, digest: _Once | None, step: int, epoch: int, members: tuple[int, ...], writer: int,
                 record: dict) -> None:
