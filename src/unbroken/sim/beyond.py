@@ -18,15 +18,18 @@ BEYOND_RUNTIME: dict[str, str] = {
     # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
     # declares a group Slow or Healthy again (executing keep or reweight, and under --run.quotas=drop
     # dropping a Slow group: parked for good, tests/runtime/test_slow_pp.py) and when a group of 2 pipeline
-    # stages, 2 TP ranks or 2 FSDP2 shards, or a TP x FSDP2 x PP group, loses a rank (executing drop or shrink
-    # onto one survivor, and growing back), or has one slow rank located (shrinking around it onto one
+    # stages, 2 TP ranks or 2 FSDP2 shards, or a TP x FSDP2 x PP group, loses a rank (executing drop, shrink
+    # onto one survivor or, for a pipeline without TP or FSDP2, onto its survivors as merged full stages:
+    # runtime/reform.py, and growing back), or has one slow rank located (shrinking around it onto one
     # healthy rank)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
-                  "re-forming several survivors into a smaller multi-rank plan, moving layers off a slow stage, "
+                  "re-forming several survivors into a smaller plan of several ranks other than a pipeline of "
+                  "merged full stages without TP or FSDP2 (which the runtime executes: runtime/reform.py), "
+                  "moving layers off a slow stage, "
                   "taking a group dropped for slowness back onto the step once it recovers (the runtime "
                   "executes keep and reweight for a slow group, and under --run.quotas=drop drops it for good: "
                   "a parked group computes nothing, so nothing measures it back; for a group that lost a rank, "
-                  "drop or shrink onto one survivor, and grow back tested for groups of 2 ranks and of 2 stages "
+                  "drop, shrink onto one survivor or onto a pipeline of merged stages, and grow back tested for groups of 2 ranks and of 2 stages "
                   "x 2 TP ranks), with the slow rank inside a group located exactly (the runtime locates it "
                   "from its ranks' own device times against the same rank of the peer groups, and only below "
                   "0.7 of their speed: policy/locating.py), and a grow back that moves only what the returning "
