@@ -339,9 +339,10 @@ BOTH.append("--parallel.tp=2")  # 2 groups of 2 stages x 2 TP ranks: rank = stag
 
 def test_a_pipeline_of_tensor_parallel_stages_goes_on_shrunk_on_one_survivor(tmp_path):
     """2 groups of 4 ranks (2 stages, TP 2 inside each): rank 3 of group 1 (stage 1, TP index 1) dies
-    with its host at step 3. Its three survivors see the group break; the first to claim stands in for
-    the whole group (`survivor_left` for the others), the scheduler prices that one-rank plan against
-    dropping the group, and under shrink it takes each of the 4 shard indices (a stage's TP slices) from
+    with its host at step 3. Its survivors see the group break and claim; the scheduler, offered all that
+    claimed, refuses the plans of several ranks (a TP team re-formed: not built) and applies one survivor
+    holding every stage (`survivor_left` for the others, or fenced), which takes each of the 4 shard
+    indices (a stage's TP slices) from
     group 0's matching rank, one heal each, and computes as all four. TP 2 -> 1 reorders float32 sums:
     every step's loss within 1e-5 (relative) of the plain one-process loop's over 16 steps."""
     shrinks_onto_one_survivor(tmp_path, BOTH)
