@@ -206,9 +206,9 @@ def run(factories: Factories) -> int:
 
 
 def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories, lost_from: int = -1,
-           incarnation: str = "start", reform: Reform | None = None) -> int:
+           reform: Reform | None = None) -> int:
     """Train as `who` until the last step; the exit code of `run`. `lost_from` >= 0: this process is the
-    survivor (then rank `lost_from`, of its group's `incarnation`) of a group that lost a rank, going on
+    survivor (then rank `lost_from`) of a group that lost a rank, going on
     as its place in its group's shrunk plan, `reform` (reform.py: one rank standing in for the whole
     group, standin.py, or a stage of a pipeline of merged stages), admitted by the coordinator's scheduler
     (parallel.on_rank_loss=replan)."""
@@ -279,10 +279,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         plan = None
         if joining:
             first, plan = join(cfg, who, coord, heartbeat, parts, log, restart, nonce,
-                               [lost_from] if shrinking else None, reform.admitted if shrinking else -1)
-            if first < 0:  # the scheduler chose to drop the group: the survivor leaves (exit 4, as before)
-                release_agent(replan)
-                return 4
+                               reform.admitted if shrinking else None)
         trainer.fit(first, plan)
         if trainer.persist:
             trainer.persist.close()
@@ -327,7 +324,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             release_agent(replan)
             return 4
         return _serve(where, Identity(me, place.stage, place.stages if place.stages > 1 else who.group_size,
-                                      who.node), log, factories, lost_from=who.rank, incarnation=coord.incarnation,
+                                      who.node), log, factories, lost_from=who.rank,
                       reform=place)
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
@@ -391,12 +388,11 @@ def signature(cfg: Config, parts: Parts) -> str:
 
 
 def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat | Beats, parts: Parts, log: EventLog,
-         restart: int, nonce: str, alive: list[int] | None = None, admitted: int = -1) -> tuple[int, object]:
+         restart: int, nonce: str, admitted: int | None = None) -> tuple[int, object]:
     """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
-    step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1),
-    or (-1, None) when the coordinator refused a shrunk group (`alive`: the survivor's rank before, in its
-    group's `incarnation`; it takes every shard index from the donor's ranks, one heal each, and names
-    every survivor that claimed to the scheduler). Call once, after `build`, before
+    step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1).
+    `admitted`: the epoch that admitted this rank's shrunk group, whose survivors asked before they built
+    (reform.agree); it takes each shard index it holds from the donor's ranks, one heal each. Call once, after `build`, before
     training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
     at once after a `leave`) and for a step boundary: up to the start-up timeout."""
     # The optimizer's state tensors to load into, before asking: its one step imports torch._dynamo
@@ -404,7 +400,7 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     # the admission on a shared host, the window the rejoin's stall is measured over (benchmarks/rejoin.py).
     materialize(parts.model, parts.optimizer)
     wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
-    if alive is None:  # a shrunk group's survivors asked and were admitted before they built (reform.agree)
+    if admitted is None:  # a shrunk group's survivors asked and were admitted before they built (reform.agree)
         if who.rank == 0:
             coord.ask_to_join(nonce, restart)
         admitted = coord.admitted(nonce, wait)
