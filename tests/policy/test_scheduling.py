@@ -271,3 +271,31 @@ def test_restricted_choice_keeps_every_microbatch_and_never_beats_the_free_choic
     assert r.applied.kind in ("keep", "reweight")
     assert len(r.applied.owners) == 12 and set(r.applied.owners) <= set(plans)
     assert r.applied.amortised_seconds >= d.chosen.amortised_seconds
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=7).flatmap(lambda full: st.tuples(
+    st.just(full), st.integers(1, len(full)).flatmap(lambda k: st.tuples(
+        st.just(k), st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=k, max_size=k),
+        st.lists(st.floats(0, 1), min_size=k, max_size=k), st.lists(st.integers(1, 12), min_size=k, max_size=k))))))
+def test_coarsen_finds_the_best_split_into_merged_full_stages(case):
+    """plans.coarsen against every way to cut the full plan's stages into k runs: the same least bottleneck
+    (or None exactly where no cut fits the capacities), and each stage a union of whole full stages."""
+    from itertools import combinations
+
+    full, (k, per, fixed, cap) = case
+    best = None
+    for cuts in combinations(range(1, len(full)), k - 1):
+        b = (0, *cuts, len(full))
+        stages = [sum(full[b[i]:b[i + 1]]) for i in range(k)]
+        if all(stages[i] <= cap[i] for i in range(k)):
+            t = max(fixed[i] + stages[i] * per[i] for i in range(k))
+            best = t if best is None else min(best, t)
+    got = P.coarsen(full, k, per, fixed, cap)
+    if best is None:
+        assert got is None
+        return
+    assert got is not None and len(got) == k and sum(got) == sum(full)
+    assert math.isclose(max(fixed[i] + got[i] * per[i] for i in range(k)), best, abs_tol=1e-12)
+    plan = P.Plan(1, got, tuple((r,) for r in range(k)))
+    assert P.aligned(plan, P.Plan(1, tuple(full), tuple((r,) for r in range(len(full)))))
