@@ -139,8 +139,9 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
         s.wait_records()
     assert members[0].weights == {}
     publish_weights(store, json.dumps({"0": 1.0, "1": 1.0, "2": 0.5}))
-    watch = members[0].coord._weights_watch
-    assert watch.wait_until(lambda: watch.current == 1, 5.0)
+    for s in members:  # each member's own watch: the last one proposes (seen in CI: only member 0's was awaited)
+        watch = s.coord._weights_watch
+        assert watch.wait_until(lambda w=watch: w.current == 1, 5.0)
     stale = Plan(0, MEMBERS, members[0].weights)  # the trainer's proposal, from the weights read at the record
     for m, s in enumerate(members):
         count, won = s.publish(6, 0, (m,), [], True, len(MEMBERS), stale, lambda *k: None).result()
