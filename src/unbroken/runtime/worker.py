@@ -44,7 +44,7 @@ from unbroken.config import Config, ConfigError, store_url_problem
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.control import keys
-from unbroken.runtime.control.coordination import Coordination, GroupLost, evicted, lost_rank
+from unbroken.runtime.control.coordination import BROKE, Coordination, GroupLost, evicted, lost_rank
 from unbroken.runtime.control.store import answering, connect, read
 from unbroken.runtime.control.epochwatch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.faults import Injector
@@ -297,8 +297,9 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         if who.group_size > 1 and not shrinking and peer_lost(e):  # a rank of our group died: the group is
             log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)  # out, not the run
             heartbeat.stop()  # before the coordinator's fence mark could end this process
-            coord.leave(4)  # the coordinator learns now, not after a heartbeat timeout
-            if cfg.parallel.on_rank_loss != "replan":
+            if not coord.superseded():  # the coordinator learns now, not after a heartbeat timeout
+                coord.leave(BROKE if replan else 4)
+            if not replan:
                 return 4
             go_on = True
         else:
