@@ -93,7 +93,7 @@ class Trainer:
         self.fsdp = self.group is not None and self.shares > 1  # FSDP2 inside: rows split, reduce-scatter
         # the shares whose rows of each microbatch it computes: its own; a stand-in for FSDP2 shards, all
         self.computes = tuple(range(self.shares)) if self.standin and self.standin.shares > 1 else (self.share,)
-        self.counts_loss = tp_index == 0  # tensor-parallel ranks see the same loss: one counts it
+        self.counts_loss = tp_index == 0 or self.standin is not None  # TP ranks' loss: one counts it
         self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
         if self.standin:
             self.tag["shards"] = list(self.holds)
