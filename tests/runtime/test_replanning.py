@@ -2,6 +2,8 @@
 weights out (runtime/control/replanning.py). The torchrun path is tests/runtime/test_slow_pp.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from unbroken.events import EventLog, read_events
 from unbroken.policy.detection import Verdict, VerdictChange
 from unbroken.policy.predictor import MicrobatchTiming, Predictor
@@ -168,9 +170,11 @@ def test_a_shrunk_group_is_slow_only_below_what_its_plan_was_expected_to_give(tm
 
 
 def test_several_survivors_re_form_only_a_pipeline_of_whole_stages(tmp_path):
-    """2 stages x TP 2 (4 ranks), rank 3 lost, ranks 0-2 claimed: the scheduler's choice is the TP pair of
-    stage 0 running both stages (~1/2 of the group), which is not executed (a TP team re-formed across
-    stages: MULTI_RANK, listed under its plan); the applied shrink is one survivor holding every stage.
+    """2 stages x TP 2 (4 ranks), rank 3 lost, ranks 0-2 claimed: the scheduler's choice, executed, is the
+    TP team of stage 0 running both stages (~1/2 of the group; its TP degree kept: bitwise). Ranks 0 and
+    2 alone (no whole TP team): with 4 microbatches every shrink gives the group one microbatch a step and
+    the smaller state pull decides, so the two re-form the stages without TP (TP 2 -> 1: within
+    tolerance); a TP team of another degree is never offered (plans.teams: tp divides the full one's).
     3 stages (3 ranks), the middle one lost: its two survivors re-form 2 stages, one merging two of the
     full plan's stages, executed."""
     log = EventLog(tmp_path / "events.jsonl")
@@ -179,11 +183,19 @@ def test_several_survivors_re_form_only_a_pipeline_of_whole_stages(tmp_path):
     planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
     planner.forget(1)
     r = planner.on_rank_lost(1, [0, 1, 2], 4, [0], Predictor())
-    assert r.applied.kind == "shrink" and len(r.applied.plan.ranks) == 1 and r.applied.plan.pp == 1
+    assert r.applied == r.decision.chosen and r.applied.plan.teams == ((0, 1),), r.applied
     e = read_events(tmp_path)[-1]
-    assert (e["alive"], e["decision"], e["plan"], e["teams"]) == ([0, 1, 2], "shrink", "tp2 pp1 [2]", [[0, 1]])
-    assert e["not_executable"]["shrink tp2 pp1 [2]"] == MULTI_RANK
-    assert e["applied_weight"] < 0.6 * r.decision.chosen.plan.weight  # the whole model on one rank: ~1/4
+    assert (e["alive"], e["applied_plan"], e["applied_teams"]) == ([0, 1, 2], "tp2 pp1 [2]", [[0, 1]])
+    assert not e["not_executable"] and e["trajectory"].startswith("bitwise"), e
+    one = [o["weight"] for o in e["options"] if o["plan"] == "tp1 pp1 [2]"]
+    assert e["applied_weight"] > 1.8 * one[0]  # the whole model on one rank: ~1/4
+    planner = planner_for(replace(shape, microbatches=4), 2, log, quotas="speed")
+    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
+    planner.forget(1)
+    planner.on_rank_lost(1, [0, 2], 4, [0], Predictor())
+    e = read_events(tmp_path)[-1]
+    assert (e["applied_plan"], e["applied_teams"], e["trajectory"][:6]) == ("tp1 pp2 [1,1]", [[0], [2]], "within"), e
+    assert not e["not_executable"], e
     three = GroupShape(group_size=3, tp=1, pp=3, layers=3, width=64, microbatches=8, steps=20, reform_seconds=0.01)
     planner = planner_for(three, 2, log, quotas="speed")
     planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])

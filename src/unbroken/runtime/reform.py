@@ -4,16 +4,24 @@ the coordinator's scheduler chose for them, the new process group among its rank
 Owns: the survivors' agreement (`agree`: the first survivor to claim asks the coordinator to go on with
 every survivor that claimed; each then waits for the admission, reads the plan chosen, and takes its
 stage in it or leaves), the process group of the plan's ranks (`regroup`), and the model each rank of a
-plan of several stages builds (`build`). Does not own: the choice (policy/scheduling.py, asked by
+plan of several ranks builds (`build`). Does not own: the choice (policy/scheduling.py, asked by
 replanning.py, which executes only plans this module can build: `replanning.reformable`), the step
 (trainer.py), the heal (worker.join), or a plan of one rank (worker.build_standin).
 
 A plan of several ranks is a pipeline whose stage k holds whole stages of the full plan (policy/
-plans.coarsen): the cross-group reduction of shard index j needs the same layers in every group, so a
-rank holds the shard indices of the full stages it merged (`standin.StandIn(held=...)`), reduces,
-digests and heals each, and beats for each. Bitwise under --exact, as one rank holding every stage is
-(standin.py): the same kernels per microbatch, the tied weight's two float32 parts summed once across
-the first and last stage, dropout re-seeded at every full stage's first block.
+plans.coarsen; one stage where a TP team holds them all): the cross-group reduction of shard index j
+needs the same layers in every group, so a rank holds the shard indices of the full stages it merged
+(`standin.StandIn(held=...)`), reduces, digests and heals each, and beats for each. Each stage is
+computed by one rank or by a TP team of the full plan's degree (a full stage's team, all alive):
+- one rank holds every TP index of its full stages, slices of whole tensors (standin.layout), computing
+  without TP: within float32 tolerance where the full plan had TP (as one survivor of a TP group is);
+- a TP team's rank t holds TP index t of them: TP is applied to the whole model over the plan's mesh
+  before the stand-in takes its parameters (their DTensors' local shards are rank t's slices), then the
+  pipeline split prunes it.
+Bitwise under --exact wherever the TP degree is kept, as one rank holding every stage is (standin.py):
+the same kernels per microbatch, the tied weight's two float32 parts summed once across the first and
+last stage, dropout re-seeded at every full stage's first block. Another TP degree is refused
+(replanning.reformable): its slices would not be shard index j's.
 
 Why the survivors re-initialise the default process group rather than add a group beside it: torch's
 PipelineStage needs a registered group, and the old default group is broken (a peer died). With gloo,
@@ -36,7 +44,7 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordination import Coordination
 from unbroken.runtime.control.replanning import plans_from
 from unbroken.runtime.control.store import read
-from unbroken.topology import Identity
+from unbroken.topology import Identity, Topology
 
 CLAIM_WAIT_S = 3.0  # how long the first survivor waits for the others to claim before it asks
 
@@ -45,11 +53,23 @@ CLAIM_WAIT_S = 3.0  # how long the first survivor waits for the others to claim 
 class Reform:
     """This survivor's place in its group's shrunk plan."""
     admitted: int  # the epoch that admitted the shrunk group
-    stage: int  # this rank's stage in the plan (its rank in the new process group)
-    stages: int  # the plan's stages (one rank each)
+    stage: int  # this rank's stage in the plan
+    stages: int  # the plan's stages
     merged: tuple[range, ...]  # the full plan's stages that each of the plan's stages holds
-    held: tuple[int, ...] | None  # the shard indices it holds: its stage's full stages (no TP, no FSDP2);
-    # None: every one (a plan of one rank: worker.build_standin)
+    held: tuple[int, ...] | None  # the shard indices it holds: of its stage's full stages, every TP rank's
+    # (tp 1) or its own TP index's (a TP team re-formed); None: every one (one rank: worker.build_standin)
+    tp: int = 1  # the plan's TP degree: 1, or the full plan's (each stage's team is a full stage's TP team)
+    index: int = 0  # this rank's TP index in its stage's team
+
+    @property
+    def rank(self) -> int:
+        """Its rank in the plan's process group (stage x tp + TP index, as topology.coords lays ranks out)."""
+        return self.stage * self.tp + self.index
+
+    @property
+    def size(self) -> int:
+        """The plan's ranks."""
+        return self.stages * self.tp
 
 
 def nonce(group: int, incarnation: str) -> str:
@@ -86,36 +106,48 @@ def agree(cfg: Config, coord: Coordination, who: Identity, leader: bool, restart
     merged = tuple(range(min(j for j, r in enumerate(full) if r.start >= new.start),
                          max(j for j, r in enumerate(full) if r.stop <= new.stop) + 1)
                    for new in plan.layer_ranges())
-    return Reform(admitted, mine[0], plan.pp, merged, tuple(merged[mine[0]]) if plan.pp > 1 else None)
+    tp = cfg.topology().tp  # full stage s holds shard indices s x tp .. s x tp + tp - 1 (one per TP rank)
+    k = mine[0]
+    index = plan.teams[k].index(who.rank)  # its TP index in a re-formed TP team (0 without TP)
+    held = tuple(s * tp + t for s in merged[k] for t in (range(tp) if plan.tp == 1 else (index,)))
+    return Reform(admitted, k, plan.pp, merged, held if len(plan.ranks) > 1 else None, plan.tp, index)
 
 
 def regroup(coord: Coordination, who: Identity, reform: Reform, backend: str, timeout_s: float) -> None:
-    """Replace the broken default process group with one of the plan's ranks (rank = stage), rendezvousing
+    """Replace the broken default process group with one of the plan's ranks (`Reform.rank`), rendezvousing
     on the coordinator's store under the admission's prefix. Call once, before `build`."""
     if dist.is_initialized():
         dist.destroy_process_group()
     store = PrefixStore(keys.reform_prefix(who.group, reform.admitted), coord.group_store())
-    dist.init_process_group(backend, store=store, rank=reform.stage, world_size=reform.stages,
+    dist.init_process_group(backend, store=store, rank=reform.rank, world_size=reform.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def build(cfg: Config, factories, reform: Reform, device: torch.device):
     """This rank's `trainer.Parts`: the whole model (its state comes from a peer group's ranks by healing),
-    a stand-in of its held shard indices on it, pruned to its stage (the full stages it merged) and fed
-    through the new group's pipeline."""
+    tensor parallel over its team where the plan keeps TP, a stand-in of its held shard indices on it,
+    pruned to its stage (the full stages it merged) and fed through the new group's pipeline, if any."""
     from unbroken.runtime.gradients import unique_parameters
+    from unbroken.runtime.parallel.parallelize import tensor_parallel
     from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
     from unbroken.runtime.parallel.standin import StandIn
     from unbroken.runtime.trainer import Parts
 
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg).to(device)
-    pp = cfg.topology().pp
-    standin = StandIn(model, pp, held=reform.held)
+    topology = cfg.topology()
+    pipe = dist.group.WORLD
+    if reform.tp > 1:  # TP before the stand-in takes its parameters: TP replaces them with DTensors
+        plan = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
+        model, pipe = tensor_parallel(model, plan, dist.group.WORLD, device)
+    # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it
+    standin = StandIn(model, topology.pp, topology.tp, held=reform.held, tensor_parallel=reform.tp > 1)
     vocab, width = model.tok.weight.shape
-    bounds = merged_bounds(model, pp, list(reform.merged))
-    model, tied = split(model, reform.stage, reform.stages, bounds)
-    shape = (cfg.data.batch_size, int(cfg.data.seq_len))
-    stages = Stages(model, reform.stage, reform.stages, dist.group.WORLD, tied, shape, width, vocab, model.loss, device)
+    stages = None
+    if reform.stages > 1:
+        bounds = merged_bounds(model, topology.pp, list(reform.merged))
+        model, tied = split(model, reform.stage, reform.stages, bounds)
+        shape = (cfg.data.batch_size, int(cfg.data.seq_len))
+        stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, width, vocab, model.loss, device)
     optimizer = factories.optimizer(unique_parameters(model), cfg)
     return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)

@@ -248,12 +248,12 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
                         and "TORCHELASTIC_RUN_ID" in os.environ)
     try:
         device = torch.device(where.device)
-        if shrinking and reform.stages > 1:
+        if shrinking and reform.size > 1:
             began = time.monotonic()
             regroup(coord, who, reform, backend(device), cfg.coord.collective_timeout)
-            log.emit("regroup", replica=me, rank=who.rank, stages=reform.stages, shards=list(reform.held),
-                     seconds=round(time.monotonic() - began, 6))
-        group = (dist.group.WORLD if reform.stages > 1 else None) if shrinking else \
+            log.emit("regroup", replica=me, rank=who.rank, stages=reform.stages, tp=reform.tp,
+                     shards=list(reform.held), seconds=round(time.monotonic() - began, 6))
+        group = (dist.group.WORLD if reform.size > 1 else None) if shrinking else \
             intra_group(who.group_size, cfg.coord.collective_timeout, backend=backend(device), device=device)
         joining, nonce = agree(group, joining, restart, me)
         if joining and not shrinking and who.rank == 0 and not coord.is_dead():
@@ -262,7 +262,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             coord.leave("its ranks were restarted by torchrun")
         if not joining:
             heartbeat.start()
-        parts = (build_reformed(cfg, factories, reform, device) if reform.stages > 1 else
+        parts = (build_reformed(cfg, factories, reform, device) if reform.size > 1 else
                  build_standin(cfg, factories, device)) if shrinking else build(cfg, factories, who, group, device)
         mine = signature(cfg, parts)
         if who.rank == 0 and not shrinking and coord.claim_signature(mine) != mine:
@@ -324,9 +324,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             log.emit(event, replica=me, **fields)
             release_agent(replan)
             return 4
-        return _serve(where, Identity(me, place.stage, place.stages if place.stages > 1 else who.group_size,
-                                      who.node), log, factories, lost_from=who.rank,
-                      reform=place)
+        return _serve(where, Identity(me, place.rank, place.size if place.size > 1 else who.group_size,
+                                      who.node), log, factories, lost_from=who.rank, reform=place)
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0

@@ -15,9 +15,9 @@ state stays in step. Parking is for good: a parked group computes nothing, so no
 (the reason drop is not executable under the other settings). For a group that lost a rank
 (parallel.on_rank_loss=replan, groups of pipeline stages, TP ranks, FSDP2 shards or a mix; `on_rank_lost`):
 drop (its survivors leave) and shrink: onto one survivor running the whole model (standin.py), or,
-for a pipeline without TP or FSDP2, the survivors re-formed into fewer stages that merge whole stages of
-the full plan (runtime/reform.py; `reformable` refuses other plans of several ranks); the shrunk group's
-quota weight its smaller plan's. A Slow group whose one slow rank is located, under
+for a pipeline without FSDP2, the survivors re-formed into fewer stages that merge whole stages of the
+full plan, each one rank or a full TP team (runtime/reform.py; `reformable` refuses other plans of
+several ranks); the shrunk group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
 parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
 (`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
 ends it), and the rank-loss path above runs, the scheduler deciding again. Quotas come from
@@ -76,20 +76,23 @@ LOST_REFUSED = {
     "reweight": "the group lost a rank",
 }
 # why a plan of several survivors is not executed where it is not a pipeline of whole stages of the full
-# plan without TP or FSDP2 (`reformable`)
+# plan, computed by one rank or a TP team of the full degree, in a group without FSDP2 (`reformable`)
 MULTI_RANK = ("several survivors re-form only into pipeline stages that merge whole stages of the full plan, "
-              "in a group without tensor parallelism or FSDP2 (runtime/reform.py); one survivor stands in "
-              "for the whole group otherwise")
+              "each a rank or a TP team of the full plan's degree, in a group without FSDP2 "
+              "(runtime/reform.py); one survivor stands in for the whole group otherwise")
 
 
 def reformable(full: Plan) -> Callable[[scheduling.Option], str | None]:
     """For `scheduling.restrict`: why a plan of several ranks cannot be executed for a group whose full
     plan is `full` (None where it can): its team members re-form a pipeline whose stage k holds whole
-    stages of the full plan (policy/plans.coarsen), each a rank alone."""
+    stages of the full plan (policy/plans.coarsen), each stage's team either one rank holding every TP
+    rank's slices of them (whole tensors: TP 2 -> 1) or a TP team of the full plan's degree (its ranks
+    each holding their TP index's shard indices of them). No other TP degree: its slices would cut other
+    heads than shard index j holds in the peer groups."""
     def unable(o: scheduling.Option) -> str | None:
         if o.plan is None or len(o.plan.ranks) <= 1:
             return None
-        if full.tp > 1 or full.shard > 1 or o.plan.tp > 1 or not aligned(o.plan, full):
+        if full.shard > 1 or o.plan.tp not in (1, full.tp) or not aligned(o.plan, full):
             return MULTI_RANK
         return None
     return unable
@@ -240,11 +243,12 @@ class GroupPlanner:
         # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
         # every microbatch's gradients with the same kernels, so --exact stays bitwise, and so do FSDP2
         # shards (one rank computes each shard's rows as that shard did, and --exact sums them in float64);
-        # TP 2 -> 1 adds over all heads and units at once where the ranks added partial sums, and FSDP2
+        # a TP team kept whole (its degree unchanged) runs the same kernels too; TP 2 -> 1 adds over all
+        # heads and units at once where the ranks added partial sums, and FSDP2
         # inside stages adds the tied weight's two uses per batch in float64 where one model adds them per
         # microbatch in float32 (pipeline._sum_tied_shards); a drop changes nothing
         full = self.full
-        exact = r.applied.kind != "shrink" or (full.tp == 1 and (full.pp == 1 or full.shard == 1))
+        exact = r.applied.kind != "shrink" or (r.applied.plan.tp == full.tp and (full.pp == 1 or full.shard == 1))
         self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
                       trajectory="bitwise (the same kernels per microbatch)" if exact else

@@ -125,6 +125,16 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     return (_fully_shard(model, mesh["dp_shard"], policy) if topology.dp_shard > 1 else model), None
 
 
+def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device
+                    ) -> tuple[nn.Module, ProcessGroup]:
+    """(`model` split over the "tp" dimension of `topology`'s mesh on `group`, the process group its
+    pipeline runs over: the "pp" dimension's, or `group` itself without stages). For a re-formed TP team
+    (reform.build), on the whole model before its stand-in takes the parameters and the pipeline split
+    prunes them. Call once, on every rank of `group` together (the mesh's sub-groups are collective)."""
+    mesh = _mesh(topology, group, device)
+    return _tensor_parallel(model, mesh["tp"], topology.tp), (mesh.get_group("pp") if topology.pp > 1 else group)
+
+
 def _mesh(topology: Topology, group: ProcessGroup, device: torch.device):
     """The group's device mesh: torchtitan's (pp, dp_shard, tp), TP innermost (topology.coords), its
     degrees of 1 left out. One dimension is the group itself (no new process group); several are new

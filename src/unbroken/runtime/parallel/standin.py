@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from unbroken.model.data import seed_microbatch
-from unbroken.runtime.gradients import Accumulator
+from unbroken.runtime.gradients import Accumulator, local
 from unbroken.runtime.parallel.pipeline import stage_names
 from unbroken.topology import TopologyError
 
@@ -189,13 +189,20 @@ class StandIn:
     (`shares`: the trainer computes each FSDP2 shard's rows of a microbatch in turn)."""
 
     def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1,
-                 held: tuple[int, ...] | None = None):
+                 held: tuple[int, ...] | None = None, tensor_parallel: bool = False):
         """`held`: the shard indices this rank holds, in order, when it holds some of them (a rank of a
         group re-formed into fewer pipeline stages: the indices of the full stages its stage merged);
-        every index when None. `model` is the whole model, split (pipeline.split) after this, if at all."""
+        every index when None. `model` is the whole model, split (pipeline.split) after this, if at all.
+        `tensor_parallel`: `model` is already split over a TP team of `tp` ranks (a re-formed TP team,
+        reform.build), so shard index s x tp + t, held by TP rank t only, is stage s's parameters whole:
+        their DTensors' local shards are rank t's slices."""
         if pp * tp * shards == 1:
             raise TopologyError(f"a shrunk group stands in for several ranks (pp={pp}, tp={tp}, FSDP2 shards=1)")
-        every = layout(model, pp, tp, shards)
+        if tensor_parallel and shards > 1:
+            raise TopologyError(f"a re-formed TP team stands in for no FSDP2 shards ({shards} given)")
+        every = layout(model, pp, 1, 1) if tensor_parallel else layout(model, pp, tp, shards)
+        if tensor_parallel:  # stage s's parameters under each of its TP indices
+            every = [every[j // tp] for j in range(pp * tp)]
         self.held = tuple(range(len(every))) if held is None else tuple(held)
         self.model, self.count, self.shares = model, len(self.held), shards
         self.layout = [every[j] for j in self.held]
@@ -241,16 +248,17 @@ class StandIn:
         model's tensors: call after filling them)."""
         params, tensors, homes = [], [], []
         mine = self.layout[self._position[shard]]
-        for s in mine:
-            part = s.take(s.param.detach())
+        for s in mine:  # local: a re-formed TP team's parameters (and their state) are DTensors
+            full = local(s.param.data)
+            part = s.take(full)
             params.append(part)
             tensors.append(part)
-            homes.append((s, s.param.data))
+            homes.append((s, full))
         for s in mine:
             for _, v in sorted(optimizer.state.get(s.param, {}).items()):
                 if torch.is_tensor(v):
-                    tensors.append(s.take(v))
-                    homes.append((s, v))
+                    tensors.append(s.take(local(v)))
+                    homes.append((s, local(v)))
 
         def put_back() -> None:
             for (s, full), part in zip(homes, tensors):
