@@ -43,7 +43,7 @@ def test_each_stage_s_tensor_parallel_slices_cover_its_parameters_once():
 def test_the_stand_in_counts_every_shard_index_and_the_loss_once():
     torch.manual_seed(0)
     standin = StandIn(GPT(Config().model), pp=2, tp=2)
-    assert (standin.count, standin.loss_shards) == (4, (2,))  # the last stage's TP index 0, as its rank counts it
+    assert (len(standin.held), standin.loss_shards) == (4, (2,))  # the last stage's TP index 0, as its rank counts it
 
 
 def test_fsdp2_shards_rows_are_torch_chunk_s_and_each_share_s_loss_goes_to_its_shard():
@@ -54,7 +54,7 @@ def test_fsdp2_shards_rows_are_torch_chunk_s_and_each_share_s_loss_goes_to_its_s
     model = GPT(Config().model)
     standin = StandIn(model, shards=3)
     params = [p for _, p in model.named_parameters()]
-    assert standin.count == 3 and [len(shard) for shard in standin.layout] == [len(params)] * 3
+    assert len(standin.held) == 3 and [len(shard) for shard in standin.layout] == [len(params)] * 3
     for j in range(3):
         for s, p in zip(standin.layout[j], params):
             assert s.param is p and torch.equal(s.take(p.detach()), torch.chunk(p.detach(), 3)[j])
@@ -137,6 +137,6 @@ def test_a_stage_that_merges_full_stages_holds_their_names_and_only_their_shard_
         model, _ = split(model, k, 2, bounds)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         got = [names[id(s.param)] for shard in standin.layout for s in shard]
-        assert sorted(got) == sorted(want) and len(standin.layout) == len(held) == standin.count
+        assert sorted(got) == sorted(want) and len(standin.layout) == len(held) == len(standin.held)
         assert set(names.values()) == set(want) | ({"head.weight"} if k == 1 else {"tok.weight"} - set(want))
         assert standin.loss_shards == ((0,) if k == 1 else ())

@@ -204,7 +204,7 @@ class StandIn:
         if tensor_parallel:  # stage s's parameters under each of its TP indices
             every = [every[j // tp] for j in range(pp * tp)]
         self.held = tuple(range(len(every))) if held is None else tuple(held)
-        self.model, self.count, self.shares = model, len(self.held), shards
+        self.model, self.shares = model, shards
         self.layout = [every[j] for j in self.held]
         # the last stage's TP index 0 of each FSDP2 shard counts that shard's rows' loss: their positions
         # here (none when this rank does not hold the last stage: its loss is counted where it is held)
@@ -257,8 +257,9 @@ class StandIn:
         for s in mine:
             for _, v in sorted(optimizer.state.get(s.param, {}).items()):
                 if torch.is_tensor(v):
-                    tensors.append(s.take(local(v)))
-                    homes.append((s, local(v)))
+                    state = local(v)
+                    tensors.append(s.take(state))
+                    homes.append((s, state))
 
         def put_back() -> None:
             for (s, full), part in zip(homes, tensors):
