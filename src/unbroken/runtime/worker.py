@@ -294,12 +294,14 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         return 2
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
         traceback.print_exc()
-        if who.group_size > 1 and not shrinking and peer_lost(e):  # a rank of our group died: the group is
-            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)  # out, not the run
+        # a rank of our group died (of a re-formed one too: torchrun stopping a peer for a grow back, CI
+        # at 4eebe80, was a worker_error that failed the run): the group is out, not the run
+        if who.group_size > 1 and (not shrinking or reform.size > 1) and peer_lost(e):
+            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
             heartbeat.stop()  # before the coordinator's fence mark could end this process
             if not coord.superseded():  # the coordinator learns now, not after a heartbeat timeout
                 coord.leave(BROKE if replan else 4)
-            if not replan:
+            if not replan or shrinking:  # a re-formed group does not re-form again: it grows back
                 return 4
             go_on = True
         else:
