@@ -416,7 +416,7 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     torchrun agent as it goes (release_agent):
     an agent that ends with no restarts left closes the group's rendezvous, and before this every
     replacement failed on it (RendezvousClosedError: 56 of them in a 141 s run, the group never back).
-    1 s after, the launcher replaces each ended agent once (spare hosts); torchrun restarts the shrunk
+    6 s after, the launcher replaces each ended agent once (spare hosts); torchrun restarts the shrunk
     plan's workers into their rendezvous, and group 1 re-forms at its full plan, healed rank by
     rank. Losses within 1e-5 of the plain one-process loop's (TP 2 throughout). Group 0's first
     rank sleeps 1 s after its compute in every step from step 4 (`for=1`: wall time only) so the re-formed
@@ -425,25 +425,34 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     of 3x the compute is shorter while the regrowth's fixed waits (replace_after, the lost agent's
     keep-alives lapsing, torchrun's restart) are not, twice healed it only at the run's last step (CI at
     207cec5 and 7c2dc88). A fixed second makes a step last >= 1 s on any host: 28 slowed steps."""
-    grow = [*longer(BOTH, 32), "--parallel.replace_after=1", "--coord.run_timeout=220"]
+    grow = [*longer(BOTH, 32), "--parallel.replace_after=6", "--coord.run_timeout=220"]
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; "
                                        f"slow:replica=0,from=4,for=1", base=grow)
     assert one(events, "fault", kind="kill", replica=1, rank=3)["host"] is True
-    # the plan's ranks: stage 0's TP team where both its ranks claimed, else survivors without TP
-    stayed = [r for team in one(events, "group_plan", replica=1, why="rank lost")["applied_teams"] for r in team]
+    # The survivors' first claimant asks for a plan after 3 s (reform.CLAIM_WAIT_S) when stage 0's TP pair
+    # is blocked in the pipeline and never claims. A replacement's agent joining the rendezvous before that
+    # restarts them into the full group first (replace_after=1 alone here, 1.4 s of agent start: no plan,
+    # the group back whole, which is right too); replace_after=6 leaves the shrunk plan its time
+    plans = [e for e in events if e["event"] == "group_plan" and e["replica"] == 1 and e["why"] == "rank lost"]
+    stayed = [r for team in plans[0]["applied_teams"] for r in team] if plans else []
     # the others leave: on reading a plan without them (survivor_left), or fenced; either way their
     # agents end (the fences after the shrunk join are the regrowth's). Or their agent's rendezvous
     # restarts them first, for the replaced agents (CI at bca5810: rank 2 released, was restarted 14 s
     # later and never read the plan): then its agent was not lost, nor replaced
-    before = events[:events.index(one(events, "join", replica=1, shrunk=True))]
+    shrunk = [e for e in events if e["event"] == "join" and e["replica"] == 1 and e.get("shrunk")]
+    before = events[:events.index(shrunk[0])] if shrunk else []
     left = sorted({e.get("rank", 0) for e in before if e["event"] == "fenced" and e["replica"] == 1} |
                   {e.get("rank", 0) for e in events if e["event"] == "survivor_left" and e["replica"] == 1})
-    assert not set(left) & set(stayed) and set(left) | set(stayed) <= {0, 1, 2}, (left, stayed)
+    assert len(plans) == len(shrunk) <= 1 and not set(left) & set(stayed), (left, stayed)
+    assert set(left) | set(stayed) <= {0, 1, 2}, (left, stayed)
+    # each lost host once: none failed to join (a re-formed rank that exited at once when its peer was
+    # stopped for the grow back failed under its agent, which ended and closed the rendezvous: CI at
+    # 65f2418, every slot replaced 4 times; parallelize.outlive_agent_restart)
     replaced = sorted(e["slot"] for e in events if e["event"] == "agent_replaced" and e["replica"] == 1)
-    assert replaced == sorted([*left, 3]), replaced  # each lost host once: none failed to join
+    assert replaced == sorted([*left, 3]), replaced
     assert not [f for f in (out / "logs").glob("replica1*.log") if "RendezvousClosedError" in f.read_text()]
     dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
-    assert_grown_back(events, out, dead, full="tp2 pp2 [1,1]", steps=32, ranks=4)
+    assert_grown_back(events, out, dead, shrank=bool(plans), full="tp2 pp2 [1,1]", steps=32, ranks=4)
     records = {e["step"]: e for e in events if e["event"] == "step"}
     cfg = Config.from_json((out / "config.json").read_text())
     _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")

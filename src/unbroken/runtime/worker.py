@@ -56,7 +56,8 @@ from unbroken.runtime.persist.persistence import Persistence
 from unbroken.runtime.gradients import unique_parameters
 from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.device import backend, bind, exact_kernels, nccl_environment, resolve
-from unbroken.runtime.parallel.parallelize import intra_group, parallelize, peer_lost, release_agent
+from unbroken.runtime.parallel.parallelize import (intra_group, outlive_agent_restart, parallelize, peer_lost,
+                                                      release_agent)
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.reform import Reform, agree as agree_on_plan, build as build_reformed, regroup
 from unbroken.runtime.trainer import Parts, Trainer
@@ -302,6 +303,7 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             if not coord.superseded():  # the coordinator learns now, not after a heartbeat timeout
                 coord.leave(BROKE if replan else 4)
             if not replan or shrinking:  # a re-formed group does not re-form again: it grows back
+                outlive_agent_restart(replan and shrinking)
                 return 4
             go_on = True
         else:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -232,6 +233,21 @@ def release_agent(replan: bool, evicted: bool = False) -> None:
     last = restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     if replan and "TORCHELASTIC_RUN_ID" in os.environ and (last or evicted):
         os.kill(os.getppid(), signal.SIGKILL)
+
+
+def outlive_agent_restart(replan: bool, wait_s: float = 3.0) -> None:
+    """A rank of a re-formed group (reform.py) whose group broke, before it exits 4: give its own torchrun
+    agent `wait_s` s to stop it first, then end that agent (release_agent). Why: a re-formed group breaks
+    mostly because a replacement host joined the rendezvous to grow it back, and each agent then stops its
+    worker for the new round (within its 0.1 s monitor interval); a peer stopped a moment earlier breaks
+    this rank's group first. Exiting at once is a failed worker: its agent, no restarts left, ends and
+    closes the rendezvous, and every replacement fails to join (CI at 65f2418: each of a 4-rank group's
+    slots replaced 4 times, the group never back). Stopped by its agent, this process ends here (SIGTERM's
+    default action); not stopped (a peer really lost), its agent ends without closing the rendezvous, and
+    the launcher replaces it. A no-op outside a torchrun agent of its own (`replan`)."""
+    if replan and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(wait_s)
+        release_agent(replan)
 
 
 def reduced_shards(model: nn.Module, sink) -> None:
