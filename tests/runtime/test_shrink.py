@@ -429,10 +429,12 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; "
                                        f"slow:replica=0,from=4,for=1", base=grow)
     assert one(events, "fault", kind="kill", replica=1, rank=3)["host"] is True
-    # The survivors' first claimant asks for a plan after 3 s (reform.CLAIM_WAIT_S) when stage 0's TP pair
-    # is blocked in the pipeline and never claims. A replacement's agent joining the rendezvous before that
-    # restarts them into the full group first (replace_after=1 alone here, 1.4 s of agent start: no plan,
-    # the group back whole, which is right too); replace_after=6 leaves the shrunk plan its time
+    # The survivors' first claimant asks for a plan once all claimed, or after 3 s (reform.CLAIM_WAIT_S):
+    # that was every time while stage 0's rank 0 stayed blocked in the pipeline on rank 2's socket, before
+    # survivors shut their group's sockets (sockets.py; since, all 3 claim within 1 s and stage 0's TP team
+    # re-forms, bitwise). A replacement's agent joining the rendezvous before the plan restarts them into
+    # the full group first (replace_after=1 and a 3 s wait, alone here: no plan, the group back whole,
+    # which is right too); replace_after=6 leaves the shrunk plan its time
     plans = [e for e in events if e["event"] == "group_plan" and e["replica"] == 1 and e["why"] == "rank lost"]
     stayed = [r for team in plans[0]["applied_teams"] for r in team] if plans else []
     # the others leave: on reading a plan without them (survivor_left), or fenced; either way their

@@ -44,6 +44,7 @@ from unbroken.runtime.control import keys
 from unbroken.runtime.control.coordination import Coordination
 from unbroken.runtime.control.replanning import plans_from
 from unbroken.runtime.control.store import read
+from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Identity, Topology
 
 CLAIM_WAIT_S = 3.0  # how long the first survivor waits for the others to claim before it asks
@@ -119,8 +120,9 @@ def regroup(coord: Coordination, who: Identity, reform: Reform, backend: str, ti
     if dist.is_initialized():
         dist.destroy_process_group()
     store = PrefixStore(keys.reform_prefix(who.group, reform.admitted), coord.group_store())
-    dist.init_process_group(backend, store=store, rank=reform.rank, world_size=reform.size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    with recorded():  # shut if this group breaks too (worker.close_group)
+        dist.init_process_group(backend, store=store, rank=reform.rank, world_size=reform.size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def build(cfg: Config, factories, reform: Reform, device: torch.device):

@@ -58,6 +58,7 @@ from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.device import backend, bind, exact_kernels, nccl_environment, resolve
 from unbroken.runtime.parallel.parallelize import (intra_group, outlive_agent_restart, parallelize, peer_lost,
                                                       release_agent)
+from unbroken.runtime.parallel.sockets import shut_recorded
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.reform import Reform, agree as agree_on_plan, build as build_reformed, regroup
 from unbroken.runtime.trainer import Parts, Trainer
@@ -317,8 +318,9 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             parts.stages.close()  # what an interrupted schedule kept alive
         if trainer is not None:
             keep(list(trainer.groups.values()))  # the cross-group gloo groups live on (collectives.keep)
-        trainer = parts = persist = sidecar = injector = None
-        log.emit("released", replica=me, **tag, **stale_parameters())
+        trainer = parts = persist = sidecar = injector = group = None
+        shut = close_group()  # a peer blocked on this rank wakes, and claims in time
+        log.emit("released", replica=me, **tag, **stale_parameters(), sockets_shut=shut)
         # the survivors agree on the plan the coordinator chose for them: each takes its place or leaves
         place = agree_on_plan(cfg, coord, who, leader, restart, coord.incarnation,
                               cfg.coord.startup_timeout)
@@ -333,6 +335,19 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
     heartbeat.stop()
     log.emit("worker_done", replica=me, **tag)
     return 0
+
+
+def close_group() -> int:
+    """Shut the broken group's sockets (sockets.py), then destroy its process groups (the default one, its
+    mesh's sub-groups); the number of sockets shut. Why: a peer blocked in a receive from this rank
+    (stage 0's, waiting on stage 1's survivor) wakes only when this rank's socket closes, and nothing this
+    rank can drop closes it (a pending receive on gloo's thread holds the group): it woke only when
+    torchrun stopped this survivor for a grow back, past the first survivor's claim window (3 s), and never
+    claimed. Call once per survivor, after dropping what it held of the group, before it claims."""
+    shut = shut_recorded()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return shut
 
 
 def stale_parameters() -> dict[str, int]:

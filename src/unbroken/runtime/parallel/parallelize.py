@@ -45,6 +45,7 @@ from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
 from unbroken.runtime.control import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
+from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Topology, TopologyError
 
 
@@ -78,8 +79,9 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     restart = 0 if unshared else int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     attempt = PrefixStore(keys.attempt_prefix(restart, env.get("TORCHELASTIC_RUN_ID", "")), store)
     gpu = device if device is not None and device.type == "cuda" else None
-    dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                            timeout=timeout, device_id=gpu)
+    with recorded():  # a survivor shuts them (sockets.py): a peer blocked on it wakes
+        dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                                timeout=timeout, device_id=gpu)
     return dist.group.WORLD
 
 
@@ -146,7 +148,8 @@ def _mesh(topology: Topology, group: ProcessGroup, device: torch.device):
     names = tuple(n for n, _ in dims)
     if len(dims) == 1:
         return DeviceMesh.from_group(group, device.type, mesh_dim_names=names)
-    return init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=names)
+    with recorded():
+        return init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=names)
 
 
 def _fully_shard(model: nn.Module, mesh, policy) -> nn.Module:
