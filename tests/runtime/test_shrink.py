@@ -343,20 +343,25 @@ def both_reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(240)  # 116 s beside the 3-D shrink test on 2 workers (its 8 trainers took 60 s to start)
-def test_a_pipeline_of_tensor_parallel_stages_re_forms_a_tp_team_bitwise(tmp_path, both_reference):
+@pytest.mark.parametrize("phase", ["allreduce", "compute"])
+def test_a_pipeline_of_tensor_parallel_stages_re_forms_a_tp_team_bitwise(tmp_path, both_reference, phase):
     """2 groups of 4 ranks (2 stages, TP 2 inside each): rank 3 of group 1 (stage 1, TP index 1) dies
-    with its host at step 3, in the cross-group reduction: no survivor is blocked inside the pipeline
-    (a stage-0 rank waiting on a recv from the survivor of stage 1 wakes only when that process ends:
-    gloo keeps the broken group's sockets open), so all three learn of the loss from the coordinator and
+    with its host at step 3, in `phase`. In the cross-group reduction no survivor is blocked inside the
+    pipeline, and all three learn of the loss from the coordinator. In compute, stage 0's rank 0 waits
+    on a receive from stage 1's survivor, rank 2, and wakes when rank 2 shuts its broken group's sockets
+    (sockets.py; before, it woke only when rank 2's process ended, and never claimed). All three
     claim. The scheduler re-forms stage 0's TP team (ranks 0 and 1, whole) as `tp2 pp1 [2]`, running both
     stages (quota weight ~0.50, against ~0.25 for one survivor), and rank 2 leaves. TP rank t of the team holds shard indices t and 2 + t (TP index t of
     both full stages: its DTensors' local shards), each healed from group 0's matching rank. The TP degree
     is kept, so the same kernels compute every microbatch: every step's digest is the failure-free run's
     over 16 steps (bitwise)."""
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=allreduce; {HOLD}", base=BOTH)
-    one(events, "fault", kind="kill", replica=1, rank=3, phase="allreduce")
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase={phase}; {HOLD}", base=BOTH)
+    one(events, "fault", kind="kill", replica=1, rank=3, phase=phase)
     plan = one(events, "group_plan", replica=1, why="rank lost")
     assert plan["alive"] == [0, 1, 2], plan
+    if phase == "compute":  # the survivors shut their ends of the broken group (rank 2: its receive's peer)
+        shut = {e["rank"]: e["sockets_shut"] for e in events if e["event"] == "released" and e["replica"] == 1}
+        assert sorted(shut) == [0, 1, 2] and sum(shut.values()) > 0, shut
     assert (plan["applied"], plan["applied_plan"], plan["applied_teams"]) == ("shrink", "tp2 pp1 [2]", [[0, 1]]), plan
     assert plan["trajectory"].startswith("bitwise") and not plan["not_executable"], plan
     regroups = {e["rank"]: e for e in events if e["event"] == "regroup" and e["replica"] == 1}
