@@ -6,10 +6,11 @@ not own the groups themselves (parallelize.py, reform.py) nor deciding when a gr
 
 Why it exists: a rank blocked in a receive from a peer that is alive but gave up on the group (stage 0's
 rank, waiting on the activation gradient of stage 1's survivor) wakes only when that peer's socket
-closes. A gloo group closes its sockets when its last reference goes, and a survivor cannot drop them
-all: a pending receive on gloo's own thread, itself waiting on the blocked rank, holds the group's
-context (measured: `destroy_process_group`, then a garbage collection, left the peer blocked until
-torchrun stopped the survivor 11 s later, long after the survivors' claim window of 3 s). `shutdown(2)`
+closes. A gloo group closes its sockets when its last reference goes, and something a survivor cannot
+drop holds its context (by my reading, a receive still pending on gloo's own thread, itself waiting on
+the blocked rank). Measured: `destroy_process_group`, every reference dropped, then a garbage collection
+left the peer blocked until torchrun stopped the survivor 11 s later, long after the survivors' claim
+window of 3 s; the group's Python object was gone (a weakref said so). `shutdown(2)`
 on the survivor's end ends the peer's receive with "Connection closed by peer" at once, whoever holds
 the socket, and leaves the descriptor to its owner to close.
 
@@ -47,8 +48,9 @@ def recorded() -> Iterator[None]:
 
 def shut_recorded() -> int:
     """Shut down both directions of every recorded connection still open (the descriptors stay open for
-    their owners to close; listening sockets are left alone); returns how many. Call once the group is broken and this rank leaves it, before
-    anything waits on a peer of it (the survivor's claim): shut, the group cannot be used again."""
+    their owners to close; listening sockets are left alone); returns how many. Call once the group is
+    broken and this rank leaves it, before anything waits on a peer of it (the survivor's claim): shut,
+    the group cannot be used again."""
     shut = 0
     for fd, inode in _descriptors():
         if inode not in _GROUP:
