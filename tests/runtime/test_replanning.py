@@ -204,3 +204,38 @@ def test_several_survivors_re_form_only_a_pipeline_of_whole_stages(tmp_path):
     assert r.applied.kind == "shrink" and r.applied.plan.teams == ((0,), (2,)), r.applied.plan
     assert r.applied.plan.stages in ((2, 1), (1, 2))
     assert not any(k.startswith("shrink") for k in read_events(tmp_path)[-1]["not_executable"])
+
+
+def test_a_pipeline_of_fsdp2_stages_re_forms_one_rank_a_stage_and_refuses_sharded_teams(tmp_path):
+    """2 stages x 2 FSDP2 shards (4 ranks), rank 3 lost, ranks 0-2 claimed: two survivors re-form the two
+    stages, one rank each (each holding both shards of its stage: ~1/2 of the group), executed and bitwise
+    (the FSDP2 stages' tied-weight sum kept in float64: pipeline.Stages(apart=True)), nothing refused (a
+    shrink has no FSDP2: scheduling.py; `reformable` would refuse one). 2 x 2 x TP 2 (8 ranks),
+    rank 5 lost: the scheduler's choice of TP teams is refused in a group with FSDP2, and a pipeline of
+    one rank a stage is applied, within tolerance (TP 2 -> 1)."""
+    log = EventLog(tmp_path / "events.jsonl")
+    # 12 microbatches: with 8, one survivor's 2 a step at 1/4 speed tie with the pipeline's (measured 0.031958
+    # s against 0.031979 s a step: the bubble), and the one survivor is rightly kept
+    shape = GroupShape(group_size=4, tp=1, pp=2, layers=2, width=64, microbatches=12, steps=20, reform_seconds=0.01)
+    planner = planner_for(shape, 2, log, quotas="speed")
+    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
+    planner.forget(1)
+    r = planner.on_rank_lost(1, [0, 1, 2], 4, [0], Predictor())
+    e = read_events(tmp_path)[-1]
+    assert r.applied.kind == "shrink" and [len(t) for t in r.applied.plan.teams] == [1, 1], r.applied
+    assert (e["applied_plan"], e["trajectory"][:7]) == ("tp1 pp2 [1,1]", "bitwise"), e
+    assert r.applied.plan.shard == 1 and r.applied == r.decision.chosen, r.applied
+    assert not e["not_executable"], e
+    one = [o["weight"] for o in e["options"] if o["plan"] == "tp1 pp1 [2]"]
+    assert e["applied_weight"] > 1.8 * one[0]  # the whole model on one rank: ~1/4
+    three_d = GroupShape(group_size=8, tp=2, pp=2, layers=2, width=64, microbatches=48, steps=20,
+                         reform_seconds=0.01)
+    planner = planner_for(three_d, 2, log, quotas="speed")
+    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
+    planner.forget(1)
+    r = planner.on_rank_lost(1, [0, 1, 2, 3, 4, 6, 7], 4, [0], Predictor())
+    e = read_events(tmp_path)[-1]
+    assert r.applied.plan is not None and r.applied.plan.tp == 1 and r.applied.plan.shard == 1, r.applied
+    assert e["trajectory"].startswith("within"), e
+    refused = {k: why for k, why in e["not_executable"].items() if k.startswith("shrink")}
+    assert refused and set(refused.values()) == {MULTI_RANK} and all(" tp2 " in f" {k} " for k in refused), e

@@ -6,8 +6,10 @@ dropping it, and shrinks. The survivor heals both shard indices (each shard's ro
 and its Adam moments) from group 0's matching ranks, computes each shard's rows of every microbatch in
 turn, and reduces each shard index with group 0's rank of that index: every step's digest is the
 failure-free run's, dropout on. A replacement for the lost host then grows the group back to its two
-shards, still on the plain one-process loop's trajectory. A group of all three degrees (2 stages x 2
-FSDP2 shards x TP 2) shrinks onto one survivor the same way, within float32 tolerance.
+shards, still on the plain one-process loop's trajectory. A group of 2 stages x 2 FSDP2 shards that
+loses a rank of its second stage re-forms a pipeline of one rank a stage (reform.py), each rank holding
+both shards of its stage, bitwise; a group of all three degrees (2 stages x 2 FSDP2 shards x TP 2) the
+same way, within float32 tolerance (TP 2 -> 1).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import pytest
 from tests.runtime.test_groups import digests, run_faults
 from tests.runtime.test_pp_tp import train
 from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
-    assert_stood_in, one, shrinks_onto_one_survivor
+    assert_stood_in, one, shrinks_within_tolerance, stand_in_heals
+from unbroken.events import read_events, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -77,19 +80,64 @@ THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "48", "--exact",
 
 
 @pytest.mark.timeout(300)
-def test_a_3d_group_shrinks_onto_one_survivor_within_float32_tolerance(tmp_path):
+def test_a_3d_group_re_forms_a_pipeline_of_one_rank_a_stage_within_float32_tolerance(tmp_path):
     """2 groups of 8 ranks, 2 stages x 2 FSDP2 shards x TP 2 (rank = (stage x 2 + shard) x 2 + TP index):
-    rank 5 (stage 1, shard 0, TP index 1) of group 1 dies with its host at step 2. One survivor stands in
-    for all 8 shard indices (the other six leave or are fenced): it heals each index's part from group
-    0's matching rank (a stage's parameters, a TP rank's rows or columns of them, FSDP2's rows of that:
-    2-D pieces where FSDP2 cuts a TP rank's columns, checked against real ranks' tensors in
-    test_standin.py), computes each FSDP2 shard's rows in turn, and files each share's loss under its
-    last stage's shard index. Not bitwise (TP 2 -> 1 reorders float32 sums; the tied weight is summed
-    over stages per batch in float64 there, per microbatch in float32 here), and its `group_plan` says
-    so: every step's loss within 1e-5 (relative) of the plain one-process loop's (measured alone: 2.6e-8,
-    87 s). 48 microbatches a step: the one survivor is priced at 1/8 of the group, and with 4 the
-    scheduler rightly drops the group (a microbatch of 8 units there would outlast group 0's whole
-    step; measured: shrink 0.125 s a step against drop 0.078 s). Group 0 sleeps 1 s after each of its
-    steps from step 3 (a pipeline's compute span is its step) so the heal lands with steps left."""
-    shrinks_onto_one_survivor(tmp_path, THREE_D, hold="slow:replica=0,from=3,for=1.0", ranks=8, lost=5, at=2,
-                             steps=8)
+    rank 5 (stage 1, shard 0, TP index 1) of group 1 dies with its host at step 2. Two survivors re-form
+    a pipeline of one rank a stage (reform.py; the other five leave), each holding the 4 shard indices of
+    its stage: it heals each index's part from group 0's matching rank (a stage's parameters, a TP rank's
+    rows or columns of them, FSDP2's rows of that: 2-D pieces where FSDP2 cuts a TP rank's columns,
+    checked against real ranks' tensors in test_standin.py), computes each FSDP2 shard's rows in turn,
+    and the last stage files each share's loss under its shard index. The scheduler's own choice, TP
+    teams holding FSDP2 shards, is refused and named. Not bitwise (TP 2 -> 1 reorders float32 sums), and
+    its `group_plan` says so: every step's loss within 1e-5 (relative) of the plain one-process loop's.
+    48 microbatches a step: the re-formed pipeline is priced at 1/4 of the group (one survivor holding
+    all 8 indices, as before reform.py built this, at 1/8), and with 4 the scheduler rightly drops the
+    group (a microbatch of 8 units there would outlast group 0's whole step). Group 0 sleeps 1 s after
+    each of its steps from step 3 (a pipeline's compute span is its step) so the heal lands with steps
+    left."""
+    shrinks_within_tolerance(tmp_path, THREE_D, hold="slow:replica=0,from=3,for=1.0", ranks=8, lost=5, at=2,
+                             steps=8, applied="tp1 pp2 [1,1]")
+
+
+# 2 groups of 4 ranks: 2 stages x 2 FSDP2 shards (rank = stage x 2 + shard)
+PP_FSDP = [*[a if a != "--parallel.group_size=2" else "--parallel.group_size=4" for a in PIPELINE],
+           "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+
+
+@pytest.mark.alone  # as test_shrink.py's: the heal must land with shrunk steps left
+@pytest.mark.timeout(240)
+def test_a_pipeline_of_fsdp2_stages_re_forms_one_rank_a_stage_bitwise(tmp_path, tmp_path_factory):
+    """Rank 3 (stage 1, shard 1) of group 1 dies with its host in step 2's compute. Its survivors claim,
+    and the scheduler re-forms a pipeline of 2 ranks, one a stage (any two survivors: each heals what it
+    holds, and the scheduler weighs what each must pull), each holding both FSDP2 shard indices of its
+    stage (the whole stage, not sharded) and computing each shard's rows of every microbatch in turn
+    through the new group's pipeline. Each heals
+    its two indices from group 0's matching ranks and reduces each with them. Every step's digest is the
+    failure-free run's of the same topology, dropout on (each share's rows re-seeded per microbatch, as
+    each shard's rank seeds them): each shard index sums in float64 the same float32 gradients its FSDP2
+    rank summed, the tied weight's two uses included (the stages hand their parts over apart, as the
+    full plan's stages added them in float64: pipeline.Stages(apart=True)). Measured before the stages
+    handed them over apart (summed in float32 per microbatch): digests off from the first re-formed
+    step, losses within 3.4e-8."""
+    reference = train(tmp_path_factory, "pp-fsdp-reference", PP_FSDP)
+    out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=2,phase=compute; {HOLD}", base=PP_FSDP)
+    fault = one(events, "fault", kind="kill", replica=1, rank=3)
+    assert (fault["step"], fault["phase"]) == (2, "compute")
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    assert (plan["decision"], plan["applied"], plan["applied_plan"]) == ("shrink", "shrink", "tp1 pp2 [1,1]"), plan
+    (first,), (second,) = plan["applied_teams"]
+    assert first != second and {first, second} <= set(plan["alive"]) <= {0, 1, 2}, plan  # any survivor: healed
+    assert plan["trajectory"].startswith("bitwise")
+    assert "shrink tp1 pp2 [1,1]" not in plan["not_executable"], plan["not_executable"]
+    regroups = {(e["rank"], tuple(e["shards"])) for e in events if e["event"] == "regroup" and e["replica"] == 1}
+    assert regroups == {(first, (0, 1)), (second, (2, 3))}, regroups
+    heals = stand_in_heals(events)
+    assert sorted(e["rank"] for e in heals) == [0, 1, 2, 3]
+    healed = max(e["step"] for e in heals)
+    computed = {(e["rank"], tuple(e["shards"])) for e in events if e["event"] == "compute" and e["replica"] == 1
+                and e["step"] > healed}
+    assert computed == regroups, computed
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    assert any("1" in records[s]["owners"] for s in range(healed + 1, 16))
+    assert [records[s]["loss"] for s in range(16)] == [steps(read_events(reference))[s]["loss"] for s in range(16)]
+    assert digests(out) == digests(reference)

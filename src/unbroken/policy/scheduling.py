@@ -16,7 +16,8 @@ Does not own: the cost model (stepcost.py), plan shapes (plans.py), detecting fa
 `restrict` is the runtime's view of a decision: the option it applies among those it can execute, beside
 the choice and the reasons the others were not executable (runtime/control/replanning.py lists what it
 executes: keep and reweight for a slow group, drop it under run.quotas=drop, and for a group that lost a
-rank drop or shrink onto one survivor; a live group's layer split and a multi-rank re-form are not).
+rank drop, or shrink onto one survivor or onto a pipeline of merged full stages; a live group's layer
+split is not).
 
 Quotas are always `workload.assign(M, groups, weights)`: whatever plan is chosen, the step's
 microbatches (s, 0..M-1) are each assigned exactly once, and the global batch never changes.

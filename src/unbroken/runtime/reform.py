@@ -12,16 +12,21 @@ A plan of several ranks is a pipeline whose stage k holds whole stages of the fu
 plans.coarsen; one stage where a TP team holds them all): the cross-group reduction of shard index j
 needs the same layers in every group, so a rank holds the shard indices of the full stages it merged
 (`standin.StandIn(held=...)`), reduces, digests and heals each, and beats for each. Each stage is
-computed by one rank or by a TP team of the full plan's degree (a full stage's team, all alive):
-- one rank holds every TP index of its full stages, slices of whole tensors (standin.layout), computing
-  without TP: within float32 tolerance where the full plan had TP (as one survivor of a TP group is);
+computed by one rank or, in a group without FSDP2, by a TP team of the full plan's degree (a full
+stage's team, all alive):
+- one rank holds every TP index and FSDP2 shard of its full stages, slices of whole tensors
+  (standin.layout), computing without TP and each FSDP2 shard's rows of a microbatch in turn (the shape
+  its pipeline passes is one shard's rows): within float32 tolerance where the full plan had TP (as one
+  survivor of a TP group is); where it had FSDP2 inside its stages, the stages hand each other the tied
+  weight's parts apart (pipeline.Stages(apart=True)), to be summed in float64 as the full plan did;
 - a TP team's rank t holds TP index t of them: TP is applied to the whole model over the plan's mesh
   before the stand-in takes its parameters (their DTensors' local shards are rank t's slices), then the
   pipeline split prunes it.
 Bitwise under --exact wherever the TP degree is kept, as one rank holding every stage is (standin.py):
 the same kernels per microbatch, the tied weight's two float32 parts summed once across the first and
-last stage, dropout re-seeded at every full stage's first block. Another TP degree is refused
-(replanning.reformable): its slices would not be shard index j's.
+last stage (apart, in float64, after FSDP2), dropout re-seeded at every full stage's first block and
+every FSDP2 share. Another TP or FSDP2 degree is refused (replanning.reformable): its slices would not be
+shard index j's; so is a TP team in a group with FSDP2 (standin.StandIn holds no FSDP2 shards of a TP team).
 
 Why the survivors re-initialise the default process group rather than add a group beside it: torch's
 PipelineStage needs a registered group, and the old default group is broken (a peer died). With gloo,
@@ -107,10 +112,12 @@ def agree(cfg: Config, coord: Coordination, who: Identity, leader: bool, restart
     merged = tuple(range(min(j for j, r in enumerate(full) if r.start >= new.start),
                          max(j for j, r in enumerate(full) if r.stop <= new.stop) + 1)
                    for new in plan.layer_ranges())
-    tp = cfg.topology().tp  # full stage s holds shard indices s x tp .. s x tp + tp - 1 (one per TP rank)
+    # full stage s holds shard indices (s x shards + f) x tp + t: one per FSDP2 shard f and TP index t
+    tp, shards = cfg.topology().tp, cfg.topology().dp_shard
     k = mine[0]
     index = plan.teams[k].index(who.rank)  # its TP index in a re-formed TP team (0 without TP)
-    held = tuple(s * tp + t for s in merged[k] for t in (range(tp) if plan.tp == 1 else (index,)))
+    held = tuple((s * shards + f) * tp + t for s in merged[k] for f in range(shards)
+                 for t in (range(tp) if plan.tp == 1 else (index,)))
     return Reform(admitted, k, plan.pp, merged, held if len(plan.ranks) > 1 else None, plan.tp, index)
 
 
@@ -133,7 +140,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     from unbroken.runtime.parallel.parallelize import tensor_parallel
     from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
     from unbroken.runtime.parallel.standin import StandIn
-    from unbroken.runtime.trainer import Parts
+    from unbroken.runtime.step import Parts
 
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg).to(device)
@@ -143,13 +150,16 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
         plan = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
         model, pipe = tensor_parallel(model, plan, dist.group.WORLD, device)
     # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it
-    standin = StandIn(model, topology.pp, topology.tp, held=reform.held, tensor_parallel=reform.tp > 1)
+    # one rank of a group with FSDP2 holds every shard's rows of its stages and computes each in turn
+    shards = 1 if reform.tp > 1 else topology.dp_shard
+    standin = StandIn(model, topology.pp, topology.tp, shards, held=reform.held, tensor_parallel=reform.tp > 1)
     vocab, width = model.tok.weight.shape
     stages = None
     if reform.stages > 1:
         bounds = merged_bounds(model, topology.pp, list(reform.merged))
         model, tied = split(model, reform.stage, reform.stages, bounds)
-        shape = (cfg.data.batch_size, int(cfg.data.seq_len))
-        stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, width, vocab, model.loss, device)
+        shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len))  # one FSDP2 share's rows
+        stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, width, vocab, model.loss, device,
+                        apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
     optimizer = factories.optimizer(unique_parameters(model), cfg)
     return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)

@@ -1,4 +1,5 @@
-"""The data of one training step while it runs: passed to every stage of the step, never kept on the trainer.
+"""The data of one training step while it runs: passed to every stage of the step, never kept on the trainer;
+and what the trainer trains, as the worker built it (`Parts`).
 
 Owns: `StepWork`, what a step holds from its first microbatch until its commit (and, pipelined, until its
 decision is read): the step's local gradient sum, the timings of the microbatches it computed, its token
@@ -12,9 +13,24 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from unbroken.runtime.control.coordination import Decision
 from unbroken.runtime.gradients import Accumulator
+from unbroken.runtime.parallel.pipeline import Stages
+from unbroken.runtime.parallel.standin import StandIn
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What this rank trains, built by the worker: the model as this rank holds it (parallelize), the
+    data source (microbatch(step, i), step_tokens(step, M)) and the optimizer over the model's parameters."""
+    model: nn.Module
+    data: object
+    optimizer: torch.optim.Optimizer
+    group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
+    stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
+    standin: StandIn | None = None  # a shrunk group's rank holding several shard indices (standin.py)
 
 
 @dataclass

@@ -33,11 +33,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from unbroken.config import Config
 from unbroken.events import EventLog
@@ -50,26 +48,12 @@ from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
 from unbroken.runtime.gradients import Accumulator, local, param_digest, quick_param_digest, unique_parameters
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
-from unbroken.runtime.parallel.pipeline import Stages
-from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.persist.donor import Donor
 from unbroken.runtime.control.heartbeat import Heartbeat
 from unbroken.runtime.control.sidecar import Sidecar
 from unbroken.runtime.speculation import Pipeline, Rollback, limit
-from unbroken.runtime.step import StepWork
+from unbroken.runtime.step import Parts, StepWork
 from unbroken.topology import Identity
-
-
-@dataclass(frozen=True)
-class Parts:
-    """What this rank trains, built by the worker: the model as this rank holds it (parallelize), the
-    data source (microbatch(step, i), step_tokens(step, M)) and the optimizer over the model's parameters."""
-    model: nn.Module
-    data: object
-    optimizer: torch.optim.Optimizer
-    group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
-    stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
-    standin: StandIn | None = None  # a shrunk group's one rank holding every stage (standin.py)
 
 
 class Trainer:
@@ -90,13 +74,12 @@ class Trainer:
         self.ranks, topology = who.group_size, cfg.topology()
         _, self.share, tp_index = topology.coords(who.rank)  # share: whose rows of each microbatch (data.part)
         self.shares = topology.dp_shard
-        self.fsdp = self.group is not None and self.shares > 1  # FSDP2 inside: rows split, reduce-scatter
+        self.fsdp = self.group is not None and self.shares > 1 and not self.standin  # FSDP2: rows, reduce-scatter
         # the shares whose rows of each microbatch it computes: its own; a stand-in for FSDP2 shards, all
         self.computes = tuple(range(self.shares)) if self.standin and self.standin.shares > 1 else (self.share,)
         self.counts_loss = tp_index == 0 or self.standin is not None  # TP ranks' loss: one counts it
-        self.tag = {"rank": who.rank} if self.ranks > 1 else {}  # on this rank's own events
-        if self.standin:
-            self.tag["shards"] = list(self.holds)
+        self.tag = {**({"rank": who.rank} if self.ranks > 1 else {}),  # on this rank's own events
+                    **({"shards": list(self.holds)} if self.standin else {})}
         self.params = unique_parameters(self.model)
         self.device = local(self.params[0]).device  # where microbatches go (worker.build put the model there)
         self.clock = DeviceClock(self.device, cfg.run.threads)
@@ -368,35 +351,41 @@ class Trainer:
         group runs the same ones, a retry's redone ones too); each microbatch's gradients reach the
         accumulator one by one (pipeline.py). A schedule interleaves its microbatches, so one's own device
         time is not separable: the call's is shared out by tokens, the predictor's main feature."""
-        # this rank's FSDP shard's rows (whole without FSDP2): stage 0 reads x, the last y
-        mbs = [part(self.data.microbatch(step, i), self.share, self.shares) for i in microbatches]
+        # (microbatch, share) in schedule order: this rank's FSDP shard's rows of each (whole without FSDP2),
+        # or each shard's rows in turn on a re-formed stage holding every shard (reform.py): stage 0 reads x
+        items = [(i, share) for i in microbatches for share in self.computes]
+        wholes = {i: self.data.microbatch(step, i) for i in microbatches}
+        mbs = [part(wholes[i], share, self.shares) for i, share in items]
 
-        def before(k: int) -> None:  # this stage's forward of microbatch k
-            self.hb.at(step, "compute", microbatches[k])
-            seed_microbatch(mix(self.cfg.run.seed, step, microbatches[k]))  # dropout: per microbatch (and stage)
+        def before(k: int) -> None:  # this stage's forward of item k
+            self.hb.at(step, "compute", items[k][0])
+            seed_microbatch(seed := mix(self.cfg.run.seed, step, items[k][0]))  # dropout: per microbatch
             if self.standin:  # and per full stage inside a merged one
-                self.standin.seed = mix(self.cfg.run.seed, step, microbatches[k])
+                self.standin.seed = seed
 
         def after(k: int) -> None:
             if k == 0:
                 self.faults.at(step, "compute")  # a kill here leaves the pipeline in flight
 
         span = self.clock.start()
-        for loss in self.stages.run(mbs, [loss_weight(mb.tokens, work.tokens) for mb in mbs], before, after):
-            work.acc.add(loss if self.counts_loss else loss.new_zeros(()))  # the last stage's, in order
+        weights = [loss_weight(mb.tokens, work.tokens) for mb in mbs]
+        for k, loss in enumerate(self.stages.run(mbs, weights, before, after)):  # the last stage's, in order
+            work.acc.add(loss if self.counts_loss else loss.new_zeros(()), items[k][1])
         self.faults.stretch(step, span, sum(mb.tokens for mb in mbs), sum(mb.sumsq for mb in mbs))
         own, wall = span.stop()
         # The group's time is its slowest stage's, as in `compute`: a stage waiting on a slow peer's send
-        # blocks without spending device time. Its schedule's share of each microbatch, by tokens.
+        # blocks without spending device time. Its schedule's share of each microbatch, by tokens (a
+        # stand-in for several shards reports its first share's rows, as `compute` does).
         tokens = sum(mb.tokens for mb in mbs)
+        shares = {i: sum(mb.tokens for (j, _), mb in zip(items, mbs) if j == i) / tokens for i in microbatches}
+        mbs = [part(wholes[i], self.computes[0], self.shares) for i in microbatches]
         for i, mb in zip(microbatches, mbs):
-            work.timings[i] = (mb.tokens, mb.sumsq, own * mb.tokens / tokens)
+            work.timings[i] = (mb.tokens, mb.sumsq, own * shares[i])
         work.gather_times(self.group, self.who.rank, self.ranks, microbatches)
         for i, mb in zip(microbatches, mbs):
-            share = mb.tokens / tokens
             self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(work.timings[i][2], 6),
-                          own=round(own * share, 6), wall=round(wall * share, 6), tokens=mb.tokens, sumsq=mb.sumsq,
-                          **self.tag)
+                          own=round(own * shares[i], 6), wall=round(wall * shares[i], 6), tokens=mb.tokens,
+                          sumsq=mb.sumsq, **self.tag)
         return rec.Computed(microbatches)
 
     def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:

@@ -61,7 +61,8 @@ from unbroken.runtime.parallel.parallelize import (intra_group, outlive_agent_re
 from unbroken.runtime.parallel.sockets import shut_recorded
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.reform import Reform, agree as agree_on_plan, build as build_reformed, regroup
-from unbroken.runtime.trainer import Parts, Trainer
+from unbroken.runtime.step import Parts
+from unbroken.runtime.trainer import Trainer
 from unbroken.topology import Identity, TopologyError
 
 

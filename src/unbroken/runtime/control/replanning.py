@@ -78,21 +78,25 @@ LOST_REFUSED = {
 # why a plan of several survivors is not executed where it is not a pipeline of whole stages of the full
 # plan, computed by one rank or a TP team of the full degree, in a group without FSDP2 (`reformable`)
 MULTI_RANK = ("several survivors re-form only into pipeline stages that merge whole stages of the full plan, "
-              "each a rank or a TP team of the full plan's degree, in a group without FSDP2 "
-              "(runtime/reform.py); one survivor stands in for the whole group otherwise")
+              "each one rank (holding every FSDP2 shard and TP index of its stages) or, in a group without "
+              "FSDP2, a TP team of the full plan's degree (runtime/reform.py); one survivor stands in for "
+              "the whole group otherwise")
 
 
 def reformable(full: Plan) -> Callable[[scheduling.Option], str | None]:
     """For `scheduling.restrict`: why a plan of several ranks cannot be executed for a group whose full
     plan is `full` (None where it can): its team members re-form a pipeline whose stage k holds whole
     stages of the full plan (policy/plans.coarsen), each stage's team either one rank holding every TP
-    rank's slices of them (whole tensors: TP 2 -> 1) or a TP team of the full plan's degree (its ranks
-    each holding their TP index's shard indices of them). No other TP degree: its slices would cut other
-    heads than shard index j holds in the peer groups."""
+    rank's and FSDP2 shard's slices of them (whole tensors: TP 2 -> 1, FSDP2 2 -> 1, each shard's rows
+    computed in turn) or, without FSDP2, a TP team of the full plan's degree (its ranks each holding their
+    TP index's shard indices of them). No other TP or FSDP2 degree: its slices would cut other heads or
+    rows than shard index j holds in the peer groups."""
     def unable(o: scheduling.Option) -> str | None:
         if o.plan is None or len(o.plan.ranks) <= 1:
             return None
-        if full.shard > 1 or o.plan.tp not in (1, full.tp) or not aligned(o.plan, full):
+        if o.plan.shard > 1 or o.plan.tp not in (1, full.tp) or not aligned(o.plan, full):
+            return MULTI_RANK
+        if o.plan.tp > 1 and full.shard > 1:  # a TP team holding FSDP2 shards: not built (standin.StandIn)
             return MULTI_RANK
         return None
     return unable
@@ -246,9 +250,11 @@ class GroupPlanner:
         # a TP team kept whole (its degree unchanged) runs the same kernels too; TP 2 -> 1 adds over all
         # heads and units at once where the ranks added partial sums, and FSDP2
         # inside stages adds the tied weight's two uses per batch in float64 where one model adds them per
-        # microbatch in float32 (pipeline._sum_tied_shards); a drop changes nothing
-        full = self.full
-        exact = r.applied.kind != "shrink" or (r.applied.plan.tp == full.tp and (full.pp == 1 or full.shard == 1))
+        # microbatch in float32 (pipeline._sum_tied_shards; a re-formed pipeline of several ranks hands
+        # its stages' parts over apart, to the same float64 sum: Stages(apart=True)); a drop changes nothing
+        full, applied = self.full, r.applied.plan
+        exact = r.applied.kind != "shrink" or (applied.tp == full.tp and (full.pp == 1 or full.shard == 1
+                                                                         or len(applied.ranks) > 1))
         self.log.emit("group_plan", step=step, replica=group, why="rank lost", alive=sorted(alive),
                       per_microbatch_seconds=round(seconds, 6), cost_source=source,
                       trajectory="bitwise (the same kernels per microbatch)" if exact else

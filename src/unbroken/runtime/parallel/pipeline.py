@@ -121,13 +121,15 @@ class Stages:
     def __init__(self, model: nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
                  tied: Tied, shape: tuple[int, int], width: int, vocab: int,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | None = None,
-                 sharded: tuple[int, int, torch.dtype] | None = None):
+                 sharded: tuple[int, int, torch.dtype] | None = None, apart: bool = False):
         """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
         `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss; `device`:
         the rank's (the model already on it; CPU when None); `sharded`: (this rank's FSDP shard, the
         shards, the reduce dtype) when FSDP2 shards the stage (parallelize): gradients then reach
         `took_shard` once a batch, as the reduce-scatter leaves them (parallelize.reduced_shards), not
-        one microbatch at a time."""
+        one microbatch at a time; `apart`: hand the sink each stage's float32 part of a tied weight's
+        gradient, not their float32 sum (a pipeline re-formed from a group whose full plan had FSDP2 inside
+        its stages, reform.py: that plan added the parts in float64, `_sum_tied_shards`)."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group
@@ -148,7 +150,7 @@ class Stages:
         self.tied = [(next((names[n] for n in group if n in names), None), shape_of) for group, shape_of in tied]
         self._tied_ids = {id(p) for p, _ in self.tied if p is not None}
         self._stash: dict[int, list[torch.Tensor]] = {}
-        self.sharded = sharded
+        self.sharded, self.apart = sharded, apart
         self._hooks = [] if sharded else [p.register_post_accumulate_grad_hook(self._took)
                                           for p in unique_parameters(model)]
         self._hooks += [model.register_forward_pre_hook(self._before_forward),
@@ -266,6 +268,13 @@ class Stages:
             if parts.shape[0] != n:
                 raise RuntimeError(f"pipeline stage {self.index}: {parts.shape[0]} gradients of a tied weight "
                                    f"for {n} microbatches")
+            if self.apart:  # every stage's (n, *shape) float32 parts, each to the sink: its float64 sum adds them
+                every = [torch.empty_like(parts) for _ in range(dist.get_world_size(self.group))]
+                dist.all_gather(every, parts, group=self.group)
+                for k in range(n if p is not None else 0):
+                    for part in every:
+                        self.sink(p, part[k])
+                continue
             dist.all_reduce(parts, group=self.group)  # (n, *shape) float32: each microbatch's two parts summed
             if p is not None:
                 for g in parts:

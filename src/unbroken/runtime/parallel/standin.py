@@ -20,9 +20,10 @@ bits in either order); and every shard index still sums the same per-microbatch 
 in microbatch order, before the cross-group all-reduce of that shard index. For FSDP2 shards too: the
 trainer computes each shard's rows of a microbatch in turn, as that shard's rank did (the same rows,
 kernels and dropout seed), and each shard index sums in float64 the float32 gradients that the group's
-float64 reduce-scatter summed (float32 addends, exact in float64 in any order). Not for FSDP2 inside
-pipeline stages: there the stages add the tied weight's two uses per batch in float64
-(pipeline._sum_tied_shards), here autograd adds them per microbatch in float32. For tensor parallelism it
+float64 reduce-scatter summed (float32 addends, exact in float64 in any order). Not for one rank holding
+a pipeline of FSDP2 stages: there the stages add the tied weight's two uses per batch in float64
+(pipeline._sum_tied_shards), here autograd adds them per microbatch in float32 (a re-formed pipeline of
+several ranks hands the stages' parts over apart instead, and is bitwise: reform.py). For tensor parallelism it
 cannot: the whole model's matmuls add over all heads and units at once where TP ranks add partial sums,
 so a shrunk TP group is within float32 tolerance of the TP trajectory, not on it (and with dropout > 0
 its masks differ: one stream over all heads here, one per rank's heads there).
