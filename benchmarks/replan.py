@@ -2,10 +2,12 @@
 against the group dropped.
 
 Owns: running 2 groups x PP 2 (`--layout hsdp`: 2 groups x 2 FSDP2 shards, each rank its rows of every
-microbatch) through unbroken's own launcher (gloo, --exact), rank 1 (the last stage, or shard 1) of
-group 1 SIGKILLed at step FROM and never replaced, under `--parallel.on_rank_loss=replan` (the coordinator's
-scheduler chooses; here it chooses shrink: group 1 goes on as its survivor running the whole model, healed
-from group 0, its quota weight the cost model's) and `--parallel.on_rank_loss=drop` (group 1 leaves for the
+microbatch; `--layout pp-fsdp`: 2 groups x 2 stages x 2 FSDP2 shards) through unbroken's own launcher
+(gloo, --exact), the last rank (the last stage, or shard 1; stage 1's shard 1) of group 1 SIGKILLed at
+step FROM and never replaced, under `--parallel.on_rank_loss=replan` (the coordinator's scheduler chooses;
+here it chooses shrink: group 1 goes on as its survivor running the whole model, or with pp-fsdp as a
+pipeline of two survivors, one a stage, each holding both shards of its stage: runtime/reform.py;
+healed from group 0, its quota weight the cost model's) and `--parallel.on_rank_loss=drop` (group 1 leaves for the
 rest of the run: torchrun stops its survivor, and nothing restarts it), alternating the two in every round,
 and reading each run's committed tokens per second over the episode from its event log.
 
@@ -20,7 +22,7 @@ loss drop runs 2 processes on 2 cores and shrink 3 on the same 2: the survivor's
 back to work is not idle capacity here, and the wall-clock ratio cannot show what the device-time one does.
 What both leave out: the all-reduce, commit and optimizer step (in the wall clock only); a replaced rank
 growing the group back (the lost rank never returns here; tests/runtime/test_shrink.py grows groups back).
-Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 12] [--layout pp|hsdp]
+Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 12] [--layout pp|hsdp|pp-fsdp]
 """
 from __future__ import annotations
 
@@ -42,11 +44,15 @@ def measure(records: list[dict]) -> dict:
     the first of them; a drop run has none of its own: main() takes the shrink run's)."""
     steps = {r["step"]: r for r in records if r["event"] == "step"}
     last = max(steps)
-    busy: dict[tuple[int, int], float] = {}  # (step, group) -> device s, from rank 0's compute events (a
-    for r in records:  # pipeline's ranks each log the group's slowest-stage time; a stand-in is rank 0)
-        if r["event"] == "compute" and r["step"] >= FROM and r.get("rank", 0) == 0:
-            busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
-    path = {step: max(v for (s, _), v in busy.items() if s == step) for step in range(FROM, last + 1)}
+    # (step, group, rank) -> device s, from its compute events (a group's ranks each log the group's slowest
+    # rank's time: gather_times; a stand-in logs its own; a re-formed pipeline's ranks, whichever they are,
+    # the slowest of theirs)
+    busy: dict[tuple[int, int, int], float] = {}
+    for r in records:
+        if r["event"] == "compute" and r["step"] >= FROM:
+            key = (r["step"], r["replica"], r.get("rank", 0))
+            busy[key] = busy.get(key, 0.0) + r["seconds"]
+    path = {step: max(v for (s, _, _), v in busy.items() if s == step) for step in range(FROM, last + 1)}
     tokens = {step: steps[step]["tokens"] for step in path}
     plans = [r for r in records if r["event"] == "group_plan" and r.get("why") == "rank lost"]
     heals = [r["step"] for r in records if r["event"] == "heal" and r.get("shrunk")]
@@ -80,13 +86,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternations of shrink (replan) / drop")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--microbatches", type=int, default=12)
-    ap.add_argument("--layout", choices=("pp", "hsdp"), default="pp", help="what a group of 2 ranks splits: "
-                    "the layers (2 pipeline stages) or every microbatch's rows (2 FSDP2 shards)")
+    ap.add_argument("--layout", choices=("pp", "hsdp", "pp-fsdp"), default="pp", help="what a group splits: "
+                    "the layers (2 pipeline stages), every microbatch's rows (2 FSDP2 shards) or both (4 ranks)")
     add_pipeline_args(ap)
     args = ap.parse_args()
     t0 = time.time()
-    base = pipeline_base(args, f"kill:replica=1,rank=1,step={FROM},phase=compute", coord__heartbeat_timeout=2.0,
-                         coord__heartbeat_interval=0.1)
+    ranks = 4 if args.layout == "pp-fsdp" else 2
+    base = pipeline_base(args, f"kill:replica=1,rank={ranks - 1},step={FROM},phase=compute",
+                         coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+    base["parallel__group_size"] = ranks
     if args.layout == "hsdp":
         base["parallel__pp"] = 1
     # reform 0.5 s: this host's order of magnitude for a shrink (rebuild + heal, ~0.1-0.3 s measured), not
@@ -99,8 +107,8 @@ def main() -> None:
         f"device-time critical-path second{against(m['measured'])}"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
-    shape = "PP 2" if args.layout == "pp" else "2 FSDP2 shards"
-    print(f"2 groups x {shape}, group 1's rank 1 killed at step {FROM} and never replaced, M={args.microbatches}, "
+    shape = {"pp": "PP 2", "hsdp": "2 FSDP2 shards", "pp-fsdp": "PP 2 x 2 FSDP2 shards"}[args.layout]
+    print(f"2 groups x {shape}, group 1's rank {ranks - 1} killed at step {FROM} and never replaced, M={args.microbatches}, "
           f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1} (the loss, redo, "
           f"re-form and heal included); wall {time.time() - t0:.0f} s")
     print(f"committed tokens/s (median over rounds): device-time critical path shrink {device['shrink']:.0f}, "
@@ -110,8 +118,8 @@ def main() -> None:
     calm = {m: statistics.median(steady(r, first) for r in got[m]) for m in modes}
     print(f"steady state (steps {first}..{args.steps - 1}, after the shrunk group's heal): device-time critical "
           f"path shrink {calm['shrink']:.0f}, drop {calm['drop']:.0f}, ratio {calm['shrink'] / calm['drop']:.3f} "
-          f"(1.5, 3 of 4 ranks busy, would need the stand-in's whole-model microbatch to cost exactly two of "
-          f"the group's and M to split 2:1)")
+          f"(1.5, 3 of 4 busy ranks' worth, would need the shrunk group's microbatch to cost exactly two of "
+          f"the full group's and M to split 2:1)")
     print(f"ratio shrink_over_drop_wall {wall['shrink'] / wall['drop']:.3f}")
     print(f"ratio shrink_over_drop {device['shrink'] / device['drop']:.3f}")
 
