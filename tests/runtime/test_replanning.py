@@ -10,7 +10,7 @@ from unbroken.policy.predictor import MicrobatchTiming, Predictor
 import pytest
 
 from unbroken.policy.workload import PARKED
-from unbroken.runtime.control.replanning import DROP, EQUAL, MULTI_RANK, GroupShape, planner_for
+from unbroken.runtime.control.replanning import DROP, EQUAL, MULTI_RANK, GroupShape, planner_for, reformable
 
 SHAPE = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=20)
 TIMINGS = {g: [MicrobatchTiming(256, 16384.0, 0.004)] * 4 for g in (0, 1)}
@@ -169,6 +169,16 @@ def test_a_shrunk_group_is_slow_only_below_what_its_plan_was_expected_to_give(tm
     assert planner.evictions() == {}
 
 
+def rank_lost(tmp_path, log: EventLog, shape: GroupShape, alive: list[int]):
+    """(The restricted decision, its `group_plan` event) for group 1 of 2 under `shape` having lost a rank
+    at step 4, `alive` its survivors that claimed, after a committed step of TIMINGS."""
+    planner = planner_for(shape, 2, log, quotas="speed")
+    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
+    planner.forget(1)
+    r = planner.on_rank_lost(1, alive, 4, [0], Predictor())
+    return r, read_events(tmp_path)[-1]
+
+
 def test_several_survivors_re_form_only_a_pipeline_of_whole_stages(tmp_path):
     """2 stages x TP 2 (4 ranks), rank 3 lost, ranks 0-2 claimed: the scheduler's choice, executed, is the
     TP team of stage 0 running both stages (~1/2 of the group; its TP degree kept: bitwise). Ranks 0 and
@@ -179,49 +189,34 @@ def test_several_survivors_re_form_only_a_pipeline_of_whole_stages(tmp_path):
     full plan's stages, executed."""
     log = EventLog(tmp_path / "events.jsonl")
     shape = GroupShape(group_size=4, tp=2, pp=2, layers=2, width=64, microbatches=8, steps=20, reform_seconds=0.01)
-    planner = planner_for(shape, 2, log, quotas="speed")
-    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
-    planner.forget(1)
-    r = planner.on_rank_lost(1, [0, 1, 2], 4, [0], Predictor())
+    r, e = rank_lost(tmp_path, log, shape, [0, 1, 2])
     assert r.applied == r.decision.chosen and r.applied.plan.teams == ((0, 1),), r.applied
-    e = read_events(tmp_path)[-1]
     assert (e["alive"], e["applied_plan"], e["applied_teams"]) == ([0, 1, 2], "tp2 pp1 [2]", [[0, 1]])
     assert not e["not_executable"] and e["trajectory"].startswith("bitwise"), e
     one = [o["weight"] for o in e["options"] if o["plan"] == "tp1 pp1 [2]"]
     assert e["applied_weight"] > 1.8 * one[0]  # the whole model on one rank: ~1/4
-    planner = planner_for(replace(shape, microbatches=4), 2, log, quotas="speed")
-    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
-    planner.forget(1)
-    planner.on_rank_lost(1, [0, 2], 4, [0], Predictor())
-    e = read_events(tmp_path)[-1]
+    _, e = rank_lost(tmp_path, log, replace(shape, microbatches=4), [0, 2])
     assert (e["applied_plan"], e["applied_teams"], e["trajectory"][:6]) == ("tp1 pp2 [1,1]", [[0], [2]], "within"), e
     assert not e["not_executable"], e
     three = GroupShape(group_size=3, tp=1, pp=3, layers=3, width=64, microbatches=8, steps=20, reform_seconds=0.01)
-    planner = planner_for(three, 2, log, quotas="speed")
-    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
-    planner.forget(1)
-    r = planner.on_rank_lost(1, [0, 2], 4, [0], Predictor())
+    r, _ = rank_lost(tmp_path, log, three, [0, 2])
     assert r.applied.kind == "shrink" and r.applied.plan.teams == ((0,), (2,)), r.applied.plan
     assert r.applied.plan.stages in ((2, 1), (1, 2))
     assert not any(k.startswith("shrink") for k in read_events(tmp_path)[-1]["not_executable"])
 
 
-def test_a_pipeline_of_fsdp2_stages_re_forms_one_rank_a_stage_and_refuses_sharded_teams(tmp_path):
+def test_fsdp2_pipelines_re_form_one_rank_or_one_tp_team_a_stage(tmp_path):
     """2 stages x 2 FSDP2 shards (4 ranks), rank 3 lost, ranks 0-2 claimed: two survivors re-form the two
     stages, one rank each (each holding both shards of its stage: ~1/2 of the group), executed and bitwise
     (the FSDP2 stages' tied-weight sum kept in float64: pipeline.Stages(apart=True)), nothing refused (a
-    shrink has no FSDP2: scheduling.py; `reformable` would refuse one). 2 x 2 x TP 2 (8 ranks),
-    rank 5 lost: the scheduler's choice of TP teams is refused in a group with FSDP2, and a pipeline of
-    one rank a stage is applied, within tolerance (TP 2 -> 1)."""
+    shrink has no FSDP2: scheduling.py; `reformable` would refuse one: the test below). 2 x 2 x TP 2 (8 ranks),
+    rank 5 lost: the scheduler's choice, two whole TP teams one a stage (each rank holding both FSDP2
+    shards of its TP index), executed, bitwise (the TP degree kept)."""
     log = EventLog(tmp_path / "events.jsonl")
     # 12 microbatches: with 8, one survivor's 2 a step at 1/4 speed tie with the pipeline's (measured 0.031958
     # s against 0.031979 s a step: the bubble), and the one survivor is rightly kept
     shape = GroupShape(group_size=4, tp=1, pp=2, layers=2, width=64, microbatches=12, steps=20, reform_seconds=0.01)
-    planner = planner_for(shape, 2, log, quotas="speed")
-    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
-    planner.forget(1)
-    r = planner.on_rank_lost(1, [0, 1, 2], 4, [0], Predictor())
-    e = read_events(tmp_path)[-1]
+    r, e = rank_lost(tmp_path, log, shape, [0, 1, 2])
     assert r.applied.kind == "shrink" and [len(t) for t in r.applied.plan.teams] == [1, 1], r.applied
     assert (e["applied_plan"], e["trajectory"][:7]) == ("tp1 pp2 [1,1]", "bitwise"), e
     assert r.applied.plan.shard == 1 and r.applied == r.decision.chosen, r.applied
@@ -230,12 +225,31 @@ def test_a_pipeline_of_fsdp2_stages_re_forms_one_rank_a_stage_and_refuses_sharde
     assert e["applied_weight"] > 1.8 * one[0]  # the whole model on one rank: ~1/4
     three_d = GroupShape(group_size=8, tp=2, pp=2, layers=2, width=64, microbatches=48, steps=20,
                          reform_seconds=0.01)
-    planner = planner_for(three_d, 2, log, quotas="speed")
-    planner.on_verdicts([], TIMINGS, Predictor(), [0, 1])
-    planner.forget(1)
-    r = planner.on_rank_lost(1, [0, 1, 2, 3, 4, 6, 7], 4, [0], Predictor())
-    e = read_events(tmp_path)[-1]
-    assert r.applied.plan is not None and r.applied.plan.tp == 1 and r.applied.plan.shard == 1, r.applied
-    assert e["trajectory"].startswith("within"), e
-    refused = {k: why for k, why in e["not_executable"].items() if k.startswith("shrink")}
-    assert refused and set(refused.values()) == {MULTI_RANK} and all(" tp2 " in f" {k} " for k in refused), e
+    r, e = rank_lost(tmp_path, log, three_d, [0, 1, 2, 3, 4, 6, 7])
+    assert r.applied == r.decision.chosen and r.applied.plan.tp == 2 and r.applied.plan.pp == 2, r.applied
+    assert all(len(team) == 2 and team[0] % 2 == 0 and team[1] == team[0] + 1 for team in r.applied.plan.teams)
+    assert e["trajectory"].startswith("bitwise") and not e["not_executable"], e
+    assert e["applied_weight"] > 1.8 * max(o["weight"] for o in e["options"] if o["plan"] == "tp1 pp1 [2]")
+
+
+def test_reformable_refuses_exactly_the_plans_whose_slices_are_not_a_peer_s_shard_indices():
+    """A full plan of 2 stages x 2 FSDP2 shards x TP 4 (16 ranks): one rank a stage and whole TP 4 teams
+    are executable (each holds whole shard indices of its full stages); a TP 2 team (its slices would cut
+    other heads than a TP 4 rank's), a team sharding with FSDP2 (other rows) and a split of layers that
+    cuts a full stage are refused, each named."""
+    from unbroken.policy.plans import Plan
+    from unbroken.policy.scheduling import Option
+
+    full = Plan(tp=4, stages=(2, 2), teams=(tuple(range(8)), tuple(range(8, 16))), shard=2)
+    unable = reformable(full)
+
+    def why(plan: Plan) -> str | None:
+        return unable(Option("shrink", plan, 0.0, 0.0, 0.0, 0.0, ()))
+
+    assert why(Plan(tp=1, stages=(2, 2), teams=((0,), (9,)))) is None
+    assert why(Plan(tp=4, stages=(2, 2), teams=((0, 1, 2, 3), (8, 9, 10, 11)))) is None
+    assert why(Plan(tp=4, stages=(4,), teams=((4, 5, 6, 7),))) is None
+    assert why(Plan(tp=1, stages=(4,), teams=((3,),))) is None  # one rank: the stand-in
+    assert why(Plan(tp=2, stages=(2, 2), teams=((0, 1), (8, 9)))) == MULTI_RANK
+    assert why(Plan(tp=4, stages=(2, 2), teams=(tuple(range(8)), tuple(range(8, 16))), shard=2)) == MULTI_RANK
+    assert why(Plan(tp=1, stages=(1, 3), teams=((0,), (9,)))) == MULTI_RANK  # cuts full stage 0

@@ -24,7 +24,6 @@ from tests.runtime.test_groups import digests, plain_loop, run_faults, timeline
 from tests.runtime.test_pp_tp import staged, train
 from tests.runtime.test_pp_tp_persist import longer
 from unbroken.config import Config
-from unbroken.runtime.control.replanning import MULTI_RANK
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -377,43 +376,6 @@ def test_a_pipeline_of_tensor_parallel_stages_re_forms_a_tp_team_bitwise(tmp_pat
     records = {e["step"]: e for e in events if e["event"] == "step"}
     assert any("1" in records[s]["owners"] for s in range(healed + 1, 16))
     assert digests(out) == digests(both_reference)
-
-
-def shrinks_within_tolerance(tmp_path: Path, base: list[str], hold: str = HOLD, ranks: int = 4, lost: int = 3,
-                             at: int = 3, steps: int = 16, applied: str = "tp1 pp1 [2]") -> None:
-    """A run of 2 groups of `ranks` ranks under `base` (`steps` steps), rank `lost` of group 1 killed with
-    its host at step `at` (group 0 slowed by `hold`): the scheduler applies `applied`, one rank a stage (one
-    survivor standing in for the group where it has one stage; the other survivors leave), its ranks
-    together hold all `ranks` shard indices, heal them from one peer and compute as all of them, and
-    every step's loss is within 1e-5 (relative) of the plain one-process loop's."""
-    out, events = run_faults(tmp_path, f"kill:replica=1,rank={lost},step={at},phase=compute; {hold}", base=base)
-    one(events, "fault", kind="kill", replica=1, rank=lost)
-    # the others leave: on finding the group broken (survivor_left), or fenced when the coordinator's
-    # verdict on their group (a leaving survivor's exit) came first
-    left = [e.get("rank", 0) for e in events if e["event"] in ("survivor_left", "fenced") and e["replica"] == 1]
-    plan = one(events, "group_plan", replica=1, why="rank lost")
-    holders = [r for (r,) in plan["applied_teams"]]  # one rank a stage, chosen among those that claimed (`alive`)
-    survivors = [j for j in range(ranks) if j != lost]
-    assert set(holders) <= set(plan["alive"]) <= set(survivors), (holders, plan["alive"])
-    assert sorted([*left, *holders]) == survivors, (left, plan["applied_teams"])  # they stay, the rest leave
-    assert (plan["applied"], plan["applied_plan"]) == ("shrink", applied)
-    assert plan["trajectory"].startswith("within float32 tolerance")
-    # the scheduler's own choice among the survivors that claimed, where not applied: a plan of several
-    # ranks that reform.py does not build (a TP team holding FSDP2 shards, say), refused and named
-    if plan["teams"] != plan["applied_teams"] and len({r for team in plan["teams"] for r in team}) > 1:
-        assert plan["not_executable"][f"shrink {plan['plan']}"] == MULTI_RANK, plan["not_executable"]
-    one(events, "join", replica=1, shrunk=True)
-    heals = stand_in_heals(events)
-    assert sorted(e["rank"] for e in heals) == list(range(ranks))
-    records = {e["step"]: e for e in events if e["event"] == "step"}
-    shrunk = [e for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] > heals[0]["step"]]
-    held = {tuple(e.get("shards", ())) for e in shrunk}  # each holder's: together every index, once
-    assert len(held) == len(holders) and sorted(j for h in held for j in h) == list(range(ranks)), held
-    assert any("1" in records[s]["owners"] for s in range(heals[0]["step"] + 1, steps))
-    cfg = Config.from_json((out / "config.json").read_text())
-    _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
-    drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(steps)]
-    assert max(drift) <= 1e-5, drift
 
 
 @pytest.mark.timeout(240)

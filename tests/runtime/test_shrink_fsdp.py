@@ -8,8 +8,9 @@ turn, and reduces each shard index with group 0's rank of that index: every step
 failure-free run's, dropout on. A replacement for the lost host then grows the group back to its two
 shards, still on the plain one-process loop's trajectory. A group of 2 stages x 2 FSDP2 shards that
 loses a rank of its second stage re-forms a pipeline of one rank a stage (reform.py), each rank holding
-both shards of its stage, bitwise; a group of all three degrees (2 stages x 2 FSDP2 shards x TP 2) the
-same way, within float32 tolerance (TP 2 -> 1).
+both shards of its stage, bitwise; a group of all three degrees (2 stages x 2 FSDP2 shards x TP 2)
+re-forms a pipeline of two TP teams, each rank holding both shards of its TP index's part of its stage,
+bitwise.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from tests.runtime.test_groups import digests, run_faults
 from tests.runtime.test_pp_tp import train
 from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
-    assert_stood_in, one, shrinks_within_tolerance, stand_in_heals
+    assert_stood_in, one, stand_in_heals
 from unbroken.events import read_events, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -79,24 +80,40 @@ THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "48", "--exact",
            "--parallel.tp=2", "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
 
 
-@pytest.mark.timeout(300)
-def test_a_3d_group_re_forms_a_pipeline_of_one_rank_a_stage_within_float32_tolerance(tmp_path):
+@pytest.mark.timeout(420)
+def test_a_3d_group_re_forms_a_pipeline_of_tp_teams_bitwise(tmp_path, tmp_path_factory):
     """2 groups of 8 ranks, 2 stages x 2 FSDP2 shards x TP 2 (rank = (stage x 2 + shard) x 2 + TP index):
-    rank 5 (stage 1, shard 0, TP index 1) of group 1 dies with its host at step 2. Two survivors re-form
-    a pipeline of one rank a stage (reform.py; the other five leave), each holding the 4 shard indices of
-    its stage: it heals each index's part from group 0's matching rank (a stage's parameters, a TP rank's
-    rows or columns of them, FSDP2's rows of that: 2-D pieces where FSDP2 cuts a TP rank's columns,
-    checked against real ranks' tensors in test_standin.py), computes each FSDP2 shard's rows in turn,
-    and the last stage files each share's loss under its shard index. The scheduler's own choice, TP
-    teams holding FSDP2 shards, is refused and named. Not bitwise (TP 2 -> 1 reorders float32 sums), and
-    its `group_plan` says so: every step's loss within 1e-5 (relative) of the plain one-process loop's.
-    48 microbatches a step: the re-formed pipeline is priced at 1/4 of the group (one survivor holding
-    all 8 indices, as before reform.py built this, at 1/8), and with 4 the scheduler rightly drops the
-    group (a microbatch of 8 units there would outlast group 0's whole step). Group 0 sleeps 1 s after
-    each of its steps from step 3 (a pipeline's compute span is its step) so the heal lands with steps
-    left."""
-    shrinks_within_tolerance(tmp_path, THREE_D, hold="slow:replica=0,from=3,for=1.0", ranks=8, lost=5, at=2,
-                             steps=8, applied="tp1 pp2 [1,1]")
+    rank 5 (stage 1, shard 0, TP index 1) of group 1 dies with its host at step 2. Two whole TP teams of
+    survivors re-form a pipeline, one team a stage (reform.py; the other survivors leave): TP rank t of a
+    team holds both FSDP2 shard indices of its stage's TP index t (FSDP2's rows of its local TP tensors),
+    heals each from group 0's matching rank, computes each shard's rows of every microbatch in turn
+    through TP over its team, and reduces each index with group 0's rank of it. Every step's digest is
+    the failure-free 3-D run's: the TP degree is kept (the same kernels), each index sums in float64 the
+    float32 gradients its FSDP2 rank's reduce-scatter summed, and the stages hand the tied weight's parts
+    over apart. 48 microbatches a step: the re-formed group is priced at about 1/2 of the group, and
+    with 4 a shrunk group's microbatch would outlast group 0's whole step. Group 0 sleeps 1 s after each
+    of its steps from step 3 (a pipeline's compute span is its step) so the heal lands with steps left."""
+    reference = train(tmp_path_factory, "three-d-reference", THREE_D)
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=5,step=2,phase=compute; slow:replica=0,from=3,for=1.0",
+                             base=THREE_D)
+    fault = one(events, "fault", kind="kill", replica=1, rank=5)
+    assert (fault["step"], fault["phase"]) == (2, "compute")
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    assert (plan["applied"], plan["applied_plan"], plan["trajectory"][:7]) == ("shrink", "tp2 pp2 [1,1]", "bitwise"), plan
+    teams = plan["applied_teams"]
+    assert all(len(team) == 2 and team[0] % 2 == 0 and team[1] == team[0] + 1 for team in teams), teams  # TP teams
+    assert set(r for team in teams for r in team) <= set(plan["alive"]) and not plan["not_executable"], plan
+    regroups = sorted((e["stages"], e["tp"], tuple(e["shards"])) for e in events if e["event"] == "regroup"
+                      and e["replica"] == 1)
+    # stage k's team, TP index t: the indices (k x 2 + f) x 2 + t of both FSDP2 shards f
+    assert regroups == [(2, 2, ((k * 2) * 2 + t, (k * 2 + 1) * 2 + t)) for k in (0, 1) for t in (0, 1)], regroups
+    shrunk = {tuple(e["shards"]) for e in events if e["event"] == "compute" and e["replica"] == 1 and "shards" in e}
+    assert shrunk == {shards for _, _, shards in regroups}, shrunk
+    heals = stand_in_heals(events)
+    assert sorted(e["rank"] for e in heals) == list(range(8))
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    assert any("1" in records[s]["owners"] for s in range(max(e["step"] for e in heals) + 1, 8))
+    assert digests(out) == digests(reference)
 
 
 # 2 groups of 4 ranks: 2 stages x 2 FSDP2 shards (rank = stage x 2 + shard)
@@ -129,12 +146,12 @@ def test_a_pipeline_of_fsdp2_stages_re_forms_one_rank_a_stage_bitwise(tmp_path, 
     assert first != second and {first, second} <= set(plan["alive"]) <= {0, 1, 2}, plan  # any survivor: healed
     assert plan["trajectory"].startswith("bitwise")
     assert "shrink tp1 pp2 [1,1]" not in plan["not_executable"], plan["not_executable"]
-    regroups = {(e["rank"], tuple(e["shards"])) for e in events if e["event"] == "regroup" and e["replica"] == 1}
-    assert regroups == {(first, (0, 1)), (second, (2, 3))}, regroups
+    regroups = {tuple(e["shards"]) for e in events if e["event"] == "regroup" and e["replica"] == 1}
+    assert regroups == {(0, 1), (2, 3)}, regroups
     heals = stand_in_heals(events)
     assert sorted(e["rank"] for e in heals) == [0, 1, 2, 3]
     healed = max(e["step"] for e in heals)
-    computed = {(e["rank"], tuple(e["shards"])) for e in events if e["event"] == "compute" and e["replica"] == 1
+    computed = {tuple(e["shards"]) for e in events if e["event"] == "compute" and e["replica"] == 1
                 and e["step"] > healed}
     assert computed == regroups, computed
     records = {e["step"]: e for e in events if e["event"] == "step"}

@@ -12,21 +12,22 @@ A plan of several ranks is a pipeline whose stage k holds whole stages of the fu
 plans.coarsen; one stage where a TP team holds them all): the cross-group reduction of shard index j
 needs the same layers in every group, so a rank holds the shard indices of the full stages it merged
 (`standin.StandIn(held=...)`), reduces, digests and heals each, and beats for each. Each stage is
-computed by one rank or, in a group without FSDP2, by a TP team of the full plan's degree (a full
-stage's team, all alive):
+computed by one rank or by a TP team of the full plan's degree (a full stage's TP team, all alive;
+neither shards with FSDP2: each holds every FSDP2 shard's rows of its part and computes each in turn):
 - one rank holds every TP index and FSDP2 shard of its full stages, slices of whole tensors
   (standin.layout), computing without TP and each FSDP2 shard's rows of a microbatch in turn (the shape
   its pipeline passes is one shard's rows): within float32 tolerance where the full plan had TP (as one
   survivor of a TP group is); where it had FSDP2 inside its stages, the stages hand each other the tied
   weight's parts apart (pipeline.Stages(apart=True)), to be summed in float64 as the full plan did;
 - a TP team's rank t holds TP index t of them: TP is applied to the whole model over the plan's mesh
-  before the stand-in takes its parameters (their DTensors' local shards are rank t's slices), then the
+  before the stand-in takes its parameters (their DTensors' local shards are rank t's slices, and with
+  FSDP2 in the full plan each shard f's rows of those are index (s x shards + f) x tp + t), then the
   pipeline split prunes it.
 Bitwise under --exact wherever the TP degree is kept, as one rank holding every stage is (standin.py):
 the same kernels per microbatch, the tied weight's two float32 parts summed once across the first and
 last stage (apart, in float64, after FSDP2), dropout re-seeded at every full stage's first block and
 every FSDP2 share. Another TP or FSDP2 degree is refused (replanning.reformable): its slices would not be
-shard index j's; so is a TP team in a group with FSDP2 (standin.StandIn holds no FSDP2 shards of a TP team).
+shard index j's.
 
 Why the survivors re-initialise the default process group rather than add a group beside it: torch's
 PipelineStage needs a registered group, and the old default group is broken (a peer died). With gloo,
@@ -150,9 +151,10 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
         plan = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
         model, pipe = tensor_parallel(model, plan, dist.group.WORLD, device)
     # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it
-    # one rank of a group with FSDP2 holds every shard's rows of its stages and computes each in turn
-    shards = 1 if reform.tp > 1 else topology.dp_shard
-    standin = StandIn(model, topology.pp, topology.tp, shards, held=reform.held, tensor_parallel=reform.tp > 1)
+    # a rank of a group with FSDP2 holds every shard's rows of its stages (of its TP index's local tensors,
+    # in a TP team) and computes each shard's rows of a microbatch in turn
+    standin = StandIn(model, topology.pp, topology.tp, topology.dp_shard, held=reform.held,
+                      tensor_parallel=reform.tp > 1)
     vocab, width = model.tok.weight.shape
     stages = None
     if reform.stages > 1:

@@ -78,9 +78,9 @@ LOST_REFUSED = {
 # why a plan of several survivors is not executed where it is not a pipeline of whole stages of the full
 # plan, computed by one rank or a TP team of the full degree, in a group without FSDP2 (`reformable`)
 MULTI_RANK = ("several survivors re-form only into pipeline stages that merge whole stages of the full plan, "
-              "each one rank (holding every FSDP2 shard and TP index of its stages) or, in a group without "
-              "FSDP2, a TP team of the full plan's degree (runtime/reform.py); one survivor stands in for "
-              "the whole group otherwise")
+              "each one rank (holding every FSDP2 shard and TP index of its stages) or a TP team of the full "
+              "plan's degree (each rank every FSDP2 shard of its TP index), never sharded with FSDP2 "
+              "(runtime/reform.py); one survivor stands in for the whole group otherwise")
 
 
 def reformable(full: Plan) -> Callable[[scheduling.Option], str | None]:
@@ -88,15 +88,13 @@ def reformable(full: Plan) -> Callable[[scheduling.Option], str | None]:
     plan is `full` (None where it can): its team members re-form a pipeline whose stage k holds whole
     stages of the full plan (policy/plans.coarsen), each stage's team either one rank holding every TP
     rank's and FSDP2 shard's slices of them (whole tensors: TP 2 -> 1, FSDP2 2 -> 1, each shard's rows
-    computed in turn) or, without FSDP2, a TP team of the full plan's degree (its ranks each holding their
-    TP index's shard indices of them). No other TP or FSDP2 degree: its slices would cut other heads or
-    rows than shard index j holds in the peer groups."""
+    computed in turn) or a TP team of the full plan's degree (its ranks each holding their TP index's
+    shard indices of them, every FSDP2 shard's). No other TP or FSDP2 degree: its slices would cut other
+    heads or rows than shard index j holds in the peer groups."""
     def unable(o: scheduling.Option) -> str | None:
         if o.plan is None or len(o.plan.ranks) <= 1:
             return None
         if o.plan.shard > 1 or o.plan.tp not in (1, full.tp) or not aligned(o.plan, full):
-            return MULTI_RANK
-        if o.plan.tp > 1 and full.shard > 1:  # a TP team holding FSDP2 shards: not built (standin.StandIn)
             return MULTI_RANK
         return None
     return unable

@@ -59,8 +59,11 @@ class Slice:
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This part of `t` (the parameter, its gradient or a state tensor shaped like it): `t` itself when
-        whole, else a copy."""
-        if self.whole or t.shape != self.param.shape:
+        whole, else a copy (of its local tensor where it is a DTensor: a re-formed TP team's FSDP2 rows)."""
+        if self.whole:
+            return t
+        t = local(t)
+        if t.shape != local(self.param).shape:
             return t
         part = t.index_select(self.dim, self.index)
         return part if self.rows is None else part.index_select(0, self.rows)
@@ -69,7 +72,7 @@ class Slice:
         """Write `part` (as `take` gave it) back into `full`."""
         if part is not full:
             with torch.no_grad():
-                if self.whole or full.shape != self.param.shape:
+                if self.whole or full.shape != local(self.param).shape:
                     full.copy_(part)
                 elif self.rows is None:
                     full.index_copy_(self.dim, self.index, part)
@@ -99,14 +102,15 @@ def _part(name: str, p: nn.Parameter, t: int, tp: int, k: int, shards: int) -> S
     dim, index = _tp_part(name, p, t, tp) if tp > 1 else (0, None)
     rows = None
     if shards > 1:
-        n = len(index) if index is not None and dim == 0 else p.shape[0]  # dim 0 of the TP rank's tensor
+        # dim 0 of the TP rank's tensor (its local one where TP already split it: a re-formed TP team)
+        n = len(index) if index is not None and dim == 0 else local(p).shape[0]
         step = -(-n // shards)  # torch.chunk's chunk size
         rows = torch.arange(min(k * step, n), min((k + 1) * step, n))
         if index is None or dim == 0:  # one cut along dim 0: the shard's rows of the rank's rows
             dim, index, rows = 0, rows if index is None else index[rows], None
     if index is None:
         return Slice(p, ghost=p)
-    shape = list(p.shape)
+    shape = list(local(p).shape)
     shape[dim] = len(index)
     if rows is not None:
         shape[0] = len(rows)
@@ -177,10 +181,10 @@ class ShardedAccumulator:
         for p in self.params:
             sliced = [s for _, s in self._holders[id(p)] if not s.whole]
             if sliced:
-                grad = torch.empty_like(p)
+                grad = torch.empty_like(local(p))
                 for s in sliced:
                     s.put(grad, s.ghost.grad)
-                p.grad = grad
+                p.grad = Accumulator._as_grad(p, grad)  # a DTensor's where p is one (a TP team's)
         return loss
 
 
@@ -195,15 +199,14 @@ class StandIn:
         group re-formed into fewer pipeline stages: the indices of the full stages its stage merged);
         every index when None. `model` is the whole model, split (pipeline.split) after this, if at all.
         `tensor_parallel`: `model` is already split over a TP team of `tp` ranks (a re-formed TP team,
-        reform.build), so shard index s x tp + t, held by TP rank t only, is stage s's parameters whole:
-        their DTensors' local shards are rank t's slices."""
+        reform.build), so shard index (s x shards + f) x tp + t, held by TP rank t only, is FSDP2 shard
+        f's rows (torch.chunk's, as fully_shard cuts them) of stage s's parameters' local tensors: their
+        DTensors' local shards are rank t's slices (all of them without FSDP2)."""
         if pp * tp * shards == 1:
             raise TopologyError(f"a shrunk group stands in for several ranks (pp={pp}, tp={tp}, FSDP2 shards=1)")
-        if tensor_parallel and shards > 1:
-            raise TopologyError(f"a re-formed TP team stands in for no FSDP2 shards ({shards} given)")
-        every = layout(model, pp, 1, 1) if tensor_parallel else layout(model, pp, tp, shards)
-        if tensor_parallel:  # stage s's parameters under each of its TP indices
-            every = [every[j // tp] for j in range(pp * tp)]
+        every = layout(model, pp, 1, shards) if tensor_parallel else layout(model, pp, tp, shards)
+        if tensor_parallel:  # (stage s, FSDP2 shard f)'s rows of the local tensors under each TP index t
+            every = [every[j // tp] for j in range(pp * shards * tp)]
         self.held = tuple(range(len(every))) if held is None else tuple(held)
         self.model, self.shares = model, shards
         self.layout = [every[j] for j in self.held]
