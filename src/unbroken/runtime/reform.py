@@ -150,9 +150,8 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     if reform.tp > 1:  # TP before the stand-in takes its parameters: TP replaces them with DTensors
         plan = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
         model, pipe = tensor_parallel(model, plan, dist.group.WORLD, device)
-    # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it
-    # a rank of a group with FSDP2 holds every shard's rows of its stages (of its TP index's local tensors,
-    # in a TP team) and computes each shard's rows of a microbatch in turn
+    # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it; with FSDP2,
+    # every shard's rows of that part (it computes each shard's rows of a microbatch in turn)
     standin = StandIn(model, topology.pp, topology.tp, topology.dp_shard, held=reform.held,
                       tensor_parallel=reform.tp > 1)
     vocab, width = model.tok.weight.shape
