@@ -132,7 +132,7 @@ def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pi
     one(events, "group_broken", replica=1, rank=survivor)  # the survivor saw its pipeline peer die
     # it dropped its stage (model, optimizer state, pipeline) before building the whole model
     released = one(events, "released", replica=1, rank=survivor)
-    assert (released["parameters"], released["elements"]) == (0, 0), released
+    assert (released["parameters"], released["elements"], released["sidecar_idle"]) == (0, 0, True), released
     dead = one(events, "member_dead", replica=1)
     plan = one(events, "group_plan", replica=1, why="rank lost")
     assert (plan["decision"], plan["applied"], plan["alive"], plan["plan"]) == ("shrink", "shrink", [survivor],

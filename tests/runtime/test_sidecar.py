@@ -3,7 +3,11 @@ when that writer died with it unwritten (a real TCPStore; members are Coordinati
 a worker)."""
 from __future__ import annotations
 
+import gc
 import json
+import threading
+import time
+import weakref
 
 import pytest
 from torch.distributed import TCPStore
@@ -151,3 +155,31 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
     watches = [s.coord._weights_watch for s in members]
     stop(watches, store)  # before the fixture's server goes: else each prints a C++ warning (seen in CI)
     assert not any(w._thread.is_alive() for w in watches)
+
+
+def test_close_waits_for_the_running_job_and_cancels_the_queued_ones(store, tmp_path):
+    """A group's survivor lets its trainer go before building the whole model: its sidecar's running job
+    (here a digest that takes 0.5 s) holds the trainer's parameters through `digest`, so `close` waits
+    for it, up to its timeout, and drops what was queued behind it."""
+    log = EventLog(tmp_path / "events.jsonl")
+    release = threading.Event()
+
+    class Model:  # what the digest closure keeps alive
+        pass
+
+    model = Model()
+    alive = weakref.ref(model)
+    sidecar = Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), 0), log,
+                      lambda m=model: (release.wait(5), "digest-0")[1])
+    del model
+    sidecar.record(5, 0, MEMBERS, 0, {"step": 5, "loss": 1.0})  # its hash blocks until `release`
+    queued = sidecar.plan(6, Plan(0, MEMBERS, {}))
+    t0 = time.monotonic()
+    assert sidecar.close(0.2) is False  # still running after 0.2 s: said, not waited out
+    assert 0.2 <= time.monotonic() - t0 < 2 and queued.cancelled()
+    threading.Timer(0.3, release.set).start()
+    assert sidecar.close(5) is True  # the running job ended within the timeout
+    del sidecar
+    gc.collect()
+    assert alive() is None  # nothing on the sidecar's thread holds the digest's model any more
+    assert [r["step"] for r in records(log)] == [5]  # the job it waited for did its work

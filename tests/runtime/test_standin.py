@@ -140,3 +140,39 @@ def test_a_stage_that_merges_full_stages_holds_their_names_and_only_their_shard_
         assert sorted(got) == sorted(want) and len(standin.layout) == len(held) == len(standin.held)
         assert set(names.values()) == set(want) | ({"head.weight"} if k == 1 else {"tok.weight"} - set(want))
         assert standin.loss_shards == ((0,) if k == 1 else ())
+
+
+def test_a_survivor_s_stale_parameters_name_what_still_holds_them():
+    """`released` (worker.py) counts the parameters alive after a survivor let its stage go, and where
+    there are some, names a chain of what holds one: here a thread's target. (Counted against what this
+    test process held before: other tests' modules may live on in it.)"""
+    import threading
+
+    from unbroken.runtime.reform import _holder, stale_parameters
+
+    before = stale_parameters()
+    done = threading.Event()
+
+    class Job:  # a background job that keeps a module alive until it ends
+        def __init__(self, module):
+            self.module = module
+
+        def run(self):
+            done.wait(10)
+
+    job = Job(torch.nn.Linear(3, 4))
+    held = job.module.weight
+    thread = threading.Thread(target=job.run, daemon=True)
+    thread.start()
+    del job
+    try:
+        stale = stale_parameters()
+        assert (stale["parameters"] - before["parameters"], stale["elements"] - before["elements"]) == (2, 16)
+        assert "held_by" in stale
+        chain = _holder(held, ignore=[])
+        assert chain.startswith("Parameter <- ") and "Linear <- Job <- method <- Thread" in chain, chain
+    finally:
+        done.set()
+        thread.join()
+    del held
+    assert stale_parameters() == before

@@ -164,3 +164,45 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
                         apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
     optimizer = factories.optimizer(unique_parameters(model), cfg)
     return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)
+
+
+def stale_parameters() -> dict:
+    """After a garbage collection: the parameters (`nn.Parameter`) and their elements still alive in this
+    process; called by a survivor between dropping its stage and building the whole model, where both
+    should be 0 (a reference kept anywhere, a thread or a traceback, would leave its stage's weights).
+    Where they are not, `held_by` says what holds the first of them (`_holder`), for the event log."""
+    import gc
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated aliases, which warn
+        warnings.simplefilter("ignore")
+        live = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]
+    found = {"parameters": len(live), "elements": sum(p.numel() for p in live)}
+    return {**found, "held_by": _holder(live[0], ignore=[live])} if live else found
+
+
+def _holder(obj: object, ignore: list, depth: int = 8) -> str:
+    """One chain of referrers from `obj` back to a root gc can name (a frame, a module, a thread's
+    target), as type names: `Parameter <- dict <- Linear <- ... <- frame run (file.py:12)`. Best
+    effort, for a diagnosis only; `ignore` holds this caller's own containers."""
+    import gc
+    import sys
+    import types
+
+    skip = {id(x) for x in ignore} | {id(sys._getframe()), id(sys._getframe(1))}
+    chain, seen = [type(obj).__name__], {id(obj)}
+    for _ in range(depth):
+        referrers = [r for r in gc.get_referrers(obj) if id(r) not in skip and id(r) not in seen]
+        if not referrers:
+            break
+        frames = [r for r in referrers if isinstance(r, types.FrameType)]
+        skip |= {id(referrers), id(frames)}  # they hold the next one when it is asked for its referrers
+        obj = frames[0] if frames else referrers[0]
+        seen.add(id(obj))
+        if isinstance(obj, types.FrameType):
+            code = obj.f_code
+            chain.append(f"frame {code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{obj.f_lineno})")
+            break
+        chain.append(type(obj).__name__ + (f" {obj.__name__}" if isinstance(obj, types.ModuleType) else ""))
+    return " <- ".join(chain)

@@ -60,10 +60,14 @@ from unbroken.runtime.parallel.parallelize import (intra_group, outlive_agent_re
                                                       release_agent)
 from unbroken.runtime.parallel.sockets import shut_recorded
 from unbroken.runtime.parallel.standin import StandIn
-from unbroken.runtime.reform import Reform, agree as agree_on_plan, build as build_reformed, regroup
+from unbroken.runtime.reform import Reform, agree as agree_on_plan, build as build_reformed, regroup, stale_parameters
 from unbroken.runtime.step import Parts
 from unbroken.runtime.trainer import Trainer
 from unbroken.topology import Identity, TopologyError
+
+# A survivor waits this long for its sidecar's running job (a store round trip and a digest, ms) before
+# it drops its stage; a longer one (rank 0's wait for a dead rank's shard digest) is left, and said
+SIDECAR_CLOSE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -317,11 +321,13 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         # that is one stage's weights and Adam moments too many. `released` counts what still holds on.
         if parts is not None and parts.stages is not None:
             parts.stages.close()  # what an interrupted schedule kept alive
+        idle = True  # the sidecar's running job holds the trainer through its digest: it ends first
         if trainer is not None:
             keep(list(trainer.groups.values()))  # the cross-group gloo groups live on (collectives.keep)
+            idle = trainer.sidecar.close(SIDECAR_CLOSE_S)
         trainer = parts = persist = sidecar = injector = group = None
         shut = close_group()  # a peer blocked on this rank wakes, and claims in time
-        log.emit("released", replica=me, **tag, **stale_parameters(), sockets_shut=shut)
+        log.emit("released", replica=me, **tag, **stale_parameters(), sockets_shut=shut, sidecar_idle=idle)
         # the survivors agree on the plan the coordinator chose for them: each takes its place or leaves
         place = agree_on_plan(cfg, coord, who, leader, restart, coord.incarnation,
                               cfg.coord.startup_timeout)
@@ -349,22 +355,6 @@ def close_group() -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return shut
-
-
-def stale_parameters() -> dict[str, int]:
-    """After a garbage collection: the parameters (`nn.Parameter`) and their elements still alive in this
-    process; called by a survivor between dropping its stage and building the whole model, where both
-    should be 0 (a reference kept anywhere, a thread or a traceback, would leave its stage's weights)."""
-    import gc
-    import warnings
-
-    import torch
-
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated aliases, which warn
-        warnings.simplefilter("ignore")
-        live = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]
-    return {"parameters": len(live), "elements": sum(p.numel() for p in live)}
 
 
 def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:

@@ -31,7 +31,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from unbroken.events import EventLog, has_step_record
 from unbroken.runtime.control.coordination import Coordination, Plan
@@ -59,13 +59,32 @@ class Sidecar:
         self.shard = coord.rank if shard is None else shard
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
+        self._jobs: list[Future] = []  # submitted and not seen done: what `close` waits for
         self._records: Future | None = None
         self._last: tuple[int, int, tuple[int, ...], int, dict] | None = None  # the last `record` call's arguments
         self._digest: _Once | None = None  # the param digest of the record we write last
 
+    def _submit(self, job: Callable, *args) -> Future:
+        self._jobs = [f for f in self._jobs if not f.done()]
+        self._jobs.append(self._pool.submit(job, *args))
+        return self._jobs[-1]
+
+    def close(self, timeout_s: float) -> bool:
+        """Call when the trainer is let go before the process ends (a group's survivor re-forming):
+        cancels the queued jobs and waits up to `timeout_s` for the running one, whose bound method holds
+        this sidecar and, through `digest`, the trainer's parameters (a stage's weights alive while the
+        survivor builds the whole model). True when no job runs any more (the thread ended); no job may be
+        submitted after. Calling it again waits again, for the same jobs."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        # not the cancelled ones: `wait` counts a future cancelled off the queue (never notified) as running
+        if wait([f for f in self._jobs if not f.done()], timeout_s).not_done:
+            return False
+        self._pool.shutdown(wait=True)  # its thread, past its last job's result, lets the job go and ends
+        return True
+
     def plan(self, step: int, mine: Plan) -> Future:
         """Compare-and-set `mine` as the plan of `step`; the future holds the plan that won."""
-        return self._pool.submit(self.coord.agree_plan, step, mine)
+        return self._submit(self.coord.agree_plan, step, mine)
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list, staged: bool, members: int,
                 next_plan: Plan, watch: Callable[[int, int], None]) -> Future:
@@ -76,7 +95,7 @@ class Sidecar:
         Runs after the record job queued before it, and not at all if that one failed: a member
         publishes only after its record of the step before is out."""
         before = self._records
-        return self._pool.submit(self._publish, before, step, epoch, held, timings, staged, members, next_plan,
+        return self._submit(self._publish, before, step, epoch, held, timings, staged, members, next_plan,
                                  watch)
 
     def _publish(self, before: Future | None, step: int, epoch: int, held: tuple[int, ...], timings: list,
@@ -98,7 +117,7 @@ class Sidecar:
         write = writer == self.coord.me and self.coord.rank == 0
         self._digest = _Once(lambda: self.digest(step, record["loss"])) if write or self.coord.rank else None
         if write or self.coord.rank or self.coord.weights_moved(self._weights):
-            self._records = self._pool.submit(self._record, self._digest, *self._last)
+            self._records = self._submit(self._record, self._digest, *self._last)
 
     def digest_now(self) -> None:
         """Hash the parameters for the record queued last, here and now, unless its job already did.
@@ -114,7 +133,7 @@ class Sidecar:
         epoch's members, `survivors`, one survivor writes it. A no-op unless we applied `step` last."""
         self.wait_records()
         if self.coord.rank == 0 and self._last is not None and self._last[0] == step and self._last[3] not in survivors:
-            self._records = self._pool.submit(self._rewrite, *self._last)
+            self._records = self._submit(self._rewrite, *self._last)
 
     def wait_records(self) -> None:
         """Block until the last step's bookkeeping is done; re-raises its error."""
@@ -188,7 +207,7 @@ class Sidecar:
         published new ones since the last. Call after `wait_records`."""
         if not self.coord.weights_moved(self._weights):
             return plan
-        return self._pool.submit(self._freshen, plan).result()
+        return self._submit(self._freshen, plan).result()
 
     def _freshen(self, plan: Plan) -> Plan:
         # Weights read after the last commit (`_record`) miss a verdict the coordinator reached on that
