@@ -44,9 +44,8 @@ def measure(records: list[dict]) -> dict:
     the first of them; a drop run has none of its own: main() takes the shrink run's)."""
     steps = {r["step"]: r for r in records if r["event"] == "step"}
     last = max(steps)
-    # (step, group, rank) -> device s, from its compute events (a group's ranks each log the group's slowest
-    # rank's time: gather_times; a stand-in logs its own; a re-formed pipeline's ranks, whichever they are,
-    # the slowest of theirs)
+    # (step, group, rank) -> device s, from its compute events (each rank logs its own, a stand-in for all it
+    # holds; a step's critical path is its busiest rank's)
     busy: dict[tuple[int, int, int], float] = {}
     for r in records:
         if r["event"] == "compute" and r["step"] >= FROM:

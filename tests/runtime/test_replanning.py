@@ -82,7 +82,7 @@ def test_drop_quotas_park_a_slow_group_for_good_and_a_takeover_keeps_it_parked(t
 
 def ranked(slow_rank: int | None, factor: float = 3.0) -> dict[int, list[MicrobatchTiming]]:
     """A committed step of 2 pipeline groups: each rank 2 ms a microbatch of its own, group 1's `slow_rank`
-    `factor` x that (the group's time its slowest rank's, as StepWork.gather_times leaves it)."""
+    `factor` x that (the group's time its slowest rank's, as slowness.group_timings makes it)."""
     out = {}
     for g in (0, 1):
         ranks = tuple(0.002 * (factor if g == 1 and j == slow_rank else 1.0) for j in range(2))

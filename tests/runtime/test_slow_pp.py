@@ -1,7 +1,7 @@
 """A fail-slow rank inside a pipeline group, through real torchrun jobs (2 groups x PP 2, gloo, --exact):
-rank 1 (the last stage) of group 1 spins 3x its compute from step 2. The group reports its slowest stage's
-device time and each stage's own, the coordinator's detector declares group 1 Slow and locates its rank 1,
-the scheduler (policy/scheduling.py) is
+rank 1 (the last stage) of group 1 spins 3x its compute from step 2. Each stage reports its own device
+time, the coordinator times the group by its slowest stage, its detector declares group 1 Slow and
+locates its rank 1, the scheduler (policy/scheduling.py) is
 called and its decision logged as a `group_plan` event with every candidate's predicted step time and
 re-plan cost; the runtime applies reweight (keep under --run.quotas=equal, drop under --run.quotas=drop:
 the group parked for the rest of the run) and says why the others are not executable. Oracle: the event log, the audit, and the PP oracle's digests (quotas
@@ -29,9 +29,14 @@ RUN = ["--replicas", "2", "--steps", str(STEPS), "--microbatches", str(M), "--ex
 
 
 def per_token(events, replica: int, first: int) -> float:
-    """Median device seconds per token of `replica`'s compute records from step `first` on."""
-    return statistics.median(e["seconds"] / e["tokens"] for e in events
-                             if e["event"] == "compute" and e["replica"] == replica and e["step"] >= first)
+    """Median device seconds per token of `replica`'s microbatches from step `first` on, each at its slowest
+    stage's (every stage logs its own)."""
+    worst: dict[tuple[int, int], float] = {}
+    for e in events:
+        if e["event"] == "compute" and e["replica"] == replica and e["step"] >= first:
+            key = (e["step"], e["microbatch"])
+            worst[key] = max(worst.get(key, 0.0), e["seconds"] / e["tokens"])
+    return statistics.median(worst.values())
 
 
 def plan_events(events, replica: int) -> list[dict]:

@@ -2,8 +2,8 @@
 torchrun jobs (2 groups x 2 ranks, gloo, --exact): rank 1 of group 1 spins 3x its compute from step 2.
 
 Its sibling waits for it inside the group's collectives without spending device time, so rank 0's own clock
-shows nothing; the group's ranks share their device times (StepWork.gather_times) and the done record
-carries the slowest rank's. Before that, such a rank was declared Slow late or never (a TP run like this one:
+shows nothing; each rank writes its own device times beside the done record (Coordination.stage) and the
+coordinator takes the slowest rank's (slowness.group_timings). Before that, such a rank was declared Slow late or never (a TP run like this one:
 at step 14 of 16, at speed 0.79). Oracle: the event log (the fault fired, the verdict, where the scheduler
 was told the slow rank is) and the audit (every step reduced all M microbatches, each once).
 """

@@ -66,3 +66,31 @@ def test_the_coordinator_reads_the_last_steps_once_every_member_finished(tmp_pat
     assert coord.poll(0.5) and coord.slowness.next_step == 1  # not a beat round: nothing read
     assert coord.poll(1.0) and coord.all_finished()
     assert coord.slowness.next_step == 3  # steps 1 and 2 read before the coordinator stops
+
+
+def test_a_group_s_ranks_time_themselves_and_the_monitor_takes_the_slowest(tmp_path):
+    """In a group of several ranks each rank writes its own device seconds with the done record
+    (`Coordination.stage`: rank 0 the record, saying how many ranks, rank j > 0 its own); the monitor
+    times each microbatch at its slowest rank's seconds, with every rank's by rank, as the locator
+    needs them. A member whose rank record is missing is timed by rank 0 alone, not mislabelled."""
+    from unbroken.policy.predictor import MicrobatchTiming
+    from unbroken.runtime.control.coordination import Coordination
+
+    store = HashStore()
+    store.set(keys.members(0), json.dumps([0, 1]))
+    store.set(keys.decision(5, 0), "commit@0")
+    held = (2, 3)
+    own = {(0, 0): (0.12, 0.13), (0, 1): (0.12, 0.13), (1, 0): (0.12, 0.13), (1, 1): (0.32, 0.33)}
+    for (m, rank), seconds in own.items():  # member 1's rank 1 is slow; member 0's ranks are even
+        Coordination(store, m, rank=rank).stage(5, 0, held, [(64, 4096, s) for s in seconds], ranks=2)
+    assert json.loads(store.get(keys.done(5, 0, 1)))["ranks"] == 2
+    assert not store.check([keys.rank_done(5, 0, 1, 0)])  # rank 0's own seconds are in the record
+    monitor = SlownessMonitor(store, EventLog(tmp_path / "events.jsonl", who="coordinator"), quotas="speed")
+    timings = monitor._timings(5, 0)
+    assert timings[1] == [MicrobatchTiming(64, 4096, 0.32, (0.12, 0.32)), MicrobatchTiming(64, 4096, 0.33, (0.13, 0.33))]
+    assert [t.seconds for t in timings[0]] == [0.12, 0.13]
+    store.delete_key(keys.rank_done(5, 0, 1, 1))
+    assert monitor._timings(5, 0)[1] == [MicrobatchTiming(64, 4096, 0.12, ()), MicrobatchTiming(64, 4096, 0.13, ())]
+    # a one-rank member (or a stand-in) writes the record alone, without `ranks`
+    Coordination(store, 0).stage(6, 0, held, [(64, 4096, 0.1)] * 2)
+    assert "ranks" not in json.loads(store.get(keys.done(6, 0, 0)))

@@ -41,7 +41,7 @@ class StepWork:
     acc: Accumulator
     tokens: int  # tokens in the whole step (every microbatch): the loss weights' denominator
     started: float  # time.time() at the step's start
-    # mb -> (tokens, sumsq, s), and in a group of several ranks each rank's s (gather_times)
+    # mb -> (tokens, sumsq, this rank's own device s)
     timings: dict[int, tuple] = field(default_factory=dict)
     waited: float = 0.0  # s spent waiting on peers' decisions or epochs (after any step ahead)
     stepped: float = 0.0  # time.time() after its optimizer step
@@ -55,22 +55,3 @@ class StepWork:
 
     def timings_of(self, held: tuple[int, ...]) -> list[tuple]:
         return [self.timings[i] for i in held]
-
-    def gather_times(self, group: dist.ProcessGroup | None, rank: int, ranks: int,
-                     microbatches: tuple[int, ...]) -> None:
-        """Every rank's own device seconds of each of `microbatches` (this rank's are in `timings`), in one
-        float64 all-reduce over the replica group's `ranks` ranks, which computed them together; each
-        timing then carries the group's time, its slowest rank's (the others wait for it in their
-        collectives without spending device time, so rank 0's own clock, the one in the done record,
-        would never show a slow rank j), and every rank's, by rank (policy/locating.py finds the slow
-        one). One-rank groups and stand-ins (`group` None) keep their own. Call after computing
-        `microbatches`, on every rank of the group (a collective: raises as the group's others do when a
-        rank is lost)."""
-        if group is None or not microbatches:
-            return
-        each = torch.zeros((ranks, len(microbatches)), dtype=torch.float64)  # rank x microbatch, s
-        each[rank] = torch.tensor([self.timings[i][2] for i in microbatches], dtype=torch.float64)
-        dist.all_reduce(each, group=group)  # a sum of rows each rank filled alone
-        for k, i in enumerate(microbatches):
-            tokens, sumsq = self.timings[i][:2]
-            self.timings[i] = (tokens, sumsq, float(each[:, k].max()), [round(v, 6) for v in each[:, k].tolist()])

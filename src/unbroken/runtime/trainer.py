@@ -72,6 +72,9 @@ class Trainer:
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
         self.ranks, topology = who.group_size, cfg.topology()
+        # ranks that time their own part of each microbatch, each rank's seconds in the store (coordination.
+        # stage): the group's; a stand-in (no group) times all it computes itself
+        self.timed = self.ranks if self.group is not None else 1
         _, self.share, tp_index = topology.coords(who.rank)  # share: whose rows of each microbatch (data.part)
         self.shares = topology.dp_shard
         self.fsdp = self.group is not None and self.shares > 1 and not self.standin  # FSDP2: rows, reduce-scatter
@@ -232,7 +235,7 @@ class Trainer:
                 self.before_publish(step, epoch)
                 self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
                 return rec.Published(epoch, self.coord.publish(step, epoch, held, work.timings_of(held),
-                                                               count=len(self.holds)))
+                                                               count=len(self.holds), ranks=self.timed))
             case rec.Propose(step, epoch, outcome):
                 plan = self.sidecar.fresh(self.coord.proposal(self.sidecar.weights)) if outcome == "commit" else None
                 return self.decided(work, step, epoch, self.coord.propose(step, epoch, outcome, plan))
@@ -343,7 +346,6 @@ class Trainer:
                           wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
-        work.gather_times(self.group, self.who.rank, self.ranks, microbatches)
         return rec.Computed(microbatches)
 
     def compute_stages(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
@@ -373,19 +375,17 @@ class Trainer:
             work.acc.add(loss if self.counts_loss else loss.new_zeros(()), items[k][1])
         self.faults.stretch(step, span, sum(mb.tokens for mb in mbs), sum(mb.sumsq for mb in mbs))
         own, wall = span.stop()
-        # The group's time is its slowest stage's, as in `compute`: a stage waiting on a slow peer's send
-        # blocks without spending device time. Its schedule's share of each microbatch, by tokens (a
-        # stand-in for several shards reports its first share's rows, as `compute` does).
+        # This stage's own time, its schedule's share of each microbatch by tokens (a stand-in for several
+        # shards reports its first share's rows, as `compute` does); the group's is its slowest stage's
+        # (slowness.group_timings), as in `compute`: a stage waiting on a slow peer's send blocks
+        # without spending device time.
         tokens = sum(mb.tokens for mb in mbs)
         shares = {i: sum(mb.tokens for (j, _), mb in zip(items, mbs) if j == i) / tokens for i in microbatches}
         mbs = [part(wholes[i], self.computes[0], self.shares) for i in microbatches]
         for i, mb in zip(microbatches, mbs):
             work.timings[i] = (mb.tokens, mb.sumsq, own * shares[i])
-        work.gather_times(self.group, self.who.rank, self.ranks, microbatches)
-        for i, mb in zip(microbatches, mbs):
-            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(work.timings[i][2], 6),
-                          own=round(own * shares[i], 6), wall=round(wall * shares[i], 6), tokens=mb.tokens,
-                          sumsq=mb.sumsq, **self.tag)
+            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(own * shares[i], 6),
+                          wall=round(wall * shares[i], 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
         return rec.Computed(microbatches)
 
     def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:
@@ -398,7 +398,7 @@ class Trainer:
 
         def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
             self.faults.at(step, "allreduce")  # the state a step ahead would need, a record's digest
-            self.coord.stage(step, epoch, held, work.timings_of(held))
+            self.coord.stage(step, epoch, held, work.timings_of(held), self.timed)
             self.pipeline.save_early()
             self.sidecar.digest_now()  # the step record we write of the step before (sidecar.py)
 

@@ -149,24 +149,33 @@ class Coordination:
         For a generation's first step only: a later step's plan comes with the commit before it."""
         return Plan.loads(self.store.compare_set(keys.plan(step), "", mine.dumps()))
 
-    def stage(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]]) -> None:
+    def stage(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]],
+              ranks: int = 1) -> None:
         """Write this member's done record of (step, epoch) ahead of `publish`: call while the all-reduce
         is in flight, so the write overlaps it instead of following it. Harmless if the reduce then
         fails: done records are read only for an epoch whose decision is commit, which needs every
-        member's `publish`. The group's other ranks computed the same microbatches: rank 0 writes it."""
+        member's `publish`. The group's other ranks computed the same microbatches: rank 0 writes the
+        record. Where the group's `ranks` > 1 ranks each time their own part, rank j > 0 writes its own
+        device seconds beside it (the coordinator takes the slowest rank's: slowness.group_timings);
+        they used to go to rank 0 by an all-reduce inside the group, a blocking collective after the
+        compute that cost ~5% of a 2 x 2 HSDP step on 2 cores (benchmarks/hsdp_overhead.py)."""
         if self.rank == 0:
-            self.store.set(keys.done(step, epoch, self.me), json.dumps({"held": list(held), "timings": timings}))
+            doc = {"held": list(held), "timings": timings, **({"ranks": ranks} if ranks > 1 else {})}
+            self.store.set(keys.done(step, epoch, self.me), json.dumps(doc))
+        elif ranks > 1:
+            self.store.set(keys.rank_done(step, epoch, self.me, self.rank),
+                           json.dumps({"held": list(held), "seconds": [t[2] for t in timings]}))
         self._staged = (step, epoch, tuple(held))
 
     def publish(self, step: int, epoch: int, held: tuple[int, ...], timings: list[tuple[int, int, float]],
-                staged: bool | None = None, count: int = 1) -> int:
+                staged: bool | None = None, count: int = 1, ranks: int = 1) -> int:
         """Say the all-reduce of (step, epoch) succeeded here (for this rank's shard, or for the `count`
         shard indices a shrunk group's rank reduced); returns how many publishes the epoch has had: one
         per shard index of each member group.
         The done record is written first unless `stage` already wrote this very one (`staged`; None:
         as this view knows, while another view, e.g. the sidecar's, is told by its caller)."""
         if not (self.staged(step, epoch, held) if staged is None else staged):
-            self.stage(step, epoch, held, timings)
+            self.stage(step, epoch, held, timings, ranks)
         return self.store.add(keys.done_count(step, epoch), count)
 
     def staged(self, step: int, epoch: int, held: tuple[int, ...]) -> bool:

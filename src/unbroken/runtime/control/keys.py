@@ -19,7 +19,9 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   weights               JSON {group: speed}, {} = equal           coordinator (detector's speeds)
   nweights, weights/{n} how many times the weights changed        coordinator
   plan/{s}              JSON {"epoch","members","weights"}        CAS, a generation's first step only
-  done/{s}/{e}/{g}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...]}   member
+  done/{s}/{e}/{g}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...], "ranks": G}
+                        the member's rank 0 ("ranks" where its G > 1 ranks time themselves)
+  done/{s}/{e}/{g}.{j}  JSON {"held": [mb...], "seconds": [s...]}: rank j > 0's own device seconds
   ndone/{s}/{e}         counter                                   member
   decision/{s}/{e}      "commit:{g}:{plan of s+1}" | "retry:{g}"  CAS by the proposer g
   recorded/{s}          "1" once step s's record is written       its writer (with last_commit)
@@ -137,6 +139,11 @@ def plan(step: int) -> str:
 
 def done(step: int, epoch: int, group: int) -> str:
     return f"done/{step}/{epoch}/{group}"
+
+
+def rank_done(step: int, epoch: int, group: int, rank: int) -> str:
+    """Rank j > 0's own device seconds of the microbatches its group computed in (step, epoch)."""
+    return f"done/{step}/{epoch}/{group}.{rank}"
 
 
 def done_count(step: int, epoch: int) -> str:

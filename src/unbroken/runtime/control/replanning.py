@@ -29,7 +29,7 @@ said so in each event:
   grow, repartition
                a live group's ranks keep their plan: only a lost (or evicted) rank's survivor re-forms
                (shrink), and a lost rank's return re-forms the group at its full plan by its torchrun restart
-The runtime's detector times whole groups (each microbatch at the group's slowest rank: StepWork.gather_times);
+The runtime's detector times whole groups (each microbatch at the group's slowest rank: slowness.group_timings);
 the done records also carry each rank's own device seconds, and `policy.locating` compares rank j of the
 Slow group with rank j of its peers over the committed steps of the group's episode (since it left
 Healthy; at most the last LOCATE_STEPS): the decision is given the

@@ -31,10 +31,21 @@ from unbroken.runtime.control.store import read
 REPLAY_STEPS = 64
 
 
-def timing(t: list) -> MicrobatchTiming:
-    """One microbatch's timing as a done record holds it: [tokens, sumsq, seconds], and in a group of several
-    ranks each rank's own seconds after them (StepWork.gather_times)."""
-    return MicrobatchTiming(t[0], t[1], t[2], tuple(t[3]) if len(t) > 3 else ())
+def group_timings(done: dict, ranks: list[dict]) -> list[MicrobatchTiming]:
+    """A member's timings of one step from its done record (rank 0's: [tokens, sumsq, seconds] a
+    microbatch) and, in a group of several ranks, ranks 1.. own records (`keys.rank_done`: their
+    seconds, in the order of their `held`): each microbatch at its slowest rank's seconds (the others
+    wait for it in their collectives without spending device time, so rank 0's own clock would never
+    show a slow rank j), with every rank's by rank (policy/locating.py finds the slow one)."""
+    own = {i: t for i, t in zip(done["held"], done["timings"])} if "held" in done else None
+    if not ranks or own is None:
+        return [MicrobatchTiming(t[0], t[1], t[2], ()) for t in done["timings"]]
+    others = [dict(zip(r["held"], r["seconds"])) for r in ranks]
+    out = []
+    for i, (tokens, sumsq, seconds) in own.items():
+        each = [seconds, *(o[i] for o in others if i in o)]
+        out.append(MicrobatchTiming(tokens, sumsq, max(each), tuple(round(v, 6) for v in each)))
+    return out
 
 
 class SlownessMonitor:
@@ -184,9 +195,26 @@ class SlownessMonitor:
                     # a group admitted in epoch e joins at the next step: it has no done record of
                     # this one (multi_get would wait for it until the store's timeout)
                     members = [m for m in members if self.store.check([keys.done(step, e, m)])]
-                done = self.store.multi_get([keys.done(step, e, m) for m in members])
-                return {m: [timing(t) for t in json.loads(d)["timings"]] for m, d in zip(members, done)}
+                done = {m: json.loads(d) for m, d in zip(members, self.store.multi_get(
+                    [keys.done(step, e, m) for m in members]))}
+                ranks = self._rank_records(step, e, done)
+                return {m: group_timings(d, ranks.get(m, [])) for m, d in done.items()}
         return {}
+
+    def _rank_records(self, step: int, epoch: int, done: dict[int, dict]) -> dict[int, list[dict]]:
+        """Ranks 1.. own records of `step` of each member whose done record says it has several ranks
+        (one round trip for all). A commit needs every rank's publish, each after its record: they are
+        there; a member missing one (checked first: `multi_get` would wait) is timed by its rank 0 alone,
+        as a rank's place in the list says which rank it is."""
+        want = [(m, keys.rank_done(step, epoch, m, j)) for m, d in done.items() for j in range(1, d.get("ranks", 1))]
+        if not want:
+            return {}
+        if not self.store.check([k for _, k in want]):
+            want = [(m, k) for m, k in want if self.store.check([k])]
+        out: dict[int, list[dict]] = {}
+        for (m, _), v in zip(want, self.store.multi_get([k for _, k in want]) if want else []):
+            out.setdefault(m, []).append(json.loads(v))
+        return {m: r for m, r in out.items() if len(r) == done[m]["ranks"] - 1}
 
     def _log(self, changes: list[VerdictChange | RegimeChange]) -> None:
         for c in changes:
