@@ -398,6 +398,17 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; "
                                        f"slow:replica=0,from=4,for=1", base=grow)
     assert one(events, "fault", kind="kill", replica=1, rank=3)["host"] is True
+    # no rank applied a step before every shard index had reduced it: the re-formed group's 2 ranks hold 2
+    # each, and counting the group's publishes as its ranks (2, not 4) let it commit ~1 s early in every
+    # step group 0's slowed TP-0 ranks reduced last (CI at 0a92ac3: one of those reduces then failed, after
+    # the commit). One host: the events' clocks compare.
+    reduced, applied = {}, {}
+    for e in events:
+        if e["event"] == "reduce" and e["ok"]:
+            reduced[e["step"], e["epoch"]] = max(reduced.get((e["step"], e["epoch"]), 0.0), e["t"])
+        elif e["event"] == "applied":
+            applied[e["step"], e["epoch"]] = min(applied.get((e["step"], e["epoch"]), e["t"]), e["t"])
+    assert not [k for k, t in applied.items() if t < reduced.get(k, 0.0)], (applied, reduced)
     # The survivors' first claimant asks for a plan once all claimed, or after 3 s (reform.CLAIM_WAIT_S):
     # that was every time while stage 0's rank 0 stayed blocked in the pipeline on rank 2's socket, before
     # survivors shut their group's sockets (sockets.py; since, all 3 claim within 1 s and stage 0's TP team

@@ -143,7 +143,7 @@ class StepState:
     weights: tuple[tuple[int, float], ...] = ()
     attempt: int = 0
     history: Chain = field(default=())  # every epoch this step went through after its plan
-    ranks: int = 1  # ranks per member (a replica group): each publishes done for its shard's reduction
+    ranks: int = 1  # shard indices per member (a replica group's G): each published once, when reduced
 
     @property
     def owed(self) -> frozenset[int]:
@@ -153,9 +153,10 @@ class StepState:
 def start(step: int, me: int, epoch: int, members: Sequence[int], num_microbatches: int,
           weights: Mapping[int, float] | None = None, ranks: int = 1) -> tuple[StepState, tuple[Action, ...]]:
     """Begin step `step` from its plan (base epoch, members, quota weights). Call once per step, on each
-    of a member's `ranks` ranks: they run the same machine on the same events, since a member's ranks
-    compute the same microbatches (each its share of the sequences) and each reduces its own shard, so
-    a commit needs every rank of every member to have published (a shard reduced everywhere)."""
+    of a member's ranks: they run the same machine on the same events, since a member's ranks compute the
+    same microbatches (each its share of the sequences) and each reduces its own shard, so a commit needs
+    every one of the `ranks` shard indices of every member published (a shard reduced everywhere); a
+    rank holding several (a re-formed group's) publishes each."""
     w = tuple(sorted((weights or {}).items()))
     owners = workload.assign(num_microbatches, members, dict(w))
     state = StepState(step, me, epoch, tuple(sorted(members)), owners, frozenset(), Phase.COMPUTE, w, ranks=ranks)

@@ -75,6 +75,10 @@ class Trainer:
         # ranks that time their own part of each microbatch, each rank's seconds in the store (coordination.
         # stage): the group's; a stand-in (no group) times all it computes itself
         self.timed = self.ranks if self.group is not None else 1
+        # a member's shard indices, each reduced and published once a step (count=len(holds) per rank): the
+        # full plan's G, also where a re-formed group's fewer ranks hold several each (its ranks x 1 counted
+        # too few, and a step committed before the others' reduces, one of which then failed: CI at 0a92ac3)
+        self.indices = cfg.parallel.group_size
         _, self.share, tp_index = topology.coords(who.rank)  # share: whose rows of each microbatch (data.part)
         self.shares = topology.dp_shard
         self.fsdp = self.group is not None and self.shares > 1 and not self.standin  # FSDP2: rows, reduce-scatter
@@ -168,7 +172,7 @@ class Trainer:
         work.acc.zero()
         work.timings = {}
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
-                                   plan.weights, self.ranks)
+                                   plan.weights, self.indices)
 
         why = ""
 
@@ -220,7 +224,7 @@ class Trainer:
         held = action.held
         published = self.sidecar.publish(action.step, action.epoch, held, work.timings_of(held),
                                          self.coord.staged(action.step, action.epoch, held),
-                                         len(state.members) * self.ranks,
+                                         len(state.members) * self.indices,
                                          self.coord.proposal(self.sidecar.weights), self.coord.watch_decision)
         self.pipeline.step_ahead(work, state, action, published, lambda: self.step_optimizer(work))
 
