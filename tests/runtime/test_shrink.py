@@ -143,6 +143,8 @@ def test_a_lost_rank_s_group_goes_on_shrunk_on_its_survivor_bitwise(tmp_path, pi
     assert join["alive"] == [survivor] and join["epoch"] > dead["epoch"]
     # the stand-in computed its microbatches as both stages (one process, the whole model) ...
     heals = assert_stood_in(events, [0, 1])
+    records = {e["step"]: e for e in events if e["event"] == "step"}
+    assert_ranks_counted(records, join["epoch"], 1 << 30, full=2, shrunk_ranks=1)  # the stand-in: one rank
     assert_measured(events, "rank lost", heals)  # the shrink's cost, measured beside its prediction
     # ... and the run never left the failure-free pipeline trajectory, through the loss and the shrink
     assert digests(out) == digests(pipeline_reference)
@@ -241,7 +243,19 @@ def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     # quotas: fewer microbatches while shrunk (its plan's weight ~0.5, then its measured speed), equal
     # again once grown back
     assert any(len(records[s]["owners"].get("1", [])) == 1 for s in range(4, healed))
+    # each step record counts the ranks that took part: group 1's stand-in as one, between its shrunk
+    # join and its second death
+    assert_ranks_counted(records, shrunk["epoch"], dead[1]["epoch"], full=2, shrunk_ranks=1)
     assert_grown_back(events, out, dead)
+
+
+def assert_ranks_counted(records: dict, shrunk: int, regrown: int, full: int, shrunk_ranks: int) -> None:
+    """Every step record's `ranks`: group 0's `full`, and group 1's where it took part, `shrunk_ranks` in the
+    epochs from `shrunk` (its shrunk join) to `regrown` (the death that re-forms it), else `full`."""
+    for r in records.values():
+        mine = 0 if 1 not in r["members"] else shrunk_ranks if shrunk <= r["epoch"] < regrown else full
+        assert r["ranks"] == full + mine, r
+    assert any(r["ranks"] == full + shrunk_ranks for r in records.values())
 
 
 def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
@@ -436,6 +450,9 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
     assert_grown_back(events, out, dead, shrank=bool(plans), full="tp2 pp2 [1,1]", steps=32, ranks=4)
     records = {e["step"]: e for e in events if e["event"] == "step"}
+    if plans:  # the re-formed team's ranks, counted in the step records while it runs
+        regrown = min(e["epoch"] for e in dead if e["epoch"] > shrunk[0]["epoch"])
+        assert_ranks_counted(records, shrunk[0]["epoch"], regrown, full=4, shrunk_ranks=len(stayed))
     cfg = Config.from_json((out / "config.json").read_text())
     _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
     drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(32)]

@@ -21,7 +21,7 @@ import pytest
 from tests.runtime.test_groups import digests, run_faults
 from tests.runtime.test_pp_tp import train
 from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
-    assert_stood_in, one, stand_in_heals
+    assert_ranks_counted, assert_stood_in, one, stand_in_heals
 from unbroken.events import read_events, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -113,6 +113,9 @@ def test_a_3d_group_re_forms_a_pipeline_of_tp_teams_bitwise(tmp_path, tmp_path_f
     assert sorted(e["rank"] for e in heals) == list(range(8))
     records = {e["step"]: e for e in events if e["event"] == "step"}
     assert any("1" in records[s]["owners"] for s in range(max(e["step"] for e in heals) + 1, 8))
+    # the step records count the re-formed group's 4 ranks, not its plan's 8
+    join = one(events, "join", replica=1, shrunk=True)
+    assert_ranks_counted(records, join["epoch"], 1 << 30, full=8, shrunk_ranks=4)
     assert digests(out) == digests(reference)
 
 

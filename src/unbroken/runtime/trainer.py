@@ -73,7 +73,8 @@ class Trainer:
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
         self.ranks, topology = who.group_size, cfg.topology()
         # ranks that time their own part of each microbatch, each rank's seconds in the store (coordination.
-        # stage): the group's; a stand-in (no group) times all it computes itself
+        # stage): the group's; a stand-in (no group) times all it computes itself. Also the ranks the step
+        # record counts for this member (sidecar._write)
         self.timed = self.ranks if self.group is not None else 1
         # a member's shard indices, each reduced and published once a step (count=len(holds) per rank): the
         # full plan's G, also where a re-formed group's fewer ranks hold several each (its ranks x 1 counted
@@ -467,7 +468,6 @@ class Trainer:
         # compute (sidecar.py), off the path every peer waits on; a heal too.
         self.sidecar.record(step, epoch, members, commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
-            ranks=len(members) * self.who.group_size,  # groups took part: `replicas`
             step_time=round(work.stepped - work.started, 6)))
         self.donor.heal(step, members, commit.plan)
 

@@ -182,9 +182,12 @@ class Coordination:
         """Whether `stage` wrote this very done record last: no round trip."""
         return self._staged == (step, epoch, tuple(held))
 
-    def held(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, list[int]]:
+    def done_records(self, step: int, epoch: int, members: tuple[int, ...]) -> dict[int, dict]:
+        """Each member's done record of (step, epoch) (`stage`): what it held, its timings and, where it
+        has several ranks, how many. One round trip; call only for a committed epoch (every member
+        published, so every record is there)."""
         values = self.store.multi_get([keys.done(step, epoch, m) for m in members])
-        return {m: json.loads(v)["held"] for m, v in zip(members, values)}
+        return {m: json.loads(v) for m, v in zip(members, values)}
 
     def propose(self, step: int, epoch: int, outcome: str, next_plan: Plan | None = None) -> Decision:
         """Compare-and-set the decision of (step, epoch), a commit with `next_plan`, the plan of step + 1;

@@ -20,7 +20,8 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   nweights, weights/{n} how many times the weights changed        coordinator
   plan/{s}              JSON {"epoch","members","weights"}        CAS, a generation's first step only
   done/{s}/{e}/{g}      JSON {"held": [mb...], "timings": [[tokens, sumsq, seconds]...], "ranks": G}
-                        the member's rank 0 ("ranks" where its G > 1 ranks time themselves)
+                        the member's rank 0 ("ranks" where its G > 1 ranks time themselves; the
+                        step record sums them)
   done/{s}/{e}/{g}.{j}  JSON {"held": [mb...], "seconds": [s...]}: rank j > 0's own device seconds
   ndone/{s}/{e}         counter                                   member
   decision/{s}/{e}      "commit:{g}:{plan of s+1}" | "retry:{g}"  CAS by the proposer g

@@ -191,14 +191,17 @@ class Sidecar:
 
     def _write(self, step: int, epoch: int, members: tuple[int, ...], record: dict, digest: str,
                loss: float) -> None:
-        owners = self.coord.held(step, epoch, members)
+        done = self.coord.done_records(step, epoch, members)
         # A writer declared dead before its record is out leaves it to the survivor that recovers
         # (`recover`, which reads the log after the verdict): a process that outlived the verdict (a
         # group's survivor going on shrunk, a zombie) would otherwise write the same step again.
         if self.coord.is_dead():
             return
+        # the ranks that took part: each member's own count (a group re-formed on fewer ranks than its
+        # plan's, or a one-rank stand-in, has fewer than `parallel.group_size`)
         self.log.emit("step", **{**record, "loss": loss}, epoch=epoch, members=list(members), replicas=len(members),
-                      owners={str(m): v for m, v in owners.items()}, param_digest=digest)
+                      ranks=sum(d.get("ranks", 1) for d in done.values()),
+                      owners={str(m): d["held"] for m, d in done.items()}, param_digest=digest)
         self.coord.mark_recorded(step)
 
     def fresh(self, plan: Plan) -> Plan:
