@@ -20,7 +20,7 @@ their fields:
   the step record is then sha256 over the ranks' shard sha256s (hex, rank order).
   worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
   step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
-                 ranks in all), epoch, tokens, t,
+                 ranks in all, each as it ran: a re-formed group's fewer), epoch, tokens, t,
                  param_digest (sha256 of all float32 params after the optimizer step, fixed order),
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
