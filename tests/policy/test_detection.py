@@ -195,3 +195,25 @@ def test_second_episode_speed_is_not_mixed_with_the_first():
         step(s, 4.0); s += 1
     assert det.verdicts()[0] is Verdict.SLOW
     assert abs(det.speeds()[0] - 0.25) < 0.03
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rejoined_member_s_start_up_is_not_a_slowdown_but_a_slow_joiner_is_found(seed: int) -> None:
+    """A group back after `forget` (restarted, replaced, re-formed) warms up as the fleet did at the start.
+    The profile measured when a 2-stage x TP 2 group grew back under torchrun: its first step 7x, then
+    1.4x, 1.25x, then its speed. Before the join warm-up it was Slow at its second step and lost half its
+    quota. A joiner that is 2x slow for good is still Slow within 4 of its steps (its first skipped)."""
+    rng = random.Random(seed)
+    det = warmed(rng, replicas=2)  # two groups, as in that run
+    det.forget(1)
+    seen = [det.observe(s, step(rng, {0: 2, 1: 2}, {1: f}))[1] for s, f in enumerate([7.0, 1.4, 1.25, 1.0, 1.0], 10)]
+    assert all(v is Verdict.HEALTHY for v in seen), seen
+    assert det.speeds()[1] == 1.0 and quotas(4, [0, 1], det.speeds()) == {0: 2, 1: 2}
+    det.forget(1)
+    seen = [det.observe(s, step(rng, {0: 2, 1: 2}, {1: 2.0}))[1] for s in range(20, 24)]
+    assert seen[0] is Verdict.HEALTHY and seen[-1] is Verdict.SLOW, seen
+    # the run's own start is unchanged: a replica slow from the first step (which teaches the predictor)
+    # is Slow at the third
+    det = Detector()
+    start = [det.observe(s, step(rng, {r: 4 for r in range(4)}, {3: 2.0}))[3] for s in range(3)]
+    assert start == [Verdict.HEALTHY, Verdict.SUSPECT, Verdict.SLOW]

@@ -61,6 +61,15 @@ class DetectorConfig:
     # at max_increment), Slow in 2 steps as before; under 1.3x it is found once the warm-up is over.
     warmup_steps: int = 6
     warmup_drift: float = math.log(1.3)
+    # A member that joins a running fleet (restarted, replaced or re-formed: its track is new after the
+    # run's first step) warms up as the fleet did: its first `join_skip` steps are neither scored nor
+    # taught to the predictor, and its first `warmup_steps` add evidence above `warmup_drift` only.
+    # Measured (a 2-stage x TP 2 group grown back under torchrun, 4 fresh processes): its first step's
+    # microbatches took 48-65 ms against its peer's 8-10 (x 6-8: first kernels, allocator, the new
+    # epoch's groups), the second 1.2-1.5x, the third 1.1-1.3x; the first alone adds the maximum
+    # evidence, and with the second it was declared Slow (speed 0.33) and lost half its quota to the run's
+    # end (CI-like run at 198abcd).
+    join_skip: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,8 @@ class _Track:
     # simulation: a 2x replica estimated at 0.67)
     run: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # step-sum log ratios
+    joined: bool = False  # tracked first after the run's first step: it warms up on its own (join_skip)
+    seen: int = 0  # steps observed with microbatches, skipped ones included
 
 
 class Detector:
@@ -104,7 +115,8 @@ class Detector:
     Calling contract: once per committed step, `observe(step, timings)` with every replica's microbatch
     timings of that step (a replica with no microbatches this step may be left out; it keeps its state).
     Then `take_events()` for the verdict and regime changes to log, and `speeds()` for the next quotas.
-    `forget(replica)` when the coordinator declares a replica dead.
+    `forget(replica)` when the coordinator declares a replica dead: when it is back (a restart, a
+    replacement, a re-formed group), its first steps are taken as its warm-up (`join_skip`).
     """
 
     def __init__(self, config: DetectorConfig | None = None, predictor: Predictor | None = None,
@@ -125,7 +137,13 @@ class Detector:
                 by_class.setdefault(self._classes.get(r, "default"), {})[r] = mbs
         for cls, group in sorted(by_class.items()):
             for r in group:
-                self._tracks.setdefault(r, _Track(cls))
+                t = self._tracks.setdefault(r, _Track(cls, joined=self._observed > 1))
+                t.seen += 1
+            # a joiner's first steps are its start-up, not its speed: out of the scores and the predictor
+            group = {r: mbs for r, mbs in group.items()
+                     if not (self._tracks[r].joined and self._tracks[r].seen <= self.config.join_skip)}
+            if not group:
+                continue
             if self.predictor.ready(cls):
                 self._score(step, cls, group)
             # Only replicas believed healthy teach the predictor: slowness must not become the norm.
@@ -165,7 +183,9 @@ class Detector:
     def _update(self, step: int, replica: int, x: float, total: float) -> None:
         cfg, t = self.config, self._tracks[replica]
         t.recent.append(total)
-        drift = cfg.warmup_drift if self._observed <= cfg.warmup_steps else cfg.drift
+        # the run's first steps, and a joiner's own first ones
+        warm = self._observed <= cfg.warmup_steps or (t.joined and t.seen <= cfg.warmup_steps)
+        drift = cfg.warmup_drift if warm else cfg.drift
         t.cusum = min(max(0.0, t.cusum + min(x - drift, cfg.max_increment)), 2 * cfg.slow_at)
         t.run = t.run + 1 if t.cusum >= cfg.suspect_at or t.verdict is Verdict.SLOW else 0
         old = t.verdict
