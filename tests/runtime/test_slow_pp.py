@@ -158,6 +158,9 @@ def test_under_replan_the_group_shrinks_around_its_located_slow_rank_and_the_tra
     (dead,) = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
     assert dead["reason"].startswith("rank 1: evicted, slow"), dead
     assert [e["rank"] for e in events if e["event"] == "fenced" and e["replica"] == 1] == [1]
+    # the evicted rank never claimed to go on (it did once, when its peers' leaving broke its group before
+    # its fence read the verdict: counted alive, the plan kept it and the group was refused)
+    assert [e["rank"] for e in events if e["event"] == "released" and e["replica"] == 1] == [0]
     # nobody restarted in place: not the evicted rank, and so not its sibling either (no new rendezvous round)
     assert not [e for e in events if e["event"] == "worker_start" and e["restart"] > 0], \
         [e for e in events if e["event"] == "worker_start"]

@@ -39,12 +39,13 @@ def test_a_slow_rank_1_is_declared_slow_within_a_few_steps(tmp_path, layout):
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
     # the fault fired where it was aimed: rank 1 of group 1 took >1.5x its peer's own time per token
-    # (3x injected), while its sibling, rank 0, took under half that ratio: a spinning rank also slows
-    # its sibling's kernels on 2 shared cores (HSDP in CI at f695bf4: 3.80x and 1.31x; TP 3.42x, 1.10x),
-    # but a spin aimed at the sibling would put it near the slowed rank's
+    # (3x injected), while its sibling, rank 0, took under 2/3 of that ratio: a spinning rank also slows
+    # its sibling's kernels on 2 shared cores (HSDP in CI at f695bf4: 3.80x and 1.31x; TP 3.42x, 1.10x; TP
+    # on a loaded host in CI at b0316a2: 2.39x and 1.41x), but a spin aimed at the sibling would put its
+    # ratio above the slowed rank's
     slowed = own_per_token(events, 1, 1, 2) / own_per_token(events, 0, 1, 2)
     sibling = own_per_token(events, 1, 0, 2) / own_per_token(events, 0, 0, 2)
-    assert slowed > 1.5 and sibling < slowed / 2, (slowed, sibling)
+    assert slowed > 1.5 and sibling < slowed / 1.5, (slowed, sibling)
     verdicts = [e for e in events if e["event"] == "verdict" and e["new"] == "slow"]
     assert verdicts and {e["replica"] for e in verdicts} == {1}, verdicts
     assert verdicts[0]["step"] <= 6 and verdicts[0]["speed"] < 0.6, verdicts[0]

@@ -306,6 +306,14 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         if who.group_size > 1 and (not shrinking or reform.size > 1) and peer_lost(e):
             log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
             heartbeat.stop()  # before the coordinator's fence mark could end this process
+            dead = coord.dead_reason() if shrinkable else None
+            if dead is not None and lost_rank(dead) == who.rank:
+                # the rank its group was declared dead for (evicted as slow): its peers broke the group
+                # leaving to go on without it, before its own fence read the verdict. Claiming, it was
+                # counted alive and the plan kept it (CI at b0316a2: both refused, the group restarted)
+                log.emit("fenced", replica=me, reason=dead, **tag)
+                release_agent(replan, evicted(dead, who.rank))
+                return 3
             if not coord.superseded():  # the coordinator learns now, not after a heartbeat timeout
                 coord.leave(BROKE if replan else 4)
             if not replan or shrinking:  # a re-formed group does not re-form again: it grows back
