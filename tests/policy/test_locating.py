@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from unbroken.policy.locating import SLOW_BELOW, rank_speeds, slow_ranks
+from unbroken.policy.locating import BOUNDING, SLOW_BELOW, rank_speeds, slow_ranks
 from unbroken.policy.predictor import MicrobatchTiming
 
 
@@ -56,3 +56,28 @@ def test_speeds_are_at_most_one_and_only_the_slowed_rank_is_located(base, factor
     assert all(0 < v <= 1.0 for v in speeds.values())
     assert abs(speeds[which] - 1 / factor) < 1e-9
     assert set(slow_ranks(speeds)) == ({which} if 1 / factor < SLOW_BELOW else set())
+
+
+def test_a_sibling_slowed_by_its_slow_peer_is_not_located_but_two_slow_ranks_are():
+    """The ranks that bound the group's speed are located; a sibling with a share of its slow peer's
+    slowness (shared cores on one host; a GPU kernel waiting on it in a group collective) is not."""
+    healthy = (0.01, 0.01)
+    # measured in CI at 87d01b2 (HSDP, 2 shared cores): rank 1 spinning 3x read 0.258, its sibling 0.698
+    sibling = [step({0: healthy, 1: (0.01 / 0.698, 0.01 / 0.258)}) for _ in range(4)]
+    speeds = rank_speeds(1, sibling)
+    assert speeds[0] < SLOW_BELOW and set(slow_ranks(speeds)) == {1}, speeds
+    # two devices slow for good, 3x and 2.5x: the 2.5x rank's excess (1.5) is 3/4 of the 3x's (2.0)
+    both = [step({0: healthy, 1: (0.025, 0.03)}) for _ in range(4)]
+    assert set(slow_ranks(rank_speeds(1, both))) == {0, 1}
+    # 4x and 1.6x: the 1.6x rank's excess (0.6) is a fifth of the 4x's (3.0): evict the 4x one first
+    assert set(slow_ranks({0: 1 / 1.6, 1: 0.25})) == {1}
+
+
+@given(st.dictionaries(st.integers(0, 7), st.floats(0.01, 1.0), min_size=1, max_size=8))
+def test_the_slowest_rank_below_the_threshold_is_always_located(speeds):
+    located = slow_ranks(speeds)
+    assert set(located) <= {j for j, v in speeds.items() if v < SLOW_BELOW}
+    if min(speeds.values()) < SLOW_BELOW:
+        slowest = min(speeds, key=speeds.get)
+        assert slowest in located
+        assert all(1 / v - 1 >= BOUNDING * (1 / speeds[slowest] - 1) for v in located.values())

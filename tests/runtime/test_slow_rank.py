@@ -52,7 +52,9 @@ def test_a_slow_rank_1_is_declared_slow_within_a_few_steps(tmp_path, layout):
     plans = [e for e in events if e["event"] == "group_plan"]
     # TP and FSDP2 groups alike are re-planned: the decision was told rank 1 is the slow one
     assert plans and plans[0]["replica"] == 1 and plans[0]["located"] == [1], plans
-    assert plans[0]["rank_speeds"]["1"] < 0.7 <= plans[0]["rank_speeds"]["0"], plans[0]
+    # rank 0 not located: healthy, or slowed only by the spinning sibling it shares 2 cores with (CI at
+    # 87d01b2: HSDP rank 0 at 0.698 beside rank 1's 0.258; locating.BOUNDING)
+    assert plans[0]["rank_speeds"]["1"] < 0.7 and plans[0]["rank_speeds"]["1"] < plans[0]["rank_speeds"]["0"], plans[0]
     full = "tp2 pp1 [2]" if layout == "tp" else "tp1 pp1 [2] fsdp2"
     assert {o["plan"] for o in plans[0]["options"] if o["kind"] in ("keep", "reweight")} == {full}, plans[0]
     record = steps(events)

@@ -55,6 +55,22 @@ def rank_speeds(group: int, steps: Steps) -> dict[int, float]:
             for j in range(ranks)}
 
 
+BOUNDING = 0.5  # a rank below SLOW_BELOW is located only where its excess time (1/speed - 1) is at least this
+# share of its group's slowest rank's: the ranks that bound the group's speed. Why: a slow rank's siblings
+# take part of its slowness whenever they share something with it. On 2 shared CPU cores the spinning rank
+# slows its sibling's kernels (an HSDP sibling read 0.698 beside a 0.258 rank, CI at 87d01b2: both located,
+# excess 0.43 against 2.88; TP siblings 1.10-1.41x slow beside 2.4-3.4x); on a GPU a rank waiting inside a
+# group collective's kernel for a slow peer counts that wait as device time. Evicting the bounding rank
+# leaves the group at its next rank's speed, which the detector judges afresh; evicting a sibling for a
+# share of its peer's slowness would shrink the group around a healthy device.
+
+
 def slow_ranks(speeds: Mapping[int, float]) -> dict[int, float]:
-    """The ranks of `speeds` (rank_speeds) below SLOW_BELOW: what the scheduler is told is slow."""
-    return {j: v for j, v in speeds.items() if v < SLOW_BELOW}
+    """The ranks of `speeds` (rank_speeds) below SLOW_BELOW that bound their group's speed (BOUNDING):
+    what the scheduler is told is slow. Pure."""
+    below = {j: v for j, v in speeds.items() if v < SLOW_BELOW}
+    if not below:
+        return {}
+    excess = {j: 1 / max(v, 1e-9) - 1 for j, v in below.items()}
+    worst = max(excess.values())
+    return {j: below[j] for j, x in excess.items() if x >= BOUNDING * worst}
