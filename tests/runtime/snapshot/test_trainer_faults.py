@@ -16,7 +16,10 @@ from unbroken.runtime.snapshot.client import SnapshotClient
 from unbroken.runtime.snapshot.control import Topology, snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 
-pytestmark = pytest.mark.timeout(60)
+# 5 s alone; in CI at 87d01b2, beside a many-process test on the other worker, the agents' start and the
+# saves took ~48 s and the restore was 12 s into its 40 s wait when a 60 s limit ended it. The limit is a
+# backstop above the test's own waits (the restorers' 40 s each, their store's 30 s, gloo's 20 s)
+pytestmark = pytest.mark.timeout(150)
 HERE = Path(__file__).parent
 
 
