@@ -234,14 +234,15 @@ def test_a_hung_rank_takes_its_group_out_and_the_zombie_is_fenced(tmp_path, grou
 def test_restart_disk_with_groups_resumes_from_the_dcp_checkpoint_of_the_fsdp2_shards(tmp_path, groups_reference):
     """Checkpoints of the sharded state (DCP, each rank writing its shards, the lowest group saving) and
     a whole-job restart from them: every rank loads its shards and the run ends on the reference."""
-    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=2,phase=compute", "--checkpoint.every=1",
+    # in step 3, so that step 0's checkpoint is whole before the kill (see test_pp_tp_persist's twin)
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=3,phase=compute", "--checkpoint.every=1",
                              "--run.recovery=restart-disk")
     assert digests(out) == digests(groups_reference)
-    # the kill fired on group 1's rank 1 in step 2's compute, the group was lost, and the whole job
+    # the kill fired on group 1's rank 1 in step 3's compute, the group was lost, and the whole job
     # restarted from disk for it (assert_group_left does not fit: a restart brings the group back)
     (kill,) = [e for e in events if e["event"] == "fault"]
     assert (kill["kind"], kill["replica"], kill["rank"], kill["step"], kill["phase"]) == \
-        ("kill", 1, 1, 2, "compute"), kill
+        ("kill", 1, 1, 3, "compute"), kill
     assert 1 in {e["replica"] for e in events if e["event"] == "member_dead"}
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["source"] == "disk" and events.index(kill) < events.index(restart), restart

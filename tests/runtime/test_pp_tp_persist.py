@@ -68,7 +68,7 @@ def test_a_whole_job_crash_restores_every_pipeline_stage_from_memory(tmp_path):
 
 @pytest.mark.parametrize("layout", ["tp", "pp x tp", "fsdp x tp", "pp x fsdp"])
 def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_path, layout):
-    """A rank of group 1 killed in step 2 under `--run.recovery=restart-disk`: every trainer restarts and
+    """A rank of group 1 killed in step 3 under `--run.recovery=restart-disk`: every trainer restarts and
     loads the newest complete DCP checkpoint (every step saved by group 0), and the run ends bitwise on
     the failure-free run of the same topology. The checkpoint holds each TP-split weight as the ranks'
     slices of one global tensor (DTensor), and a pipeline's stages under their own names."""
@@ -76,10 +76,14 @@ def test_a_restart_from_disk_loads_each_rank_s_part_of_the_dcp_checkpoint(tmp_pa
     reference = tmp_path / "reference"
     r = unbroken("train", *base, "--out", str(reference))
     assert r.returncode == 0, r.stderr[-2000:]
-    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=2,phase=compute", "--checkpoint.every=1",
+    # Step 3, not 2: a save is whole once the next save starts (it waits for the one before), and group 0
+    # starts step 1's save before its step-2 all-reduce, which group 1 waits for before step 3; so step
+    # 0's checkpoint is complete before the kill. Killed in step 2, step 0's async save raced the restart's
+    # kills, and in CI at 3ae4c72 lost: no checkpoint was whole and every rank started from scratch.
+    out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=3,phase=compute", "--checkpoint.every=1",
                              "--run.recovery=restart-disk", base=base)
     (fault,) = [e for e in events if e["event"] == "fault"]
-    assert (fault["replica"], fault["rank"], fault["step"]) == (1, 1, 2)
+    assert (fault["replica"], fault["rank"], fault["step"]) == (1, 1, 3)
     ranks = 2 if layout == "tp" else 4
     step, loaded = restored_step(events, "disk", ranks)
     # group 0 may commit (and checkpoint) a step or two alone before the launcher's restart lands: CI at
