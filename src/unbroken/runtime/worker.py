@@ -300,27 +300,31 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
         log.emit("join_refused" if joining else "worker_error", replica=me, error=str(e)[:300], **tag)
         return 2
     except Exception as e:  # one line in the log and a non-zero exit; the traceback goes to stderr
-        traceback.print_exc()
         # a rank of our group died (of a re-formed one too: torchrun stopping a peer for a grow back, CI
         # at 4eebe80, was a worker_error that failed the run): the group is out, not the run
         if who.group_size > 1 and (not shrinking or reform.size > 1) and peer_lost(e):
-            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
             heartbeat.stop()  # before the coordinator's fence mark could end this process
             dead = coord.dead_reason() if shrinkable else None
-            if dead is not None and lost_rank(dead) == who.rank:
-                # the rank its group was declared dead for (evicted as slow): its peers broke the group
-                # leaving to go on without it, before its own fence read the verdict. Claiming, it was
-                # counted alive and the plan kept it (CI at b0316a2: both refused, the group restarted)
+            # the rank its group was declared dead for (evicted as slow): its peers broke the group
+            # leaving to go on without it, before its own fence read the verdict. Claiming, it was
+            # counted alive and the plan kept it (CI at b0316a2: both refused, the group restarted)
+            ousted = dead is not None and lost_rank(dead) == who.rank
+            if not ousted and not coord.superseded():  # the coordinator learns now, not after a heartbeat
+                # timeout; before the traceback and the event, since torchrun's SIGTERM to this rank may
+                # follow within milliseconds (CI at 0cc9587: 5 ms after the event, and the report was lost)
+                coord.leave(BROKE if replan else 4)
+            traceback.print_exc()
+            log.emit("group_broken", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
+            if ousted:
                 log.emit("fenced", replica=me, reason=dead, **tag)
                 release_agent(replan, evicted(dead, who.rank))
                 return 3
-            if not coord.superseded():  # the coordinator learns now, not after a heartbeat timeout
-                coord.leave(BROKE if replan else 4)
             if not replan or shrinking:  # a re-formed group does not re-form again: it grows back
                 outlive_agent_restart(replan and shrinking)
                 return 4
             go_on = True
         else:
+            traceback.print_exc()
             log.emit("worker_error", replica=me, error=f"{type(e).__name__}: {e}"[:300], **tag)
             return 1
     if go_on:  # shrunk onto this rank, outside the except: its traceback would keep the old stage alive

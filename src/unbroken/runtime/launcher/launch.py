@@ -341,7 +341,9 @@ class _Watch:
                     exits.forget(r)
                     self.log.emit("exit", replica=r, code=code)
                     if code != 0:  # a clean exit is a finished replica, not a failure
-                        store.set(keys.exited(r), str(code))
+                        # unless a rank already said why its group left (Coordination.leave): torchrun's
+                        # exit follows that report and must not replace the cause with its consequence
+                        store.compare_set(keys.exited(r), "", str(code))
                         store.add(keys.exits(), 1)
                         self.wake()
             self._tail(workers)
