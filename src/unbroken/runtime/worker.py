@@ -261,7 +261,8 @@ def _serve(where: Placement, who: Identity, log: EventLog, factories: Factories,
             log.emit("regroup", replica=me, rank=who.rank, stages=reform.stages, tp=reform.tp,
                      shards=list(reform.held), seconds=round(time.monotonic() - began, 6))
         group = (dist.group.WORLD if reform.size > 1 else None) if shrinking else \
-            intra_group(who.group_size, cfg.coord.collective_timeout, backend=backend(device), device=device)
+            intra_group(who.group_size, cfg.coord.collective_timeout, backend=backend(device), device=device,
+                        relay=coord.store, me=me)
         joining, nonce = agree(group, joining, restart, me)
         if joining and not shrinking and who.rank == 0 and not coord.is_dead():
             # torchrun stopped every process of this group before it started us: the coordinator need not

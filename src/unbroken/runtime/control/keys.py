@@ -96,6 +96,13 @@ def attempt_prefix(restart: int, job: str = "") -> str:
     return f"unbroken/{job}/attempt{restart}" if job else f"unbroken/attempt{restart}"
 
 
+def group_store_port(group: int, job: str, master: str) -> str:
+    """Where the rank 0 of group `group`'s rendezvous round `master` ("MASTER_ADDR:MASTER_PORT" as torchrun
+    gave it; `job` its rendezvous id) serves its workers' store, when its agent does not share one: the
+    port it bound (intra_group). One key per round, written once by that rank 0, in the coordinator's store."""
+    return f"group_store/{group}/{job}/{master}"
+
+
 def shard_digest(step: int, group: int, rank: int) -> str:
     return f"shard/{step}/{group}/{rank}"
 

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import PrefixStore, ProcessGroup, TCPStore
+from torch.distributed import DistNetworkError, PrefixStore, ProcessGroup, Store, TCPStore
 
 from unbroken.runtime.control import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
@@ -50,7 +50,7 @@ from unbroken.topology import Topology, TopologyError
 
 
 def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = None, backend: str = "gloo",
-                device: torch.device | None = None) -> ProcessGroup | None:
+                device: torch.device | None = None, relay: Store | None = None, me: int = 0) -> ProcessGroup | None:
     """The replica group's own process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), or None for one-rank groups. Call once per process, before `parallelize`.
 
@@ -60,7 +60,9 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     replaced rank's agent joining, parallel.on_rank_loss=replan) restarts workers without counting an
     attempt: those agents do not share their store, so each round's rank 0 serves a fresh one.
     `backend`: device.backend's ("gloo"; on a GPU "cpu:gloo,cuda:nccl"); `device`: the rank's bound GPU,
-    given to NCCL up front (device_id) so that its communicator is on that device, not on GPU 0."""
+    given to NCCL up front (device_id) so that its communicator is on that device, not on GPU 0.
+    `relay` (the coordinator's store) and `me` (the group): where the group's rank 0 serves the store when
+    its agent does not share one (`unshared_store`); without a relay, at torchrun's MASTER_PORT."""
     if group_size == 1:
         return None
     env = dict(os.environ if env is None else env)
@@ -72,7 +74,8 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
     # set for per-rank agents: launch.py says why); then rank 0 serves it, as env:// would
     unshared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
     serve = unshared and env["RANK"] == "0"
-    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=serve, timeout=timeout)
+    store = unshared_store(env, timeout, relay, me) if unshared and relay is not None else \
+        TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=serve, timeout=timeout)
     # Unshared, each rendezvous round's rank 0 serves a fresh store on a fresh port, and the group's agents
     # count restarts apart (a rank its own agent restarted is attempt 1, the peer that agent's rendezvous
     # restarted for a membership change still attempt 0): one prefix, or the two never meet
@@ -83,6 +86,26 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
         dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                                 timeout=timeout, device_id=gpu)
     return dist.group.WORLD
+
+
+def unshared_store(env: dict[str, str], timeout: datetime.timedelta, relay: Store, me: int) -> TCPStore:
+    """The store of group `me`'s rendezvous round where its agent shares none: rank 0 serves it at torchrun's
+    MASTER_PORT or, where another process took that port since the agent found it free (torchrun's
+    get_free_port closes its probe socket: CI at 11e26aa, EADDRINUSE, and the group died before its first
+    step), at a port the OS gives it; it says which port in `relay` and the other ranks connect there.
+    Call once per process; raises DistNetworkError if no store forms within `timeout`."""
+    key = keys.group_store_port(me, env.get("TORCHELASTIC_RUN_ID", ""), f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+    if env["RANK"] == "0":
+        try:
+            store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=True, timeout=timeout)
+        except DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            store = TCPStore(env["MASTER_ADDR"], 0, is_master=True, timeout=timeout)  # 0: the OS picks one
+        relay.set(key, str(store.port))
+        return store
+    relay.wait([key], timeout)
+    return TCPStore(env["MASTER_ADDR"], int(relay.get(key)), is_master=False, timeout=timeout)
 
 
 def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
