@@ -10,17 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from torch.distributed import HashStore
 
+from tests.runtime.test_cluster import free_port
 from unbroken.runtime.control import keys
 from unbroken.runtime.parallel.parallelize import unshared_store
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = datetime.timedelta(seconds=20)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def meet(port: int, relay: HashStore) -> tuple:
