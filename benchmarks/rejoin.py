@@ -27,6 +27,7 @@ Last line: `ratio rejoin_longest_step VALUE`. What it leaves out: the restarted 
 (imports, torchrun's agent: in `back`, not in `longest`), and a cluster's network: here the transfer
 is over loopback between processes that share 2 cores.
 Usage: python benchmarks/rejoin.py [--replicas 3] [--group-size 2] [--steps 120] [--fault-step 10]
+       [--n-layer L] [--n-embd E]
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=6)
     ap.add_argument("--fault-step", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--n-layer", type=int, default=None, help="the GPT's blocks (default: the config's)")
+    ap.add_argument("--n-embd", type=int, default=None, help="its width: a wider model heals more bytes a rank")
     args = ap.parse_args()
     console = Console(width=120)
     out = Path(tempfile.mkdtemp(prefix="rejoin-")) / "run"
@@ -70,7 +73,8 @@ def main() -> None:
     cfg = make_config(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
                       out=str(out), parallel__group_size=G, run__restarts=1, run__launcher="torchrun",
                       faults=f"kill:replica=1,rank={G - 1},step={args.fault_step},phase=compute",
-                      coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+                      coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1,
+                      model__n_layer=args.n_layer, model__n_embd=args.n_embd)  # None: the config's
     with console.status(f"{args.replicas} groups x {G} ranks, {args.steps} steps, a rank of group 1 killed"):
         result = launch(cfg)
     if not result.ok:
@@ -98,7 +102,8 @@ def main() -> None:
     heal_bw = statistics.median(e["bytes"] / e["transfer"] for e in heals)
     formation = statistics.median(e["seconds"] - e["transfer"] for e in heals)
     copy_bw = nbytes / memcpy_seconds(nbytes)
-    console.print(f"configuration: {args.replicas} groups x {G} ranks (FSDP2 inside), GPT default, "
+    model = f"GPT {cfg.model.n_layer} x {cfg.model.n_embd}"
+    console.print(f"configuration: {args.replicas} groups x {G} ranks (FSDP2 inside), {model}, "
                   f"{args.microbatches} microbatches/step, torchrun --max-restarts=1, heartbeat timeout 2 s")
     console.print(f"failure-free step {1e3 * step_s:.1f} ms (median of {len(before)} intervals before the fault)")
     console.print(f"kill -> member_dead {dead['t'] - fault['t']:.2f} s; kill -> group back in a committed step "
