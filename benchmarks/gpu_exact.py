@@ -38,7 +38,7 @@ def measure(mode: str, size: str, repeats: int) -> dict:
     from unbroken.config import DataConfig, ModelConfig
     from unbroken.model.data import DataSource, mix, seed_microbatch
     from unbroken.model.gpt import GPT
-    from unbroken.runtime.gradients import quick_param_digest
+    from unbroken.runtime.gradients import param_digest
     from unbroken.runtime.parallel.device import exact_kernels
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,7 +66,7 @@ def measure(mode: str, size: str, repeats: int) -> dict:
             torch.cuda.synchronize()
         if n:
             seconds.append(time.perf_counter() - t)
-        digests.append(quick_param_digest([p.grad for p in model.parameters()]))  # the bytes runs compare
+        digests.append(param_digest([p.grad for p in model.parameters()]))  # the bytes runs compare
     return dict(mode=mode, size=size, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 distinct=len(set(digests)), passes=len(digests), median_ms=1e3 * statistics.median(seconds))
 

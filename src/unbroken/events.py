@@ -17,11 +17,11 @@ their fields:
                  (ranks per replica group), coordinator (its address: a standalone coordinator's run only)
   A replica group of several ranks: every rank writes its own compute, reduce, applied and fenced
   records, with `rank` (absent: rank 0); `applied`'s state_digest is of its shard; `param_digest` in
-  the step record is then sha256 over the ranks' shard sha256s (hex, rank order).
+  the step record is then sha256 over the ranks' shard digests (hex, rank order).
   worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
   step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
                  ranks in all, each as it ran: a re-formed group's fewer), epoch, tokens, t,
-                 param_digest (sha256 of all float32 params after the optimizer step, fixed order),
+                 param_digest (XXH3-128 of all float32 params after the optimizer step, fixed order),
                  owners ({replica: [microbatch, ...]} reduced in the commit epoch), attempts, step_time
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
                  waited: s spent waiting for a peer's decision or a new epoch in the step)

@@ -6,7 +6,7 @@ leaves the step and the survivors redo its microbatches, as under drop; then the
 Under shrink the survivor goes on as the whole group (the whole model on one rank, every stage's shard
 index: standin.py), healed stage by stage from the matching ranks of group 0, and the run stays bitwise
 on the failure-free pipeline trajectory: the same digests at every step (each a sha256 of the two
-stages' sha256s), also through the steps the shrunk group computes. Dropout is on (0.1): the stand-in
+stages' digests), also through the steps the shrunk group computes. Dropout is on (0.1): the stand-in
 re-seeds each microbatch at the stage boundary, as the second stage does. With nothing committed yet to
 price the options with, the group is dropped: the survivor leaves, and the run goes on with group 0
 alone, still on the trajectory. And a replaced rank, or one its own torchrun agent restarted in place,

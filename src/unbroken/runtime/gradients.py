@@ -7,8 +7,6 @@ back into `.grad`; the digests of the parameters. Does not own: reduction (colle
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn as nn
 import xxhash
@@ -148,16 +146,11 @@ def _chunks(params: list[nn.Parameter]):
 
 
 def param_digest(params: list[nn.Parameter]) -> str:
-    """sha256 of all float32 parameters, concatenated in the fixed order of `unique_parameters`."""
-    h = hashlib.sha256()
-    for chunk in _chunks(params):
-        h.update(chunk)
-    return h.hexdigest()
-
-
-def quick_param_digest(params: list[nn.Parameter]) -> str:
-    """XXH3-128 of the same bytes as `param_digest`: ~20x cheaper, for each member's `applied` record
-    (the audit compares members with it); the step record keeps the sha256."""
+    """XXH3-128 (hex) of all float32 parameters, concatenated in the fixed order of `unique_parameters`:
+    the step record's digest (of a shard, in a group), each member's `applied` one, a heal's and a
+    restore's check. Not sha256 (until 2026-11-29): that hashed ~2 GB/s here, 3.2 ms a step for a
+    6.5 MB shard, on 3 of 4 ranks of a 2 x 2 run; XXH3 takes 0.16 ms. Errors it guards against are
+    bit flips and wrong state, not an adversary."""
     h = xxhash.xxh3_128()
     for chunk in _chunks(params):
         h.update(chunk)

@@ -46,7 +46,7 @@ from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, E
 from unbroken.runtime.control.coordination import Coordination, Decision, GroupLost, Plan, evicted, lost_rank
 from unbroken.runtime.devicetime import DeviceClock
 from unbroken.runtime.faults import Injector
-from unbroken.runtime.gradients import Accumulator, local, param_digest, quick_param_digest, unique_parameters
+from unbroken.runtime.gradients import Accumulator, local, param_digest, unique_parameters
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.persist.donor import Donor
 from unbroken.runtime.control.heartbeat import Heartbeat
@@ -460,11 +460,11 @@ class Trainer:
             params = self.shard_parameters(shard)
             tag = self.shard_tag(shard)
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
-                          state_digest=quick_param_digest(params), waited=round(work.waited, 6), **tag)
+                          state_digest=param_digest(params), waited=round(work.waited, 6), **tag)
         members = work.members
         if self.persist:
             self.persist.after_commit(step, members, lambda: self.faults.at(step, "snapshot"))
-        # The commit's proposer writes the step record (sha256 included) beside the next step's
+        # The commit's proposer writes the step record (its digest included) beside the next step's
         # compute (sidecar.py), off the path every peer waits on; a heal too.
         self.sidecar.record(step, epoch, members, commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,

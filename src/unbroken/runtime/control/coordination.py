@@ -276,7 +276,7 @@ class Coordination:
         self.store.set(keys.reform(epoch), json.dumps({"replica": self.me, "reason": reason}))
 
     def post_shard(self, step: int, digest: str, loss: float, rank: int | None = None) -> None:
-        """Rank j > 0 of a group: the sha256 of its shard of the parameters after `step` and its share of
+        """Rank j > 0 of a group: the digest (gradients.param_digest) of its shard of the parameters after `step` and its share of
         the step's loss (its shard's loss slot, reduced across groups), for the group's record. `rank`:
         the shard index posted for, when a shrunk group's one rank holds several (default: this rank's)."""
         self.store.set(keys.shard_digest(step, self.me, self.rank if rank is None else rank),

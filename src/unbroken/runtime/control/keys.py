@@ -14,7 +14,7 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   reform/{e}            JSON {"replica", "reason"}: epoch e's collective group broke, nobody died
   hb/{g}, hb/{g}.{j}    JSON {"seq","step","phase","mb","epoch"} of rank 0 / rank j > 0 of group g;
                         "fenced" once g was declared dead
-  shard/{s}/{g}/{j}     sha256 of rank j's shard after step s     rank j > 0 (the record's digest)
+  shard/{s}/{g}/{j}     digest of rank j's shard after step s     rank j > 0 (the record's digest)
   exit/{g}, nexits      exit code; count of exits                 launcher (it sees processes end)
   weights               JSON {group: speed}, {} = equal           coordinator (detector's speeds)
   nweights, weights/{n} how many times the weights changed        coordinator

@@ -5,7 +5,7 @@ loop, (1) compare-and-sets the plan of a generation's first step while the membe
 under its own proposal (every later step's plan comes with the commit of the step before), (2)
 publishes a step's done record and count while the member steps its optimizer ahead, and if it was
 the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a committed step whose commit this member proposed, writes its record
-(reads the commit epoch's owners, hashes the parameters: sha256, ~2 ms for 1M of them), and
+(reads the commit epoch's owners, hashes the parameters: XXH3-128, ~0.1 ms for 1M of them), and
 refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
 a recovery, writes the record of the step before if its writer died with it unwritten (or only says so
 in the store, if the writer died after its record reached the log: the log is read back for it).

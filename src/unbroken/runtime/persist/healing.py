@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import PrefixStore, Store
 
-from unbroken.runtime.gradients import local, quick_param_digest, unique_parameters
+from unbroken.runtime.gradients import local, param_digest, unique_parameters
 from unbroken.runtime.persist.state import materialize
 
 
@@ -97,7 +97,7 @@ def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
     params, tensors, _ = shard() if shard else _whole(model, optimizer)
     # on the host: the heal group is gloo, and AdamW's `step` is a CPU scalar beside a GPU's CUDA moments
     flat = torch.cat([t.reshape(-1).to("cpu", torch.float32) for t in tensors])
-    digest = torch.tensor(list(bytes.fromhex(quick_param_digest(params))), dtype=torch.uint8)
+    digest = torch.tensor(list(bytes.fromhex(param_digest(params))), dtype=torch.uint8)
     pg.barrier().wait()  # the group formed on both sides: what follows is the transfer
     t1 = time.perf_counter()
     pg.broadcast(flat, 0).wait()
@@ -135,7 +135,7 @@ def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer
             t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
             offset += t.numel()
     put_back()
-    want, got = bytes(digest.tolist()).hex(), quick_param_digest(params)
+    want, got = bytes(digest.tolist()).hex(), param_digest(params)
     if got != want:
         raise HealMismatch(f"healed parameters hash to {got}, the donor's to {want}")
     return flat.numel() * flat.element_size(), time.perf_counter() - t0, t2 - t1
