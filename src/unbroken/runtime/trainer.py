@@ -456,11 +456,10 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
-        for shard in self.holds:
-            params = self.shard_parameters(shard)
-            tag = self.shard_tag(shard)
-            self.log.emit("applied", step=step, replica=self.me, epoch=epoch,
-                          state_digest=param_digest(params), waited=round(work.waited, 6), **tag)
+        digests = {shard: param_digest(self.shard_parameters(shard)) for shard in self.holds}
+        for shard, digest in digests.items():
+            self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=digest,
+                          waited=round(work.waited, 6), **self.shard_tag(shard))
         members = work.members
         if self.persist:
             self.persist.after_commit(step, members, lambda: self.faults.at(step, "snapshot"))
@@ -468,7 +467,7 @@ class Trainer:
         # compute (sidecar.py), off the path every peer waits on; a heal too.
         self.sidecar.record(step, epoch, members, commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
-            step_time=round(work.stepped - work.started, 6)))
+            step_time=round(work.stepped - work.started, 6)), digests)
         self.donor.heal(step, members, commit.plan)
 
     def shard_tag(self, shard: int) -> dict:

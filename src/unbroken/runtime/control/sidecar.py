@@ -5,7 +5,8 @@ loop, (1) compare-and-sets the plan of a generation's first step while the membe
 under its own proposal (every later step's plan comes with the commit of the step before), (2)
 publishes a step's done record and count while the member steps its optimizer ahead, and if it was
 the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a committed step whose commit this member proposed, writes its record
-(reads the commit epoch's owners, hashes the parameters: XXH3-128, ~0.1 ms for 1M of them), and
+(reads the commit epoch's owners; the parameters' digest is the one the member took for its
+`applied` record, hashed again only where it gave none), and
 refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
 a recovery, writes the record of the step before if its writer died with it unwritten (or only says so
 in the store, if the writer died after its record reached the log: the log is read back for it).
@@ -63,6 +64,7 @@ class Sidecar:
         self._records: Future | None = None
         self._last: tuple[int, int, tuple[int, ...], int, dict] | None = None  # the last `record` call's arguments
         self._digest: _Once | None = None  # the param digest of the record we write last
+        self._known: tuple[int, dict[int, str]] = (-1, {})  # (step, shard index -> digest) the caller took
 
     def _submit(self, job: Callable, *args) -> Future:
         self._jobs = [f for f in self._jobs if not f.done()]
@@ -108,10 +110,14 @@ class Sidecar:
         watch(step, epoch)
         return count, None
 
-    def record(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
+    def record(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict,
+               digests: dict[int, str] | None = None) -> None:
         """Queue the bookkeeping of committed `step`, whose record `writer` (the proposer of its
-        commit) writes; `record` holds the step record's other fields."""
+        commit) writes; `record` holds the step record's other fields. `digests`: the parameters'
+        digests by shard index, where the caller already took them after this step's optimizer step
+        (its `applied` records): the record uses them instead of hashing the same bytes again."""
         self.wait_records()
+        self._known = (step, digests or {})
         record = {**record, "t": time.time()}  # the commit's time, not the hash's
         self._last = (step, epoch, members, writer, record)
         write = writer == self.coord.me and self.coord.rank == 0
@@ -161,10 +167,11 @@ class Sidecar:
         this shard's, posted for rank 0 (rank j > 0). A group's loss is the sum of its ranks' shares, each
         already reduced across groups: summed here, off the step's path, where an all-reduce inside the
         group cost every rank ~5 ms a step (measured, 2 x 2 ranks on 2 cores)."""
-        own = self.own_digest()
+        known = self._known[1] if self._known[0] == step else {}
+        own = known.get(self.shard) or self.own_digest()
         if self.group_size == 1:
             return own, loss
-        mine = {self.shard: (own, loss), **{j: (d(), 0.0) for j, d in self.also}}
+        mine = {self.shard: (own, loss), **{j: (known.get(j) or d(), 0.0) for j, d in self.also}}
         if self.coord.rank:
             for j, (d, x) in mine.items():
                 self.coord.post_shard(step, d, x, rank=j)
