@@ -437,7 +437,9 @@ class Trainer:
         loss = work.acc.load_grads(self.reduced)  # a group's rank: its share (the record sums the shares)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
-        self.sidecar.wait_records()  # the last step record's hash must have read the parameters first
+        # the record job of the step before is done, its error raised here, before the state moves on; it
+        # reads no parameters when given `apply`'s digests (a Sidecar without them hashes them itself)
+        self.sidecar.wait_records()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         work.stepped = time.time()
