@@ -69,6 +69,12 @@ def timeline(events: list[dict], limit: int = 4000) -> str:
     return "\n".join(lines)[-limit:]
 
 
+def longer(base: list[str], n: int) -> list[str]:
+    """`base`'s arguments with `--steps n`."""
+    at = base.index("--steps") + 1
+    return [*base[:at], str(n), *base[at + 1:]]
+
+
 def run_faults(tmp: Path, faults: str, *extra: str, base: list[str] = GROUPS) -> tuple[Path, list[dict]]:
     """A run of `base` + `extra` under `faults` that succeeds with a clean audit: its directory, its events."""
     out = tmp / "run"
@@ -241,9 +247,8 @@ def test_restart_disk_with_groups_resumes_from_the_dcp_checkpoint_of_the_fsdp2_s
     # in step 3, so that step 0's checkpoint is whole before the kill (see test_pp_tp_persist's twin)
     # and of 6 steps: killed in the last of 4, the survivors could finish the run before the restart (CI at
     # 9dfb30d); the reference's 4 steps are the first 4 of these
-    steps6 = [*GROUPS[:GROUPS.index("--steps") + 1], "6", *GROUPS[GROUPS.index("--steps") + 2:]]
     out, events = run_faults(tmp_path, "kill:replica=1,rank=1,step=3,phase=compute", "--checkpoint.every=1",
-                             "--run.recovery=restart-disk", base=steps6)
+                             "--run.recovery=restart-disk", base=longer(GROUPS, 6))
     assert {s: d for s, d in digests(out).items() if s < 4} == digests(groups_reference)
     # the kill fired on group 1's rank 1 in step 3's compute, the group was lost, and the whole job
     # restarted from disk for it (assert_group_left does not fit: a restart brings the group back)

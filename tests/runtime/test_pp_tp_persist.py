@@ -14,7 +14,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import committed_before, digests, plain_loop, run_faults
+from tests.runtime.test_groups import committed_before, digests, longer, plain_loop, run_faults
 from tests.runtime.test_pp_tp import BOTH, COMMON, PIPELINE, TENSOR, staged
 from unbroken.config import Config
 
@@ -23,11 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 GRID4 = [*COMMON, "--parallel.group_size=4", "--parallel.tp=2"]  # FSDP2 beside TP: rank = shard x 2 + TP index
 STAGED4 = [*COMMON, "--parallel.group_size=4", "--parallel.pp=2"]  # FSDP2 in stages: rank = stage x 2 + shard
-
-
-def longer(base: list[str], n: int) -> list[str]:
-    at = base.index("--steps") + 1
-    return [*base[:at], str(n), *base[at + 1:]]
 
 
 def restored_step(events: list[dict], source: str, ranks: int) -> tuple[int, str]:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import digests, plain_loop, run_faults, timeline
+from tests.runtime.test_groups import digests, longer, plain_loop, run_faults, timeline
 from tests.runtime.test_pp_tp import staged, train
-from tests.runtime.test_pp_tp_persist import longer
 from unbroken.config import Config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
