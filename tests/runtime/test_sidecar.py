@@ -4,6 +4,7 @@ a worker)."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import threading
 import time
@@ -31,7 +32,13 @@ def store():
 
 
 def member(store, me, log):
-    return Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), me), log, lambda: f"digest-{me}")
+    return Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), me), log)
+
+
+def applied(s: Sidecar, step: int, writer: int, digests: dict[int, str] | None = None) -> None:
+    """What the trainer calls after applying `step` (epoch 0, all MEMBERS): its own shard's digest by
+    default, "digest-<member>"."""
+    s.record(step, 0, MEMBERS, writer, {"step": step, "loss": 1.0}, digests or {0: f"digest-{s.coord.me}"})
 
 
 def records(log):
@@ -42,7 +49,7 @@ def test_a_survivor_writes_the_record_its_dead_writer_left_unwritten(store, tmp_
     log = EventLog(tmp_path / "events.jsonl")
     survivors = [member(store, 0, log), member(store, 2, log)]
     for s in survivors:  # member 1 proposed step 5's commit, then died before writing its record
-        s.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+        applied(s, 5, 1)
         s.wait_records()
     assert records(log) == []  # not theirs to write
     for s in survivors:  # both recover in step 6 without member 1: exactly one writes step 5
@@ -61,10 +68,10 @@ def test_a_writer_declared_dead_before_its_record_leaves_it_to_the_survivor(stor
     log = EventLog(tmp_path / "events.jsonl")
     writer, survivor = member(store, 1, log), member(store, 0, log)
     store.set("dead/1", "process exited with code 4")
-    survivor.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+    applied(survivor, 5, 1)
     survivor.recover(5, (0, 2))
     survivor.wait_records()
-    writer.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})  # its late write
+    applied(writer, 5, 1)  # its late write
     writer.wait_records()
     (rec,) = records(log)
     assert rec["param_digest"] == "digest-0"
@@ -73,10 +80,10 @@ def test_a_writer_declared_dead_before_its_record_leaves_it_to_the_survivor(stor
 def test_no_second_record_when_the_writer_lives_or_already_wrote_it(store, tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
     writer, other = member(store, 1, log), member(store, 0, log)
-    writer.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+    applied(writer, 5, 1)
     writer.wait_records()
     assert int(store.get("last_commit")) == 5
-    other.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+    applied(other, 5, 1)
     other.recover(5, (0, 1))  # the writer lives
     other.wait_records()
     other.recover(5, (0, 2))  # the writer is gone, but its record was out
@@ -89,7 +96,7 @@ def test_no_second_record_when_the_writer_lives_or_already_wrote_it(store, tmp_p
 def test_after_the_last_step_a_survivor_writes_the_record_of_a_writer_declared_dead(store, tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
     survivor = member(store, 0, log)  # member 1 proposed the last step's commit, then died
-    survivor.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+    applied(survivor, 5, 1)
     survivor.finish(5, timeout_s=0.3)  # the writer is not (yet) declared dead: wait, give up
     assert records(log) == [] and not store.check(["last_commit"])
     store.set("dead/1", json.dumps({"epoch": 1, "reason": "process exited with code -9"}))
@@ -111,20 +118,26 @@ def test_publish_counts_and_the_last_member_commits_with_the_next_plan(store, tm
     assert Decision.loads(store.get("decision/6/0")) == counts[2][1]
 
 
-def test_the_writer_hashes_once_on_whichever_thread_asks_first(store, tmp_path):
+def test_a_group_s_record_digest_is_the_sha256_of_its_ranks_shard_digests_and_its_loss_their_sum(store, tmp_path):
+    """Member 1 is a group of 2 ranks: rank 1 posts its shard's digest and loss share, rank 0 (the
+    writer) hashes both in rank order; no rank reads the parameters (the digests are `apply`'s)."""
     log = EventLog(tmp_path / "events.jsonl")
-    calls = []
-    writer = Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), 1), log,
-                     lambda: calls.append(1) or f"digest-{len(calls)}")
-    writer.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
-    writer.digest_now()  # on the caller's thread (the trainer: during the next all-reduce), or a no-op
-    writer.wait_records()
-    writer.digest_now()
-    assert calls == [1] and [r["param_digest"] for r in records(log)] == ["digest-1"]
-    writer.record(6, 0, MEMBERS, 0, {"step": 6, "loss": 1.0})  # not ours to write: nothing to hash
-    writer.digest_now()
-    writer.wait_records()
-    assert calls == [1]
+    ranks = [Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), 1, rank=j), log, 2, 5.0, (j,))
+             for j in (0, 1)]
+    for j, s in enumerate(ranks):
+        s.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 0.25 * (j + 1)}, {j: f"shard-{j}"})
+    for s in ranks:
+        s.wait_records()
+    (rec,) = records(log)
+    assert rec["param_digest"] == hashlib.sha256(b"shard-0shard-1").hexdigest() and rec["loss"] == 0.75
+    for m in MEMBERS:
+        store.set(f"done/6/0/{m}", store.get(f"done/5/0/{m}"))
+    stand_in = Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), 2), log, 2, 5.0, (0, 1))
+    stand_in.record(6, 0, MEMBERS, 2, {"step": 6, "loss": 0.5}, {0: "shard-0", 1: "shard-1"})
+    stand_in.wait_records()  # a re-formed group's one rank holding both shard indices: no post to wait for
+    assert records(log)[-1]["param_digest"] == rec["param_digest"] and records(log)[-1]["loss"] == 0.5
+    with pytest.raises(KeyError):  # a shard index it holds without its digest
+        stand_in.record(7, 0, MEMBERS, 2, {"step": 7, "loss": 0.5}, {0: "shard-0"})
 
 
 def test_the_commit_carries_weights_the_coordinator_published_after_the_last_record(store, tmp_path):
@@ -137,9 +150,9 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
 
     def client():
         return TCPStore("127.0.0.1", store.port, 1, False)
-    members = [Sidecar(Coordination(client(), m, weights=WeightsWatch(client())), log, lambda: "d") for m in MEMBERS]
+    members = [Sidecar(Coordination(client(), m, weights=WeightsWatch(client())), log) for m in MEMBERS]
     for s in members:
-        s.record(5, 0, MEMBERS, 1, {"step": 5, "loss": 1.0})
+        applied(s, 5, 1)
         s.wait_records()
     assert members[0].weights == {}
     publish_weights(store, json.dumps({"0": 1.0, "1": 1.0, "2": 0.5}))
@@ -158,28 +171,27 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
 
 
 def test_close_waits_for_the_running_job_and_cancels_the_queued_ones(store, tmp_path):
-    """A group's survivor lets its trainer go before building the whole model: its sidecar's running job
-    (here a digest that takes 0.5 s) holds the trainer's parameters through `digest`, so `close` waits
-    for it, up to its timeout, and drops what was queued behind it."""
+    """A group's survivor lets its trainer go before building the whole model: `close` waits for the
+    sidecar's running job (here a plan's compare-and-set held up 0.5 s), up to its timeout, and drops what
+    was queued behind it; after it, nothing on the sidecar's thread holds a job's arguments."""
     log = EventLog(tmp_path / "events.jsonl")
     release = threading.Event()
-
-    class Model:  # what the digest closure keeps alive
-        pass
-
-    model = Model()
-    alive = weakref.ref(model)
-    sidecar = Sidecar(Coordination(TCPStore("127.0.0.1", store.port, 1, False), 0), log,
-                      lambda m=model: (release.wait(5), "digest-0")[1])
-    del model
-    sidecar.record(5, 0, MEMBERS, 0, {"step": 5, "loss": 1.0})  # its hash blocks until `release`
-    queued = sidecar.plan(6, Plan(0, MEMBERS, {}))
+    sidecar = member(store, 0, log)
+    agree = sidecar.coord.agree_plan
+    sidecar.coord.agree_plan = lambda step, mine: (release.wait(5), agree(step, mine))[1]
+    plan = Plan(0, MEMBERS, {})
+    alive = weakref.ref(plan)
+    running = sidecar.plan(5, plan)  # blocks until `release`
+    del plan
+    applied(sidecar, 5, 0)  # queued behind it: its record is never written
+    queued = sidecar._records
     t0 = time.monotonic()
     assert sidecar.close(0.2) is False  # still running after 0.2 s: said, not waited out
     assert 0.2 <= time.monotonic() - t0 < 2 and queued.cancelled()
     threading.Timer(0.3, release.set).start()
     assert sidecar.close(5) is True  # the running job ended within the timeout
-    del sidecar
+    assert running.result() == Plan(0, MEMBERS, {})  # the job it waited for did its work
+    del sidecar, running
     gc.collect()
-    assert alive() is None  # nothing on the sidecar's thread holds the digest's model any more
-    assert [r["step"] for r in records(log)] == [5]  # the job it waited for did its work
+    assert alive() is None
+    assert records(log) == []

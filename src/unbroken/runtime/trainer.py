@@ -115,9 +115,7 @@ class Trainer:
         self.scratch: dict[int, torch.Tensor] = {}  # shard -> the all-reduce's copy, until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
-        also = [(j, lambda j=j: param_digest(self.standin.parameters(j))) for j in self.holds[1:]]
-        self.sidecar = Sidecar(sidecar, log, lambda: param_digest(self.shard_parameters(self.holds[0])),
-                               cfg.parallel.group_size, self.wait_s, also, self.holds[0])
+        self.sidecar = Sidecar(sidecar, log, cfg.parallel.group_size, self.wait_s, self.holds)
         # Snapshots and checkpoints of a step start once it is known committed; pipelined, that comes
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
         # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).
@@ -402,10 +400,9 @@ class Trainer:
         held = work.held()
 
         def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
-            self.faults.at(step, "allreduce")  # the state a step ahead would need, a record's digest
+            self.faults.at(step, "allreduce")  # the state a step ahead would need
             self.coord.stage(step, epoch, held, work.timings_of(held), self.timed)
             self.pipeline.save_early()
-            self.sidecar.digest_now()  # the step record we write of the step before (sidecar.py)
 
         buffers = [a.buffer for a in work.acc.parts] if self.standin else [work.acc.buffer]
         results = []
@@ -437,8 +434,8 @@ class Trainer:
         loss = work.acc.load_grads(self.reduced)  # a group's rank: its share (the record sums the shares)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
-        # the record job of the step before is done, its error raised here, before the state moves on; it
-        # reads no parameters when given `apply`'s digests (a Sidecar without them hashes them itself)
+        # the record job of the step before is done (it reads no parameters: it takes `apply`'s digests),
+        # its error raised here, before the state moves on
         self.sidecar.wait_records()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -5,9 +5,8 @@ loop, (1) compare-and-sets the plan of a generation's first step while the membe
 under its own proposal (every later step's plan comes with the commit of the step before), (2)
 publishes a step's done record and count while the member steps its optimizer ahead, and if it was
 the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a committed step whose commit this member proposed, writes its record
-(reads the commit epoch's owners; the parameters' digest is the one the member took for its
-`applied` record, hashed again only where it gave none), and
-refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
+(reads the commit epoch's owners; the parameters' digests are those the member took for its
+`applied` records: the sidecar never reads the parameters), and refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
 a recovery, writes the record of the step before if its writer died with it unwritten (or only says so
 in the store, if the writer died after its record reached the log: the log is read back for it).
 
@@ -24,12 +23,13 @@ fields (events.py).
 
 Why: on a machine whose cores the replicas share, a member that blocks on a store round trip while its
 peers compute waits a scheduler slice (~1-2 ms measured) to run again; those waits and one member's
-sha256 (holding every peer at the next all-reduce) were ~5% of a small model's step.
+sha256 (holding every peer at the next all-reduce) were ~5% of a small model's step. (The record once
+hashed the parameters here too, a second hash of what `applied` had just hashed: on a GPU a second
+host copy of the shard each step. It takes the member's digests now.)
 """
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -42,29 +42,26 @@ class Sidecar:
     """Call `plan` at the start of a generation's first step, `publish` for a step stepped ahead, `record`
     after applying, `recover` on a recovery, and `wait_records` before the parameters change again,
     before publishing the next step and before leaving. Jobs run in that order, one at a time, on one
-    thread. `digest()` runs on that thread (or in `digest_now`) and may only read the parameters.
+    thread; none reads the parameters (`record` is given their digests).
     """
 
-    def __init__(self, coord: Coordination, log: EventLog, digest: Callable[[], str], group_size: int = 1,
-                 wait_s: float = 60.0, also: list[tuple[int, Callable[[], str]]] | None = None,
-                 shard: int | None = None):
-        self.coord, self.log, self.own_digest = coord, log, digest
+    def __init__(self, coord: Coordination, log: EventLog, group_size: int = 1, wait_s: float = 60.0,
+                 shards: tuple[int, ...] | None = None):
+        self.coord, self.log = coord, log
         # A group of G ranks: each holds a shard, so the record's digest (written by rank 0 of the
         # writer's group) is the sha256 of its ranks' shard digests in rank order, which ranks 1..G-1
         # post after every step (`coord.post_shard`); identical in every group (they hold the same state).
         self.group_size, self.wait_s = group_size, wait_s
-        # A shrunk group's rank holds several shard indices (standin.py): `digest` is that of `shard` (its
-        # first; its rank's by default), `also` the others'; their digests are its own to take (or to
-        # post, rank j > 0 of a re-formed group), with loss share 0 (its loss sits in its own slot).
-        self.also = also or []
-        self.shard = coord.rank if shard is None else shard
+        # The shard indices this rank holds, its loss's own first (default: its rank's). A shrunk group's
+        # rank holds several (standin.py): their digests are its own to take (or to post, rank j > 0 of a
+        # re-formed group), the others' with loss share 0 (its loss sits in its own slot).
+        self.shards = shards or (coord.rank,)
         self._weights = coord.weights()  # (version, weights)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar")
         self._jobs: list[Future] = []  # submitted and not seen done: what `close` waits for
         self._records: Future | None = None
         self._last: tuple[int, int, tuple[int, ...], int, dict] | None = None  # the last `record` call's arguments
-        self._digest: _Once | None = None  # the param digest of the record we write last
-        self._known: tuple[int, dict[int, str]] = (-1, {})  # (step, shard index -> digest) the caller took
+        self._digests: dict[int, str] = {}  # shard index -> digest, of the step `record` was given last
 
     def _submit(self, job: Callable, *args) -> Future:
         self._jobs = [f for f in self._jobs if not f.done()]
@@ -73,10 +70,9 @@ class Sidecar:
 
     def close(self, timeout_s: float) -> bool:
         """Call when the trainer is let go before the process ends (a group's survivor re-forming):
-        cancels the queued jobs and waits up to `timeout_s` for the running one, whose bound method holds
-        this sidecar and, through `digest`, the trainer's parameters (a stage's weights alive while the
-        survivor builds the whole model). True when no job runs any more (the thread ended); no job may be
-        submitted after. Calling it again waits again, for the same jobs."""
+        cancels the queued jobs and waits up to `timeout_s` for the running one (its store requests and
+        this sidecar, which its bound method holds). True when no job runs any more (the thread ended); no
+        job may be submitted after. Calling it again waits again, for the same jobs."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         # not the cancelled ones: `wait` counts a future cancelled off the queue (never notified) as running
         if wait([f for f in self._jobs if not f.done()], timeout_s).not_done:
@@ -111,27 +107,18 @@ class Sidecar:
         return count, None
 
     def record(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict,
-               digests: dict[int, str] | None = None) -> None:
+               digests: dict[int, str]) -> None:
         """Queue the bookkeeping of committed `step`, whose record `writer` (the proposer of its
-        commit) writes; `record` holds the step record's other fields. `digests`: the parameters'
-        digests by shard index, where the caller already took them after this step's optimizer step
-        (its `applied` records): the record uses them instead of hashing the same bytes again."""
+        commit) writes; `record` holds the step record's other fields, `digests` the parameters'
+        digests after the step's optimizer step (gradients.param_digest), one for each shard index
+        this rank holds. Raises KeyError if one is missing."""
         self.wait_records()
-        self._known = (step, digests or {})
-        record = {**record, "t": time.time()}  # the commit's time, not the hash's
+        self._digests = {j: digests[j] for j in self.shards}
+        record = {**record, "t": time.time()}  # the commit's time, not the job's
         self._last = (step, epoch, members, writer, record)
         write = writer == self.coord.me and self.coord.rank == 0
-        self._digest = _Once(lambda: self.digest(step, record["loss"])) if write or self.coord.rank else None
         if write or self.coord.rank or self.coord.weights_moved(self._weights):
-            self._records = self._submit(self._record, self._digest, *self._last)
-
-    def digest_now(self) -> None:
-        """Hash the parameters for the record queued last, here and now, unless its job already did.
-        For a time the caller would wait anyway (an all-reduce in flight), since the job competes for
-        the cores and the GIL with the step, whose optimizer must wait for it. The parameters must be
-        those the record is of: call before the optimizer steps again."""
-        if self._digest is not None:
-            self._digest.get()
+            self._records = self._submit(self._record, write or self.coord.rank > 0, *self._last)
 
     def recover(self, step: int, survivors: tuple[int, ...]) -> None:
         """Call on a recovery in step `step + 1`, before the parameters change (its optimizer step
@@ -163,15 +150,15 @@ class Sidecar:
             time.sleep(0.05)
 
     def digest(self, step: int, loss: float) -> tuple[str, float]:
-        """(parameter digest, loss) of `step` for its record, given this rank's: the group's (rank 0), or
-        this shard's, posted for rank 0 (rank j > 0). A group's loss is the sum of its ranks' shares, each
-        already reduced across groups: summed here, off the step's path, where an all-reduce inside the
-        group cost every rank ~5 ms a step (measured, 2 x 2 ranks on 2 cores)."""
-        known = self._known[1] if self._known[0] == step else {}
-        own = known.get(self.shard) or self.own_digest()
+        """(parameter digest, loss) of `step`, the step `record` was given last, for its record, given
+        this rank's: the group's (rank 0), or this shard's, posted for rank 0 (rank j > 0). A group's loss
+        is the sum of its ranks' shares, each already reduced across groups: summed here, off the step's
+        path, where an all-reduce inside the group cost every rank ~5 ms a step (measured, 2 x 2 ranks
+        on 2 cores). Rank 0 waits up to wait_s for its ranks' posts; raises on a timeout."""
+        own = self._digests[self.shards[0]]
         if self.group_size == 1:
             return own, loss
-        mine = {self.shard: (own, loss), **{j: (known.get(j) or d(), 0.0) for j, d in self.also}}
+        mine = {j: (self._digests[j], loss if n == 0 else 0.0) for n, j in enumerate(self.shards)}
         if self.coord.rank:
             for j, (d, x) in mine.items():
                 self.coord.post_shard(step, d, x, rank=j)
@@ -181,12 +168,13 @@ class Sidecar:
         return (hashlib.sha256("".join(parts[j][0] for j in range(self.group_size)).encode()).hexdigest(),
                 sum(x for _, x in parts.values()))
 
-    def _record(self, digest: _Once | None, step: int, epoch: int, members: tuple[int, ...], writer: int,
+    def _record(self, takes_part: bool, step: int, epoch: int, members: tuple[int, ...], writer: int,
                 record: dict) -> None:
-        if digest is not None and self.coord.rank:
-            digest.get()  # posted for the group's rank 0
-        elif digest is not None:
-            self._write(step, epoch, members, record, *digest.get())
+        # takes_part: this rank writes the record (rank 0 of the writer's group) or posts its digest for it
+        if takes_part and self.coord.rank:
+            self.digest(step, record["loss"])  # posted for the group's rank 0
+        elif takes_part:
+            self._write(step, epoch, members, record, *self.digest(step, record["loss"]))
         self._weights = self.coord.weights(self._weights)
 
     def _rewrite(self, step: int, epoch: int, members: tuple[int, ...], writer: int, record: dict) -> None:
@@ -232,15 +220,3 @@ class Sidecar:
         """The quota weights as last read (after the last committed step): the next proposal's."""
         return self._weights[1]
 
-
-class _Once:
-    """A value computed once, by whichever thread asks first; the others wait for it."""
-
-    def __init__(self, compute: Callable[[], tuple[str, float]]):
-        self._compute, self._lock, self._value = compute, threading.Lock(), None
-
-    def get(self) -> tuple[str, float]:
-        with self._lock:
-            if self._value is None:
-                self._value = self._compute()
-            return self._value
