@@ -6,6 +6,7 @@ is visible and skip otherwise. No GPU machine has run them yet (README).
 """
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -79,6 +80,30 @@ def test_the_digest_is_the_same_bytes_from_a_non_contiguous_copy():
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3))
     q = torch.nn.Parameter(p.detach().t().contiguous().t())  # same values, other strides
     assert param_digest([p]) == param_digest([q])
+
+
+def test_the_digest_s_kept_views_read_in_place_updates_new_storage_and_go_with_their_tensor():
+    """`_chunks` keeps a numpy view a parameter: an optimizer's in-place step shows in the next digest,
+    a parameter given other memory (`.data =`, as a restore may) is read there, and a parameter that
+    dies takes its entry with it."""
+    import xxhash
+
+    from unbroken.runtime import gradients
+
+    def fresh(p):  # the digest without any kept view
+        return xxhash.xxh3_128(p.detach().numpy().tobytes()).hexdigest()
+    p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    first = param_digest([p])
+    assert first == fresh(p) and id(p) in gradients._VIEWS
+    with torch.no_grad():
+        p.add_(1.0)  # in place: the same memory
+    assert param_digest([p]) == fresh(p) != first
+    p.data = torch.zeros(6)  # other memory under the same Parameter
+    assert param_digest([p]) == fresh(p) == xxhash.xxh3_128(bytes(24)).hexdigest()
+    key = id(p)
+    del p
+    gc.collect()
+    assert key not in gradients._VIEWS
 
 
 def test_bad_device_values_are_one_line_and_exit_2(tmp_path):

@@ -7,6 +7,9 @@ back into `.grad`; the digests of the parameters. Does not own: reduction (colle
 """
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 import torch.nn as nn
 import xxhash
@@ -136,15 +139,29 @@ class Accumulator:
                                   stride=p.stride())
 
 
+# id(tensor) -> (a weak reference to it, its data pointer, its numpy view): see _chunks
+_VIEWS: dict[int, tuple[weakref.ref, int, np.ndarray]] = {}
+
+
 def _chunks(params: list[nn.Parameter]):
     """Each parameter's float32 bytes, in the fixed order of `unique_parameters`, without a copy.
     (A float32 contiguous parameter is hashed as it is: the `.to().contiguous()` no-ops and the cast
-    cost ~3 us of dispatch each, ~0.1 ms a digest for 28 parameters, more than xxh3 takes to hash them.)"""
+    cost ~3 us of dispatch each, ~0.1 ms a digest for 28 parameters, more than xxh3 takes to hash them.
+    Its numpy view is made once and kept while the tensor lives on the same memory: a `detach` and a
+    `numpy` a parameter each digest took 47 us for the default GPT's 28 FSDP2 shards, 11 us so.)"""
     for p in params:
-        t = local(p).detach()
+        t = local(p)
+        kept = _VIEWS.get(id(t))
+        if kept is not None and kept[0]() is t and kept[1] == t.data_ptr() and kept[2].size == t.numel():
+            yield kept[2]  # the optimizer steps in place: the view reads today's values
+            continue
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            t = t.to("cpu", torch.float32).contiguous()  # a GPU's parameters are hashed from a host copy
-        yield t.numpy()  # C-contiguous: the hashes read its buffer as bytes
+            yield t.detach().to("cpu", torch.float32).contiguous().numpy()  # a GPU's: from a host copy
+            continue
+        view = t.detach().numpy()  # C-contiguous: the hashes read its buffer as bytes
+        key = id(t)  # the entry goes with the tensor (before its id can be reused)
+        _VIEWS[key] = (weakref.ref(t, lambda _, key=key: _VIEWS.pop(key, None)), t.data_ptr(), view)
+        yield view
 
 
 def param_digest(params: list[nn.Parameter]) -> str:
