@@ -4,11 +4,13 @@ Owns: one background thread with its own store client (clients are not thread-sa
 loop, (1) compare-and-sets the plan of a generation's first step while the member already computes
 under its own proposal (every later step's plan comes with the commit of the step before), (2)
 publishes a step's done record and count while the member steps its optimizer ahead, and if it was
-the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a committed step whose commit this member proposed, writes its record
-(reads the commit epoch's owners; the parameters' digests are those the member took for its
-`applied` records: the sidecar never reads the parameters), and refreshes the quota weights the next proposal carries when the coordinator changed them; (4) after
-a recovery, writes the record of the step before if its writer died with it unwritten (or only says so
-in the store, if the writer died after its record reached the log: the log is read back for it).
+the last to publish compare-and-sets the commit decision, carrying the next step's plan, (3) after a
+committed step whose commit this member proposed, writes its record (reads the commit epoch's owners;
+the parameters' digests are those the member took for its `applied` records: the sidecar never reads
+the parameters), and refreshes the quota weights the next proposal carries when the coordinator
+changed them; (4) after a recovery, writes the record of the step before if its writer died with it
+unwritten (or only says so in the store, if the writer died after its record reached the log: the
+log is read back for it).
 
 Every committed step gets its record, written by the member that proposed its commit (the decision
 names it: no member claims anything). A member publishes a step (lets it commit) only after the
