@@ -52,9 +52,8 @@ def install(out_dir: str) -> None:
     if b"unbroken.runtime.worker" not in argv or b"torch.distributed.run" in argv:  # a worker, not its agent
         return
     import torch
-    import torch.nn as nn
-
     import torch.distributed.fsdp as fsdp
+    import torch.nn as nn
 
     from unbroken import events
     from unbroken.model import data
