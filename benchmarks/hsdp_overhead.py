@@ -21,8 +21,9 @@ millisecond of unbroken's control plane (coordinator, torchrun agents, heartbeat
 taken from the training: the figure is then the control plane's CPU share plus what the trainers
 themselves add, an upper bound on what a GPU node (a device a rank, host cores to spare) would see. So
 the CPU each side spends a step is measured too (/proc, per thread, over the same windows) and split:
-the trainers' main threads, their other threads, and the control plane (coordinator, launcher, torchrun
-agents), with `ratio hsdp_overhead_main_thread_cpu` (the trainers' main threads: the step's critical path
+the trainers' main threads, gloo's threads in them (socket I/O: the same bytes a step on both sides),
+their other threads (unbroken's heartbeat, sidecar, watches), and the control plane (coordinator,
+launcher, torchrun agents), with `ratio hsdp_overhead_main_thread_cpu` (the trainers' main threads: the step's critical path
 where helper threads and the control plane have cores of their own, as on a GPU node), `..._trainer_cpu`
 (the trainer processes, every thread) and `..._total_cpu` (everything) printed before the headline. On
 2 saturated cores the wall-clock ratio follows the total CPU ratio.
@@ -125,13 +126,12 @@ def main() -> None:
            ((unb, worker_pids(tmp / "unbroken")), (base, {p.pid for p in base.procs}))}
     c = Table(title="CPU ms a step, summed over processes (every window; /proc, benchmarks/_cpu.py)",
               title_justify="left")
-    for col in ("system", "trainer main", "trainer threads", "control", "total"):
+    for col in ("system", *_cpu.ROLES, "total"):
         c.add_column(col, justify="left" if col == "system" else "right")
     for name, v in cpu.items():
-        c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in ("trainer main", "trainer threads", "control")),
-                  f"{1e3 * sum(v.values()):.1f}")
+        c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in _cpu.ROLES), f"{1e3 * sum(v.values()):.1f}")
     console.print(c)
-    trainer = {n: v["trainer main"] + v["trainer threads"] for n, v in cpu.items()}
+    trainer = {n: v["trainer main"] + v["trainer gloo"] + v["trainer threads"] for n, v in cpu.items()}
     console.print("control = the coordinator, launcher and torchrun agents: on a GPU node they run on host "
                   "cores the trainers do not use; here they take CPU from the trainers")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -152,7 +152,7 @@ def cpu_per_step(side: Side, trainers: set[int]) -> dict[str, float]:
     that ended inside them."""
     times = sorted(side.times())
     steps = sum(sum(1 for t in times if a <= t <= b) for a, b in side.windows)
-    total = {"trainer main": 0.0, "trainer threads": 0.0, "control": 0.0}
+    total = dict.fromkeys(_cpu.ROLES, 0.0)
     for used in side.cpu:
         for k, v in _cpu.by_role(used, trainers).items():
             total[k] += v
