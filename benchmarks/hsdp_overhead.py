@@ -23,10 +23,10 @@ themselves add, an upper bound on what a GPU node (a device a rank, host cores t
 the CPU each side spends a step is measured too (/proc, per thread, over the same windows) and split:
 the trainers' main threads, gloo's threads in them (socket I/O: the same bytes a step on both sides),
 their other threads (unbroken's heartbeat, sidecar, watches), and the control plane (coordinator,
-launcher, torchrun agents), with `ratio hsdp_overhead_main_thread_cpu` (the trainers' main threads: the step's critical path
-where helper threads and the control plane have cores of their own, as on a GPU node), `..._trainer_cpu`
-(the trainer processes, every thread) and `..._total_cpu` (everything) printed before the headline. On
-2 saturated cores the wall-clock ratio follows the total CPU ratio.
+launcher, torchrun agents), with `ratio hsdp_overhead_main_thread_cpu` (the trainers' main threads: the
+step's critical path where helper threads and the control plane have cores of their own, as on a GPU
+node), `..._trainer_cpu` (the trainer processes, every thread) and `..._total_cpu` (everything) printed
+before the headline. On 2 saturated cores the wall-clock ratio follows the total CPU ratio.
 
 With --exact both sides reduce in float64: unbroken's exact mode, and the baseline's FSDP2 with
 `MixedPrecisionPolicy(reduce_dtype=torch.float64)` (the same reduce-scatter and all-reduce bytes), so the
