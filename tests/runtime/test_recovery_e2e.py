@@ -140,6 +140,9 @@ def test_collective_timeout_on_a_live_straggler_reforms_the_epoch(reference, tmp
                       "--coord.progress_timeout=120")
     assert r.returncode == 0, r.stderr[-2000:]
     events = assert_trajectory(reference, out, lost=0)
+    # the stall fired (a slow fault logs no fault record): each of the straggler's step-3 spans lasted 3 s more
+    stalls = [e["wall"] for e in events if e["event"] == "compute" and e["replica"] == 1 and e["step"] == 3]
+    assert len(stalls) >= 2 and min(stalls) >= 3.0, stalls
     timed_out = {e["replica"] for e in events if e["event"] == "reduce" and e["step"] == 3 and not e["ok"]}
     assert timed_out >= {0, 2, 3}, timed_out  # the fast members' all-reduce of step 3 gave up in epoch 0
     reforms = [e for e in events if e["event"] == "epoch" and "reform" in e]
