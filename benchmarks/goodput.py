@@ -3,8 +3,8 @@
 What it measures: tokens committed per wall-clock second (run start to run end, start-up included) for
 one schedule of successive replica kills, run under the recovery modes of `--run.recovery`:
   live            survivors finish the failed step and go on without the lost replicas (ReCoVer);
-  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--run.launcher=torchrun
-                  --run.restarts=N`): it rejoins at a step boundary, healed from a live peer, so live
+  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--run.restarts=N`):
+                  it rejoins at a step boundary, healed from a live peer, so live
                   gets its capacity back as the restart modes do (no snapshots: it needs none);
   restart-memory  any failure restarts every trainer, which reload the agents' in-memory snapshot
                   (snapshot every step);
@@ -22,8 +22,13 @@ schedule's MTBF = the steps between failures x the failure-free step time measur
 its first failure (live runs first for that reason). `--checkpoint.every` = round(young_daly_interval(C,
 MTBF) / step time), at least 1.
 
-Every restart pays what a real one pays here: new processes, `import torch` (seconds on this machine),
-group formation, the restore. That is part of what restart strategies cost.
+Every mode starts its replica groups the same way, one torchrun job per group as on a cluster
+(`--run.launcher=torchrun`), so every start, restart and rejoin pays what a real one pays here: new
+processes, `import torch` and the first optimizer step's `import torch._dynamo` (~3 CPU-s a trainer on
+this machine), group formation, the restore or the heal. That is part of what each strategy costs.
+(Before 2026-11-29 the three modes without rejoin ran under the local launcher's default, `fork`, whose
+trainers are forked from a process that imported torch once: their restarts skipped those ~3 CPU-s,
+which no cluster's restart does, while live-rejoin's torchrun paid them.)
 
 Capacity, the same story for every mode: each mode is charged the replica-seconds it holds. A restart
 mode relaunches all R replicas (a spare replaces the failed one at once), so it holds R for the whole
@@ -189,7 +194,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     faults, fail_steps = schedule(steps, args.failures, args.replicas)
     base = dict(replicas=args.replicas, steps=steps, microbatches=args.microbatches, progress=False,
-                faults=faults, model__n_layer=n_layer, model__n_embd=n_embd, model__block_size=seq,
+                faults=faults, run__launcher="torchrun", model__n_layer=n_layer, model__n_embd=n_embd, model__block_size=seq,
                 data__batch_size=args.batch_size, data__seq_len=str(seq), coord__run_timeout=1200)
     with console.status("measuring the checkpoint cost of this model's state (DCP, in-process)"):
         ckpt_s, ckpt_block_s, gb = checkpoint_cost(make_config(**base), args.ckpt_reps)
@@ -211,7 +216,7 @@ def main() -> None:
     for mode, rnd in order:  # live, memory, disk, disk, memory, live, ...: load drift hits all modes alike
         extra: dict = dict(snap)
         if mode == "live-rejoin":  # each killed group restarted by its torchrun job, healed from a peer
-            extra = dict(run__launcher="torchrun", run__restarts=args.failures)
+            extra = dict(run__restarts=args.failures)
         elif mode == "restart-disk" and every is not None:
             extra = dict(checkpoint__every=every)
         elif mode == "restart-disk":
