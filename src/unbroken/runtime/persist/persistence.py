@@ -74,9 +74,11 @@ class Persistence:
             # the copies wait for `on_snapshot` (a fault point: a `tear` kills us there, mid-copy)
             gate = threading.Event() if on_snapshot is not None else None
             for share in shares_of(self.me, members, self.world):
-                # a snapshot system that falls behind must never stall training: skip, keep the older
+                # a snapshot system that falls behind must never stall training: skip, keep the older;
+                # so must a lost node's agent, for the shares adopted from its replicas (share != me)
                 if self._client(share).save_async(step, tensors, {"step": step, "next_step": step + 1},
-                                                  skip_if_busy=True, gate=gate):
+                                                  skip_if_busy=True, gate=gate,
+                                                  skip_until_allocated=share != self.me):
                     self.log.emit("snapshot", replica=self.me, share=share, step=step)  # copy started
                 else:
                     self.log.emit("snapshot_skipped", replica=self.me, share=share, step=step)

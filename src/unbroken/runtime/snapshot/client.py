@@ -55,6 +55,7 @@ class SnapshotClient:
         self.marks = (self.keys, *map(snapshot_keys, siblings))
         self.topo: Topology | None = None
         self._slots: list[SlotFile] | None = None
+        self._asked: tuple[str, int] | None = None  # (nonce, capacity) of an alloc request not yet served
         # Read mappings of slot files, kept open between restores: mapping (MAP_POPULATE) and
         # unmapping a 1.2 GB slot cost ~0.1 s per file here. Keyed by path, reused while the file
         # is the same (device, inode, size): the agent replaces a slot file to grow it.
@@ -79,19 +80,22 @@ class SnapshotClient:
 
     # -- save -------------------------------------------------------------------------------
     def save_async(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict,
-                   skip_if_busy: bool = False, gate: threading.Event | None = None) -> bool:
+                   skip_if_busy: bool = False, gate: threading.Event | None = None,
+                   skip_until_allocated: bool = False) -> bool:
         """Start copying this rank's share of `tensors` (and `meta`, JSON-able) for `step`; returns
         once the copy runs on a background thread. Waits for the previous save first. When the agent
         is two snapshots behind (backpressure) it blocks up to timeout_s, or with `skip_if_busy`
         returns False at once and saves nothing (the older snapshots stay whole). The first call
-        blocks while the agent creates the slots. With `gate`, the copy thread marks the slot torn
-        (WRITING) and waits for the gate before copying a byte: a fault fired meanwhile dies
-        mid-snapshot for certain. Returns True when a copy started."""
+        blocks while the agent creates the slots; with `skip_until_allocated` it asks once and returns
+        False until the agent has: for a share adopted from a lost node, whose replacement agent takes
+        seconds to start (it imports torch), or never comes on a cluster with no spare. With `gate`,
+        the copy thread marks the slot torn (WRITING) and waits for the gate before copying a byte: a
+        fault fired meanwhile dies mid-snapshot for certain. Returns True when a copy started."""
         self.wait()
         layout = self._layout if self._layout and _same(self._layout, tensors) else Layout.of(tensors)
         self._layout = layout
         lo, hi = shard_bounds(layout.total, self.world, self.rank)
-        slot = self._pick_slot(hi - lo, wait=not skip_if_busy)
+        slot = self._pick_slot(hi - lo, wait=not skip_if_busy, allocated=skip_until_allocated)
         if slot is None:
             # said before this rank lets the next step commit: the other ranks' next save reads it and
             # keeps their older slot rather than this step's (`_pick_slot`), so one step stays common
@@ -139,7 +143,9 @@ class SnapshotClient:
         except Exception:  # noqa: BLE001 - the store raises DistStoreError on timeout
             raise TimeoutError(f"snapshot of step {step} not committed by the agent") from None
 
-    def _open_slots(self, need: int) -> list[SlotFile]:
+    def _open_slots(self, need: int, wait: bool = True) -> list[SlotFile] | None:
+        """This rank's two slots with room for `need` bytes; None, without `wait`, while the agent has
+        not yet created them."""
         if self._slots is None or any(s.get("capacity") < need for s in self._slots):
             self._close_slots()
             paths = [data_path(self.shm_dir, self.run_id, self.rank, b) for b in (0, 1)]
@@ -149,26 +155,38 @@ class SnapshotClient:
                              or s.get("world") != self.world for s in slots):
                 for s in slots:
                     s.close()
-                slots = self._allocate(paths, need)
+                slots = self._allocate(paths, need, wait)
+                if slots is None:
+                    return None
             self._slots = slots
         return self._slots
 
-    def _allocate(self, paths: list[Path], need: int) -> list[SlotFile]:
-        # The agent owns the files: ask it to create (and pre-fault) both slots, then map them.
-        nonce = secrets.token_hex(6)
-        cap = max(need, 1)
-        self.store.set(self.keys.alloc(self.rank), json.dumps({"capacity": cap, "nonce": nonce}))
-        self.store.add(self.keys.req(self.node), 1)
-        done = self.keys.alloc_done(self.rank, nonce)
+    def _allocate(self, paths: list[Path], need: int, wait: bool = True) -> list[SlotFile] | None:
+        """The agent owns the files: ask it to create (and pre-fault) both slots, then map them. The
+        request is made once (an agent that starts later serves it: agent._requests reads every rank's
+        pending request); without `wait`, returns None while it is pending."""
+        if self._asked is None or self._asked[1] < need:
+            self._asked = (secrets.token_hex(6), max(need, 1))
+            self.store.set(self.keys.alloc(self.rank), json.dumps({"capacity": self._asked[1],
+                                                                   "nonce": self._asked[0]}))
+            self.store.add(self.keys.req(self.node), 1)
+        done = self.keys.alloc_done(self.rank, self._asked[0])
+        if not wait and not self.store.check([done]):
+            return None
         try:
             self.store.wait([done], _td(self.timeout_s))
         except Exception:  # noqa: BLE001
             raise RuntimeError(f"snapshot agent of node {self.node} did not create slots for rank "
                                f"{self.rank} within {self.timeout_s:g} s") from None
+        self._asked = None
         return [SlotFile.open(p) for p in paths]
 
-    def _pick_slot(self, need: int, wait: bool = True) -> SlotFile | None:
-        slots = self._open_slots(need)
+    def _pick_slot(self, need: int, wait: bool = True, allocated: bool = False) -> SlotFile | None:
+        """The slot to write; None without `wait` when both are busy, or with `allocated` while the
+        agent has not created them yet (the step is then skipped as a busy agent's is)."""
+        slots = self._open_slots(need, wait=not allocated)
+        if slots is None:
+            return None
         deadline = time.monotonic() + self.timeout_s
         while True:
             st = [(s.get("state"), s.get("step")) for s in slots]
