@@ -4,8 +4,8 @@ What it measures: tokens committed per wall-clock second (run start to run end, 
 one schedule of successive replica kills, run under the recovery modes of `--run.recovery`:
   live            survivors finish the failed step and go on without the lost replicas (ReCoVer);
   live-rejoin     the same, and each killed replica's torchrun job restarts it (`--run.restarts=N`):
-                  it rejoins at a step boundary, healed from a live peer, so live
-                  gets its capacity back as the restart modes do (no snapshots: it needs none);
+                  it rejoins at a step boundary, healed from a live peer, so live gets its capacity
+                  back as the restart modes do (no snapshots: it needs none);
   restart-memory  any failure restarts every trainer, which reload the agents' in-memory snapshot
                   (snapshot every step);
   restart-disk    any failure restarts every trainer from the latest DCP checkpoint, losing the steps since
@@ -194,8 +194,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     faults, fail_steps = schedule(steps, args.failures, args.replicas)
     base = dict(replicas=args.replicas, steps=steps, microbatches=args.microbatches, progress=False,
-                faults=faults, run__launcher="torchrun", model__n_layer=n_layer, model__n_embd=n_embd, model__block_size=seq,
-                data__batch_size=args.batch_size, data__seq_len=str(seq), coord__run_timeout=1200)
+                faults=faults, run__launcher="torchrun", model__n_layer=n_layer, model__n_embd=n_embd,
+                model__block_size=seq, data__batch_size=args.batch_size, data__seq_len=str(seq),
+                coord__run_timeout=1200)
     with console.status("measuring the checkpoint cost of this model's state (DCP, in-process)"):
         ckpt_s, ckpt_block_s, gb = checkpoint_cost(make_config(**base), args.ckpt_reps)
     console.print(f"{args.replicas} replicas, {steps} steps x {args.microbatches} microbatches, model "

@@ -95,7 +95,7 @@ class SnapshotClient:
         layout = self._layout if self._layout and _same(self._layout, tensors) else Layout.of(tensors)
         self._layout = layout
         lo, hi = shard_bounds(layout.total, self.world, self.rank)
-        slot = self._pick_slot(hi - lo, wait=not skip_if_busy, allocated=skip_until_allocated)
+        slot = self._pick_slot(hi - lo, wait=not skip_if_busy, wait_alloc=not skip_until_allocated)
         if slot is None:
             # said before this rank lets the next step commit: the other ranks' next save reads it and
             # keeps their older slot rather than this step's (`_pick_slot`), so one step stays common
@@ -181,10 +181,10 @@ class SnapshotClient:
         self._asked = None
         return [SlotFile.open(p) for p in paths]
 
-    def _pick_slot(self, need: int, wait: bool = True, allocated: bool = False) -> SlotFile | None:
-        """The slot to write; None without `wait` when both are busy, or with `allocated` while the
-        agent has not created them yet (the step is then skipped as a busy agent's is)."""
-        slots = self._open_slots(need, wait=not allocated)
+    def _pick_slot(self, need: int, wait: bool = True, wait_alloc: bool = True) -> SlotFile | None:
+        """The slot to write; None without `wait` when both are busy, or without `wait_alloc` while
+        the agent has not created them yet (the step is then skipped as a busy agent's is)."""
+        slots = self._open_slots(need, wait=wait_alloc)
         if slots is None:
             return None
         deadline = time.monotonic() + self.timeout_s
