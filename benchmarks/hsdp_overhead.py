@@ -84,7 +84,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="hsdp-overhead-"))  # removed on success; kept when a run fails
     sides: list[Side] = []
     # unbroken's equal quotas: M/R microbatches a group, the baseline's split
-    extra = ["--run.quotas=equal", f"--parallel.group_size={args.group_size}", *(["--exact"] if args.exact else [])]
+    # on CPU as the baseline's mesh, also where a GPU is visible (parallel.device=auto would take it)
+    extra = ["--run.quotas=equal", f"--parallel.group_size={args.group_size}", "--parallel.device=cpu",
+             *(["--exact"] if args.exact else [])]
     try:
         for name in ("unbroken", "fsdp2 hsdp"):
             with console.status(f"starting {name}"):
