@@ -99,6 +99,11 @@ def main() -> None:
             for side in ([unb, base] if rnd % 2 == 0 else [base, unb]):  # ABBA
                 with console.status(f"round {rnd + 1}/{args.rounds}: {side.name}"):
                     side.run_window(args.window)
+            # as it goes, so a run cut short (a time limit on a lent machine) still leaves its rounds; the
+            # table re-reads the logs at the end, with step ends written after their window froze
+            last = [s.window_intervals(args.settle)[-1] for s in (unb, base)]
+            if all(last):
+                console.print(f"round {rnd + 1}: {statistics.median(last[0]) / statistics.median(last[1]):.3f}")
     finally:
         for side in sides:
             side.stop()
