@@ -103,10 +103,13 @@ def test_kill_prediction_where_each_replica_has_a_core(tmp_path):
     # after the kill (median 0.87x, no step outside the band), and the prediction was 16% off
     drift = statistics.median(statistics.median(own[s]) / before for s in after)
     if len(moved) > len(after) // 4 or not 0.9 <= drift <= 1.1:
-        pytest.skip(f"the survivor's microbatch compute moved from {1e3 * before:.1f} ms (median before the kill) "
-                    f"to {drift:.2f}x of it over its {len(after)} steps after the kill, at steps {moved} (step: its "
-                    f"median, outside 0.8-1.25x): this host "
-                    f"does not give each replica a core of its own at a constant speed (the simulator's premise)")
+        how = (f"{len(moved)} of its {len(after)} steps after the kill had a median outside 0.8-1.25x of it "
+               f"(step: that ratio) {moved}" if len(moved) > len(after) // 4 else
+               f"its median over the {len(after)} steps after the kill drifted to {drift:.2f}x of it "
+               "(outside 0.9-1.1x)")
+        pytest.skip(f"the survivor's microbatch compute took {1e3 * before:.1f} ms before the kill (median), and "
+                    f"{how}: this host does not give each replica a core of its own at a constant speed (the simulator's "
+                    "premise)")
     p = predict_other(tmp_path / "cal", tmp_path / "target")
     within(p)
 
