@@ -108,8 +108,8 @@ def test_kill_prediction_where_each_replica_has_a_core(tmp_path):
                f"its median over the {len(after)} steps after the kill drifted to {drift:.2f}x of it "
                "(outside 0.9-1.1x)")
         pytest.skip(f"the survivor's microbatch compute took {1e3 * before:.1f} ms before the kill (median), and "
-                    f"{how}: this host does not give each replica a core of its own at a constant speed (the simulator's "
-                    "premise)")
+                    f"{how}: this host does not give each replica a core of its own at a constant speed "
+                    "(the simulator's premise)")
     p = predict_other(tmp_path / "cal", tmp_path / "target")
     within(p)
 
