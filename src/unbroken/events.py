@@ -18,7 +18,8 @@ their fields:
   A replica group of several ranks: every rank writes its own compute, reduce, applied and fenced
   records, with `rank` (absent: rank 0); `applied`'s state_digest is of its shard; `param_digest` in
   the step record is then sha256 over the ranks' shard digests (hex, rank order).
-  worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count)
+  worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count),
+                 forked ("server": the launcher's fork server; "agent": forkrun's torchrun agent; "": exec'd)
   step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
                  ranks in all, each as it ran: a re-formed group's fewer), epoch, tokens, t,
                  param_digest (XXH3-128 of all float32 params after the optimizer step, fixed order),

@@ -20,11 +20,11 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2
 
 
 def test_children_get_their_own_argv_env_and_log_and_exit_codes_come_back(tmp_path):
-    server = Zygote.start("tests.runtime._forked_child", ENV)
+    server = Zygote.start(["tests.runtime._forked_child"], ENV)
     try:
         assert server.usable()
         logs = [tmp_path / f"child{n}.log" for n in range(3)]
-        kids = [server.spawn([code], {**ENV, "FORKED_TEST": f"child{n}"}, str(log))
+        kids = [server.spawn("tests.runtime._forked_child", [code], {**ENV, "FORKED_TEST": f"child{n}"}, str(log))
                 for n, (code, log) in enumerate(zip(["0", "3", "wait"], logs))]
         assert len({k.pid for k in kids} | {server.proc.pid}) == 4  # processes of their own
         assert kids[0].wait(30) == 0 and kids[1].wait(30) == 3
@@ -49,6 +49,6 @@ def test_a_server_with_threads_running_does_not_fork(tmp_path):
     module = tmp_path / "threaded_child.py"
     module.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
                       "def main(argv):\n    pass\n")
-    server = Zygote.start("threaded_child", {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"})
+    server = Zygote.start(["threaded_child"], {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"})
     assert not server.usable()
     assert server.proc.poll() is not None  # closed: the launcher execs each trainer instead

@@ -208,6 +208,7 @@ def run(factories: Factories) -> int:
         (where.run_dir / "logs" / f"replica{who.group}.pid").write_text(str(os.getpid()))
     log.emit("worker_start", replica=who.group, rank=who.rank, group_size=who.group_size, node=who.node,
              pid=os.getpid(), torchrun="TORCHELASTIC_RUN_ID" in os.environ,
+             forked=os.environ.get("UNBROKEN_FORKED", ""),  # "server", "agent" or "" (a fresh interpreter)
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     return _serve(where, who, log, factories)
 
@@ -453,9 +454,10 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     return step + 1, plan
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, exit: Callable[[int], None] = os._exit) -> None:
     """`python -m unbroken.runtime.worker [--coordinator HOST:PORT --group R]`: without flags, the local
-    launcher's environment says where to run."""
+    launcher's environment says where to run. Ends the process by `exit(code)`, which must skip
+    destructors (`os._exit`; a rank that forkrun forked hands its result to the agent first)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="unbroken worker")
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     code = run(default_factories())
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip destructors of abandoned gloo groups, which could block on dead peers
+    exit(code)  # skip destructors of abandoned gloo groups, which could block on dead peers
 
 
 if __name__ == "__main__":

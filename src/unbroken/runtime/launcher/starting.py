@@ -21,6 +21,7 @@ from unbroken.runtime.launcher.processes import AgentGroup
 from unbroken.runtime.launcher.zygote import Forked, Zygote
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
+FORKRUN = "unbroken.runtime.launcher.forkrun"  # torchrun, its ranks forked from its agent
 
 
 def _listening() -> socket.socket:
@@ -69,12 +70,12 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subproces
 
 def fork_server(cfg: Config) -> Zygote | None:
     """The fork server for this run's trainers (zygote.py), started now so it imports while the coordinator
-    starts; None where trainers are not forked (`--run.launcher` direct or torchrun, groups of several
-    ranks: torchrun starts those)."""
-    if cfg.run.launcher != "fork" or cfg.parallel.group_size > 1:
+    starts: it forks one-rank groups' trainers, and the torchrun agents (forkrun) of groups of several
+    ranks, whose ranks fork from them. None where nothing is forked (`--run.launcher` direct or torchrun)."""
+    if cfg.run.launcher != "fork":
         return None
-    return Zygote.start(DEFAULT_WORKER[2], {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads),
-                                            "PYTHONUNBUFFERED": "1"})
+    modules = [DEFAULT_WORKER[2]] + ([FORKRUN] if cfg.parallel.group_size > 1 else [])
+    return Zygote.start(modules, {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"})
 
 
 def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
@@ -92,20 +93,22 @@ def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
            "UNBROKEN_DEVICE_BASE": str(r * cfg.parallel.group_size),
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
     if cfg.parallel.on_rank_loss == "replan":  # a torchrun agent per rank, as a group spanning hosts
-        return start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env)
+        return start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env, zygote)
     torchrun = cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1
     if torchrun:  # the cluster's command: a torchrun
         # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
         # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        # "fork": torchrun's own agent, its ranks forked from it once it imported the worker (forkrun.py)
+        agent = FORKRUN if cfg.run.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
+        cmd = [sys.executable, "-m", agent, "--standalone",
                f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
     mine = None
     if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
         cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
         mine = sorted({cores[(r * G + j) % len(cores)] for j in range(G)})
     log = run_dir / "logs" / f"replica{r}.log"
-    if zygote is not None and zygote.usable():  # only for the default worker in one-rank groups (fork_server)
-        p = zygote.spawn(cmd[3:], env, str(log), mine)
+    if zygote is not None and zygote.usable():  # the default worker, or forkrun's agent (fork_server)
+        p = zygote.spawn(cmd[2], cmd[3:], env, str(log), mine)
     else:
         pin = (lambda: os.sched_setaffinity(0, mine)) if mine else None  # runs in the child before exec
         p = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
@@ -115,7 +118,7 @@ def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
 
 
 def start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, job: str,
-                  env: dict[str, str]) -> AgentGroup:
+                  env: dict[str, str], zygote: Zygote | None = None) -> AgentGroup:
     """Group r as one torchrun agent per rank (`--nnodes=G --nproc-per-node=1`), rendezvousing (c10d) on the
     coordinator's store, which outlives every trainer: where one agent per group (`--standalone`) stops
     every rank when one dies, a rank here dies alone, and its group's survivor can go on shrunk
@@ -124,7 +127,8 @@ def start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
     agent stays a participant of the rendezvous until its keep-alives lapse (3 x 1 s here; torch's
     default 3 x 5 s): only then can a replacement's agent take its place."""
     G = cfg.parallel.group_size
-    line = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={G}", "--nproc-per-node=1",
+    agent = FORKRUN if cfg.run.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
+    line = [sys.executable, "-m", agent, f"--nnodes={G}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={address}",
             "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
             f"--rdzv-id={job}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
@@ -135,8 +139,10 @@ def start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
     # round publishes a fresh address, and the group's rank 0 serves its workers' store (intra_group).
     env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-    def start(j: int) -> subprocess.Popen:
+    def start(j: int) -> subprocess.Popen | Forked:
         log = run_dir / "logs" / (f"replica{r}.log" if j == 0 else f"replica{r}.agent{j}.log")
+        if zygote is not None and zygote.usable():  # forkrun's agent, forked (fork_server)
+            return zygote.spawn(line[2], line[3:], env, str(log))
         return subprocess.Popen(line, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
 

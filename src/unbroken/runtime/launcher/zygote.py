@@ -1,10 +1,12 @@
-"""The local launcher's fork server: one process that has imported torch once, forking each trainer.
+"""The local launcher's fork server: one process that has imported torch once, forking each trainer (or
+each replica group's torchrun agent, whose ranks fork from it in turn: forkrun.py).
 
-Owns: the fork server's process (`python -m unbroken.runtime.launcher.zygote MODULE`: it imports MODULE and
-what a trainer's first step imports, then forks one child per request, each calling MODULE's `main(argv)`
-with the environment and log file it was given), its pipe protocol, and `Forked`, the launcher's handle
-on a forked trainer (the part of `subprocess.Popen` the launcher uses: pid, poll, wait, returncode).
-Does not own: what a trainer does (the worker), when trainers start or stop (launch.py).
+Owns: the fork server's process (`python -m unbroken.runtime.launcher.zygote MODULE [MODULE ...]`: it
+imports the modules and what a trainer's first step imports, then forks one child per request, each
+calling the requested module's `main(argv)` with the environment and log file it was given), its pipe
+protocol, and `Forked`, the launcher's handle on a forked process (the part of `subprocess.Popen` the
+launcher uses: pid, poll, wait, returncode). Does not own: what a trainer does (the worker), when
+trainers start or stop (launch.py).
 
 Why: a trainer's interpreter spends ~2 CPU-s importing torch, DTensor and dynamo (AdamW's first step
 imports torch._dynamo) before its first microbatch. With 4 trainers on 2 cores, that was most of a short
@@ -12,13 +14,16 @@ run's start-up and of every whole-job restart. Forked from a process that did it
 milliseconds. The children are ordinary processes: their own pids, killed with real signals, exit codes
 reported as Popen's (negative: the signal). torchrun's workers (replica groups of several ranks, or
 `--run.launcher=torchrun`) are torchrun's own and start as on a cluster; so do `--run.launcher=direct`.
+A group of several ranks under the default launcher is a forked `forkrun` agent: torchrun's own agent,
+whose ranks fork from it, so neither the agent nor its ranks import anything.
 
 Forking after `import torch` is safe where no thread has started: the server checks it has one thread
 (it never runs an op, so no intra-op pool exists) and refuses to serve otherwise, and the launcher then
 starts each trainer as a fresh interpreter. Python's `random` reseeds in each child (os.register_at_fork);
 torch's generator does not, and needs not: a trainer seeds it from (seed, step, microbatch).
 
-Protocol (JSON lines): the launcher writes {"argv", "env", "log", "cores"}; the server answers {"pid"} for
+Protocol (JSON lines): the launcher writes {"module", "argv", "env", "log", "cores"} (module: one of the
+server's); the server answers {"pid"} for
 each, in order, and {"exit": pid, "code": c} whenever a child ends.
 """
 from __future__ import annotations
@@ -71,10 +76,11 @@ class Zygote:
         self.ready: bool | None = None  # unknown until the server's first line
 
     @classmethod
-    def start(cls, module: str, env: dict[str, str]) -> Zygote:
-        """Start the server for `module` with `env` (what every child inherits until its request's env
-        replaces it: the import-time settings, OMP_NUM_THREADS among them). Does not wait."""
-        proc = subprocess.Popen([sys.executable, "-m", __name__, module], env=env, stdin=subprocess.PIPE,
+    def start(cls, modules: list[str], env: dict[str, str]) -> Zygote:
+        """Start the server for `modules` (what its children may run) with `env` (what every child inherits
+        until its request's env replaces it: the import-time settings, OMP_NUM_THREADS among them). Does
+        not wait."""
+        proc = subprocess.Popen([sys.executable, "-m", __name__, *modules], env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         return cls(proc)
 
@@ -87,11 +93,14 @@ class Zygote:
                 self.close()
         return self.ready
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: str, cores: list[int] | None = None) -> Forked:
-        """Fork one child running the server's module with `argv`, `env` (whole: it replaces the server's),
-        stdout and stderr appended to `log`, pinned to `cores` if given. Raises OSError if the server died."""
+    def spawn(self, module: str, argv: list[str], env: dict[str, str], log: str,
+              cores: list[int] | None = None) -> Forked:
+        """Fork one child running `module` (one the server was started with) with `argv`, `env` (whole: it
+        replaces the server's), stdout and stderr appended to `log`, pinned to `cores` if given. Raises
+        OSError if the server died."""
+        request = {"module": module, "argv": argv, "env": env, "log": log, "cores": cores}
         with self.lock:
-            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": log, "cores": cores}).encode() + b"\n")
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             while True:
                 msg = self._line(30.0)
@@ -136,7 +145,7 @@ class Zygote:
         self.proc.wait()
 
 
-def _child(request: dict, module: str, inherited: list[int]) -> None:
+def _child(request: dict, inherited: list[int]) -> None:
     """In the forked child: become the trainer the request describes; never returns. It stays in the
     launcher's process group, as a Popen child would (a terminal's Ctrl-C reaches it)."""
     code = 1
@@ -153,8 +162,9 @@ def _child(request: dict, module: str, inherited: list[int]) -> None:
             os.sched_setaffinity(0, request["cores"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [module, *request["argv"]]
-        importlib.import_module(module).main(request["argv"])  # imported by the server already
+        os.environ["UNBROKEN_FORKED"] = "server"  # worker_start's `forked`
+        sys.argv = [request["module"], *request["argv"]]
+        importlib.import_module(request["module"]).main(request["argv"])  # imported by the server already
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -166,10 +176,11 @@ def _child(request: dict, module: str, inherited: list[int]) -> None:
         os._exit(code)
 
 
-def serve(module: str) -> None:
+def serve(modules: list[str]) -> None:
     """The server's loop: fork on each request, report each child's exit; ends when the launcher's end
     of the pipe closes (the launcher ended), leaving its children to end on their own as exec'd ones do."""
-    importlib.import_module(module)
+    for module in modules:
+        importlib.import_module(module)
     import torch._dynamo  # noqa: F401 - what AdamW's first step imports (~0.8 CPU-s), done once here
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the launcher, which closes the pipe: ends here
     out = sys.stdout.buffer
@@ -192,7 +203,7 @@ def serve(module: str) -> None:
                     line, buffer = buffer.split(b"\n", 1)
                     pid = os.fork()
                     if pid == 0:
-                        _child(json.loads(line), module, [requests, *children])
+                        _child(json.loads(line), [requests, *children])
                     children[os.pidfd_open(pid)] = pid
                     out.write(json.dumps({"pid": pid}).encode() + b"\n")
                     out.flush()
@@ -205,4 +216,4 @@ def serve(module: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1:])
