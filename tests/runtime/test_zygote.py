@@ -1,10 +1,13 @@
 """The local launcher's fork server (launcher/zygote.py) on its own: real forked processes, their exit
 codes as Popen gives them (negative: killed by that signal), each with its own argv, environment and log,
-none reading the server's request pipe; and a server that finds threads running refuses to fork."""
+none reading the server's request pipe; a held socket only in the child that keeps it; and a server that
+finds threads running refuses to fork."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,3 +55,42 @@ def test_a_server_with_threads_running_does_not_fork(tmp_path):
     server = Zygote.start(["threaded_child"], {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"})
     assert not server.usable()
     assert server.proc.poll() is not None  # closed: the launcher execs each trainer instead
+
+
+def _bind(port: int) -> int:
+    """0 if a fresh socket can bind `port` (no process holds it), else the errno."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return e.errno
+    return 0
+
+
+def test_a_held_socket_goes_to_the_child_that_keeps_it_and_to_no_other_process(tmp_path):
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    held.listen(8)
+    port, fd = held.getsockname()[1], held.fileno()
+    server = Zygote.start(["tests.runtime._forked_child"], ENV, hold=(fd,))
+    held.close()  # the launcher's copy goes once the server has one (start_coordinator)
+    try:
+        assert server.usable()
+        logs = [tmp_path / "other.log", tmp_path / "keeper.log"]
+        other = server.spawn("tests.runtime._forked_child", ["wait"], ENV, str(logs[0]))
+        keeper = server.spawn("tests.runtime._forked_child", ["wait"], ENV, str(logs[1]), keep=(fd,))
+        deadline = time.monotonic() + 30
+        while not all(log.exists() and "argv=['wait']" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _bind(port) == errno.EADDRINUSE  # the keeper holds it
+        os.kill(keeper.pid, signal.SIGKILL)
+        assert keeper.wait(30) == -signal.SIGKILL
+        assert _bind(port) == 0  # nobody else had a copy: not the server, not the other child
+        assert other.poll() is None
+        os.kill(other.pid, signal.SIGKILL)
+        assert other.wait(30) == -signal.SIGKILL
+    finally:
+        server.close()

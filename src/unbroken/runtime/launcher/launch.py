@@ -34,7 +34,7 @@ from unbroken.runtime.launcher.processes import AgentGroup, kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
-from unbroken.runtime.launcher.starting import DEFAULT_WORKER, fork_server, start_coordinator, start_worker
+from unbroken.runtime.launcher.starting import DEFAULT_WORKER, fork_server, hold_port, start_coordinator, start_worker
 from unbroken.runtime.launcher.zygote import Forked
 from unbroken.runtime.control import keys
 from unbroken.runtime.control.store import connect, finished_among, last_committed, read
@@ -84,17 +84,18 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                  run_id=run_id, group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     procs: list[subprocess.Popen | Forked] = []
     agents: AgentSet | None = None
-    zygote = fork_server(cfg) if worker_cmd is None else None
+    held = hold_port(cfg)
+    zygote = fork_server(cfg, held) if worker_cmd is None else None
     view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
     error: str | None = "launcher failed"
     restore_sigterm = _sigterm_interrupts()
     lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
     watch: _Watch | None = None
     try:
-        coordinator, address = start_coordinator(cfg, run_dir)
+        coordinator, address = start_coordinator(cfg, run_dir, held=held, zygote=zygote)
         procs.append(coordinator)
         if cfg.coord.store:  # etcd: standbys beside it; the run has lost its coordinator once all are gone
-            coordinator = _Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n)[0]
+            coordinator = _Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n, zygote=zygote)[0]
                                                          for n in range(1, 1 + cfg.coord.standbys)])
             procs.extend(coordinator.procs[1:])
         raw = connect(address)

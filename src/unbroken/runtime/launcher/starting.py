@@ -22,6 +22,7 @@ from unbroken.runtime.launcher.zygote import Forked, Zygote
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 FORKRUN = "unbroken.runtime.launcher.forkrun"  # torchrun, its ranks forked from its agent
+COORDINATOR = "unbroken.runtime.control.coordinator"
 
 
 def _listening() -> socket.socket:
@@ -35,15 +36,22 @@ def _listening() -> socket.socket:
     return s
 
 
-def start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start the coordinator on a port chosen here, so workers start (and import torch) meanwhile;
-    their store clients retry until the server is up. The port is held from its choice on: a socket
-    bound and listening here, which the coordinator's store serves (`--listen-fd`), so no other process
-    (an outgoing connection's ephemeral port, another run) can take it while the coordinator imports
-    torch; where the address is etcd's, no socket is made. n > 0: a standby (etcd)."""
-    held = None if cfg.coord.store else _listening()
+def hold_port(cfg: Config) -> socket.socket | None:
+    """The coordinator's port, chosen and held now (a socket bound and listening, which the coordinator's
+    store then serves: `--listen-fd`), so no other process (an outgoing connection's ephemeral port, another
+    run) can take it before the coordinator serves it. None where the address is etcd's. Call before
+    `fork_server`, which holds it for the forked coordinator; `start_coordinator` closes it here."""
+    return None if cfg.coord.store else _listening()
+
+
+def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socket | None = None,
+                      zygote: Zygote | None = None) -> tuple[subprocess.Popen | Forked, str]:
+    """Start the coordinator on the port `held` (hold_port; None: one held now, or etcd's address),
+    forked by `zygote` where it forks (saving the ~1.5 CPU-s of its imports), else as a fresh interpreter
+    while the workers start; their store clients retry until the server is up. n > 0: a standby (etcd)."""
+    held = held or hold_port(cfg)
     port = held.getsockname()[1] if held else 0
-    cmd = [sys.executable, "-m", "unbroken.runtime.control.coordinator", "--replicas", str(cfg.run.replicas),
+    cmd = [sys.executable, "-m", COORDINATOR, "--replicas", str(cfg.run.replicas),
            "--group-size", str(cfg.parallel.group_size),
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
@@ -58,9 +66,13 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subproces
     address = cfg.coord.store or f"127.0.0.1:{port}"
     (run_dir / "coordinator.addr").write_text(f"{address}\n")  # for `unbroken status RUN_DIR`
     name = f"coordinator{n}" if n else "coordinator"  # n > 0: a standby (etcd)
+    log = run_dir / "logs" / f"{name}.log"
     try:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "logs" / f"{name}.log", "ab"),
-                             pass_fds=(held.fileno(),) if held else ())
+        if zygote is not None and zygote.usable():
+            p = zygote.spawn(cmd[2], cmd[3:], dict(os.environ), str(log), keep=(held.fileno(),) if held else ())
+        else:
+            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab"),
+                                 pass_fds=(held.fileno(),) if held else ())
     finally:
         if held:
             held.close()  # the coordinator holds its own copy: the port is free again once it exits
@@ -68,14 +80,16 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0) -> tuple[subproces
     return p, address
 
 
-def fork_server(cfg: Config) -> Zygote | None:
-    """The fork server for this run's trainers (zygote.py), started now so it imports while the coordinator
-    starts: it forks one-rank groups' trainers, and the torchrun agents (forkrun) of groups of several
-    ranks, whose ranks fork from them. None where nothing is forked (`--run.launcher` direct or torchrun)."""
+def fork_server(cfg: Config, held: socket.socket | None = None) -> Zygote | None:
+    """The fork server for this run (zygote.py), started first: it forks the coordinator (on the port
+    `held`, which it holds until then), one-rank groups' trainers, and the torchrun agents (forkrun) of
+    groups of several ranks, whose ranks fork from them. None where nothing is forked (`--run.launcher`
+    direct or torchrun)."""
     if cfg.run.launcher != "fork":
         return None
-    modules = [DEFAULT_WORKER[2]] + ([FORKRUN] if cfg.parallel.group_size > 1 else [])
-    return Zygote.start(modules, {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"})
+    modules = [COORDINATOR, DEFAULT_WORKER[2]] + ([FORKRUN] if cfg.parallel.group_size > 1 else [])
+    return Zygote.start(modules, {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"},
+                        hold=(held.fileno(),) if held else ())
 
 
 def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,

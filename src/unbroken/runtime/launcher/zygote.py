@@ -22,8 +22,13 @@ Forking after `import torch` is safe where no thread has started: the server che
 starts each trainer as a fresh interpreter. Python's `random` reseeds in each child (os.register_at_fork);
 torch's generator does not, and needs not: a trainer seeds it from (seed, step, microbatch).
 
-Protocol (JSON lines): the launcher writes {"module", "argv", "env", "log", "cores"} (module: one of the
-server's); the server answers {"pid"} for
+Held sockets: a file descriptor the server was started with (`--hold=FD`, inherited) is closed in every
+child but the one whose request keeps it; the server closes its own copy once that child has it. So the
+coordinator, forked too, serves the port the launcher bound and holds (starting.py), and no other process
+keeps it open.
+
+Protocol (JSON lines): the launcher writes {"module", "argv", "env", "log", "cores", "keep"} (module: one
+of the server's; keep: held descriptors this child takes); the server answers {"pid"} for
 each, in order, and {"exit": pid, "code": c} whenever a child ends.
 """
 from __future__ import annotations
@@ -76,12 +81,13 @@ class Zygote:
         self.ready: bool | None = None  # unknown until the server's first line
 
     @classmethod
-    def start(cls, modules: list[str], env: dict[str, str]) -> Zygote:
+    def start(cls, modules: list[str], env: dict[str, str], hold: tuple[int, ...] = ()) -> Zygote:
         """Start the server for `modules` (what its children may run) with `env` (what every child inherits
-        until its request's env replaces it: the import-time settings, OMP_NUM_THREADS among them). Does
-        not wait."""
-        proc = subprocess.Popen([sys.executable, "-m", __name__, *modules], env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        until its request's env replaces it: the import-time settings, OMP_NUM_THREADS among them), holding
+        the descriptors `hold` for the children that keep them. Does not wait."""
+        proc = subprocess.Popen([sys.executable, "-m", __name__, *(f"--hold={fd}" for fd in hold), *modules],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                pass_fds=hold)
         return cls(proc)
 
     def usable(self, timeout_s: float = 60.0) -> bool:
@@ -94,11 +100,11 @@ class Zygote:
         return self.ready
 
     def spawn(self, module: str, argv: list[str], env: dict[str, str], log: str,
-              cores: list[int] | None = None) -> Forked:
+              cores: list[int] | None = None, keep: tuple[int, ...] = ()) -> Forked:
         """Fork one child running `module` (one the server was started with) with `argv`, `env` (whole: it
-        replaces the server's), stdout and stderr appended to `log`, pinned to `cores` if given. Raises
-        OSError if the server died."""
-        request = {"module": module, "argv": argv, "env": env, "log": log, "cores": cores}
+        replaces the server's), stdout and stderr appended to `log`, pinned to `cores` if given, keeping
+        the held descriptors `keep` (at their numbers). Raises OSError if the server died."""
+        request = {"module": module, "argv": argv, "env": env, "log": log, "cores": cores, "keep": list(keep)}
         with self.lock:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
@@ -164,8 +170,8 @@ def _child(request: dict, inherited: list[int]) -> None:
         os.environ.update(request["env"])
         os.environ["UNBROKEN_FORKED"] = "server"  # worker_start's `forked`
         sys.argv = [request["module"], *request["argv"]]
-        importlib.import_module(request["module"]).main(request["argv"])  # imported by the server already
-        code = 0
+        result = importlib.import_module(request["module"]).main(request["argv"])  # imported already
+        code = result if isinstance(result, int) else 0  # a main that returns its exit code
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -176,9 +182,12 @@ def _child(request: dict, inherited: list[int]) -> None:
         os._exit(code)
 
 
-def serve(modules: list[str]) -> None:
+def serve(argv: list[str]) -> None:
     """The server's loop: fork on each request, report each child's exit; ends when the launcher's end
-    of the pipe closes (the launcher ended), leaving its children to end on their own as exec'd ones do."""
+    of the pipe closes (the launcher ended), leaving its children to end on their own as exec'd ones do.
+    `argv`: `--hold=FD` flags, then the modules."""
+    held = {int(a.split("=", 1)[1]) for a in argv if a.startswith("--hold=")}
+    modules = [a for a in argv if not a.startswith("--hold=")]
     for module in modules:
         importlib.import_module(module)
     import torch._dynamo  # noqa: F401 - what AdamW's first step imports (~0.8 CPU-s), done once here
@@ -201,9 +210,14 @@ def serve(modules: list[str]) -> None:
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
+                    request = json.loads(line)
+                    keep = held & set(request.get("keep", ()))
                     pid = os.fork()
                     if pid == 0:
-                        _child(json.loads(line), [requests, *children])
+                        _child(request, [requests, *children, *(held - keep)])
+                    for fd in keep:  # the child has it now: the port is the child's alone
+                        os.close(fd)
+                    held -= keep
                     children[os.pidfd_open(pid)] = pid
                     out.write(json.dumps({"pid": pid}).encode() + b"\n")
                     out.flush()
