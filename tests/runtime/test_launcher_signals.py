@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.events import read_events
+from unbroken.runtime.launcher.processes import process_tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,19 +29,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def processes_naming(text: str) -> list[int]:
-    """Pids whose command line contains `text` (the coordinator names the run directory)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if text in Path(f"/proc/{entry}/cmdline").read_text().replace("\0", " "):
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
 def test_sigterm_to_the_launcher_stops_every_child_and_exits_non_zero(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", "2", "--steps", "400",
@@ -50,9 +38,9 @@ def test_sigterm_to_the_launcher_stops_every_child_and_exits_non_zero(tmp_path):
     while time.time() < deadline and not any(
             e["event"] == "step" for e in (read_events(out) if (out / "events.jsonl").exists() else [])):
         time.sleep(0.1)
-    children = [int((out / "logs" / f"replica{r}.pid").read_text()) for r in range(2)]
-    children += [p for p in processes_naming(f"--run-dir {out}") if p != proc.pid]
-    assert len(children) == 3 and all(alive(p) for p in children), children
+    named = [int((out / "logs" / f"{who}.pid").read_text()) for who in ("replica0", "replica1", "coordinator")]
+    children = process_tree(proc.pid)[1:]  # those and the fork server they came from
+    assert set(named) <= set(children) and len(children) == 4 and all(alive(p) for p in children), children
 
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)

@@ -14,6 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks after boot, /proc/PID/stat field 22), or None if it is gone: with the
+    pid, it names one process (a pid alone can be reused; a forked process's command line is its parent's)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_tree(root: int) -> list[int]:
     """`root` and every live process under it (Linux /proc), parents before their children."""
     parents: dict[int, list[int]] = {}

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from unbroken.runtime.launcher.processes import start_time
+
 from unbroken.config import Config, ConfigError, build
 from unbroken.events import CorruptLog, read_log
 from unbroken.faultspec import Fault
@@ -83,10 +85,17 @@ def already_fired(faults: tuple[Fault, ...], fired) -> set[int]:
 
 
 def _still_running(run_dir: Path) -> bool:
-    """Whether the run's coordinator process is alive (its pid file, and a command line naming the run)."""
+    """Whether the run's coordinator process is alive: its pid file names a live process that started
+    when the launcher recorded (a forked coordinator's command line is the fork server's), or, for a run
+    directory without that record, whose command line names the run."""
+    logs = run_dir / "logs"
     try:
-        pid = int((run_dir / "logs" / "coordinator.pid").read_text())
+        pid = int((logs / "coordinator.pid").read_text())
+        started = (logs / "coordinator.started").read_text().strip() if (logs / "coordinator.started").exists() \
+            else None
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except (OSError, ValueError):
         return False
+    if started is not None:
+        return started == str(start_time(pid))
     return str(run_dir) in cmdline and os.path.exists(f"/proc/{pid}")

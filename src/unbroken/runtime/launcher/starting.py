@@ -17,7 +17,7 @@ from pathlib import Path
 
 from unbroken.config import Config
 from unbroken.runtime.control.replanning import group_shape
-from unbroken.runtime.launcher.processes import AgentGroup
+from unbroken.runtime.launcher.processes import AgentGroup, start_time
 from unbroken.runtime.launcher.zygote import Forked, Zygote
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
@@ -77,6 +77,7 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socke
         if held:
             held.close()  # the coordinator holds its own copy: the port is free again once it exits
     (run_dir / "logs" / f"{name}.pid").write_text(str(p.pid))  # for operators (and tests) to kill -9
+    (run_dir / "logs" / f"{name}.started").write_text(str(start_time(p.pid)))  # that pid's process (resume.py)
     return p, address
 
 
