@@ -101,7 +101,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         raw = connect(address)
         raw.set(keys.run_id(), run_id)  # whose keys these are (an etcd namespace outlives the run)
         if cfg.snapshot.enabled:
-            agents = AgentSet(cfg, address, raw, run_id, run_dir, log)
+            agents = AgentSet(cfg, address, raw, run_id, run_dir, log, zygote)
         faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
         fired = already_fired(faults, resume.fired) if resume else set()
         chaos = Chaos(tuple(f for n, f in enumerate(faults) if n not in fired), cfg, log, agents, run_id)

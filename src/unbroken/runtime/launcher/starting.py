@@ -23,6 +23,7 @@ from unbroken.runtime.launcher.zygote import Forked, Zygote
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
 FORKRUN = "unbroken.runtime.launcher.forkrun"  # torchrun, its ranks forked from its agent
 COORDINATOR = "unbroken.runtime.control.coordinator"
+SNAPSHOT_AGENT = "unbroken.runtime.snapshot.agent"
 
 
 def _listening() -> socket.socket:
@@ -83,12 +84,13 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socke
 
 def fork_server(cfg: Config, held: socket.socket | None = None) -> Zygote | None:
     """The fork server for this run (zygote.py), started first: it forks the coordinator (on the port
-    `held`, which it holds until then), one-rank groups' trainers, and the torchrun agents (forkrun) of
-    groups of several ranks, whose ranks fork from them. None where nothing is forked (`--run.launcher`
-    direct or torchrun)."""
+    `held`, which it holds until then), the snapshot agents (agents.py), one-rank groups' trainers, and
+    the torchrun agents (forkrun) of groups of several ranks, whose ranks fork from them. None where
+    nothing is forked (`--run.launcher` direct or torchrun)."""
     if cfg.run.launcher != "fork":
         return None
-    modules = [COORDINATOR, DEFAULT_WORKER[2]] + ([FORKRUN] if cfg.parallel.group_size > 1 else [])
+    modules = [COORDINATOR, DEFAULT_WORKER[2]] + ([FORKRUN] if cfg.parallel.group_size > 1 else []) \
+        + ([SNAPSHOT_AGENT] if cfg.snapshot.enabled else [])
     return Zygote.start(modules, {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"},
                         hold=(held.fileno(),) if held else ())
 

@@ -59,6 +59,20 @@ class Forked:
             self.returncode = self.server.exit_code(self.pid, timeout=0.0)
         return self.returncode
 
+    def send_signal(self, sig: int) -> None:
+        """As Popen's: a no-op once the child's exit was reported (its pid may be another's by then)."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             self.returncode = self.server.exit_code(self.pid, timeout=timeout)
@@ -92,8 +106,8 @@ class Zygote:
 
     def usable(self, timeout_s: float = 60.0) -> bool:
         """Whether the server forks trainers: waits (once) up to `timeout_s` for it to finish importing."""
-        if self.ready is None:
-            with self.lock:
+        with self.lock:  # threads may ask at once (the snapshot agents start in parallel): one reads
+            if self.ready is None:
                 self.ready = self._line(timeout_s) == {"status": READY}
             if not self.ready:
                 self.close()

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,8 +173,10 @@ class AgentSpec:
 
 
 def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | None = None,
-                store: dist.Store | None = None) -> subprocess.Popen:
+                store: dist.Store | None = None, spawn: Callable | None = None) -> subprocess.Popen:
     """Spawn `python -m unbroken.runtime.snapshot.agent` for one node and wait until it serves.
+    `spawn(argv, log)`, if given, starts that command line instead of `subprocess.Popen` and returns a
+    handle with Popen's pid, poll, kill and wait (the local launcher's fork server: launcher/zygote.py).
 
     Start it before the trainers; it outlives them. Existing slot files of the run in shm_dir are
     adopted, so restarting an agent on a healthy node keeps its snapshots. With `spec.shards` > 1 the one
@@ -186,8 +189,11 @@ def start_agent(spec: AgentSpec, *, ready_timeout_s: float = 60, log: Path | Non
             "--ranks-per-node", str(t.ranks_per_node), "--parity", t.parity, "--k", str(t.k),
             "--m", str(t.m), "--shm-dir", spec.shm_dir, "--timeout", str(spec.timeout_s),
             "--nonce", nonce, "--shards", str(spec.shards)]
-    out = open(log, "ab") if log else None
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None)
+    if spawn is not None:
+        proc = spawn(argv, log)
+    else:
+        out = open(log, "ab") if log else None
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None)
     own = store or connect(spec.store)
     ready = [snapshot_keys(r).agent(spec.node) for r in shard_run_ids(spec.run_id, spec.shards)]
     deadline = time.monotonic() + ready_timeout_s
