@@ -219,6 +219,7 @@ LAYERS = {
     "unbroken.runtime.control.standalone": 5,
     "unbroken.runtime.trainer": 5,
     "unbroken.runtime.worker": 6, "unbroken.runtime.reform": 6, "unbroken.runtime.launcher": 6, "unbroken.runtime.launcher.resume": 6,
+    "unbroken.runtime.forkrun": 7, "unbroken.runtime._forked_entry": 7,  # the torchrun agent over the worker
     "unbroken.sim": 2,
     "unbroken.api": 7, "unbroken": 7,
     "unbroken.eval": 8, "unbroken.commands": 8, "unbroken.status": 8,
@@ -236,7 +237,8 @@ def test_no_import_runs_back_up_a_layer():
     assert not {n: d for n, d in up.items() if d}, "imports from a lower layer into a higher one"
 
 
-TRAINER_OWN = {"__init__", "trainer", "worker", "reform", "gradients", "speculation", "faults", "step", "devicetime"}
+TRAINER_OWN = {"__init__", "trainer", "worker", "reform", "gradients", "speculation", "faults", "step", "devicetime",
+               "forkrun", "_forked_entry"}  # forkrun: the torchrun agent its ranks fork from, worker imported
 PROCESS_FOLDERS = {"launcher", "control", "parallel", "persist", "snapshot"}
 
 

@@ -82,11 +82,12 @@ class RunConfig:
     step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich
-    # how the local launcher starts a replica group: "torchrun" runs the cluster's own command (one
+    # how the local launcher starts its processes: "torchrun" runs the cluster's own command (one
     # torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
     # torchrun's agent process per group (its start-up and one more process per group on the host);
-    # "fork" (one-rank groups; groups of several ranks are torchrun's) forks it from a process that
-    # imported torch once (launcher/zygote.py): ~2 CPU-s less per trainer start and restart
+    # "fork" forks the coordinator, the snapshot agents and one-rank groups' trainers from a process that
+    # imported torch once (launcher/zygote.py), and a group of several ranks is a forked torchrun agent
+    # whose ranks fork from it (runtime/forkrun.py): ~3 CPU-s less per trainer start and restart
     launcher: str = "fork"
     # torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running job,
     # healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun line)

@@ -1,5 +1,6 @@
-"""The cluster path: `unbroken coordinator` plus one real `torchrun` job per replica group, run from the
-README's own lines on 127.0.0.1; a rank SIGKILLed under torchrun; bad input to both commands."""
+"""The cluster path: `unbroken coordinator` plus one real `torchrun` job per replica group (group 1's run
+as forkrun: torchrun with its ranks forked), run from the README's own lines on 127.0.0.1; a rank
+SIGKILLed under torchrun; bad input to both commands."""
 from __future__ import annotations
 
 import os
@@ -80,6 +81,7 @@ def test_readme_cluster_commands_match_the_local_launcher_bitwise(tmp_path):
     assert [j.returncode for j in jobs] == [0, 0]
     started = [e for e in read_events(tmp_path / "cluster") if e["event"] == "worker_start"]
     assert sorted(e["replica"] for e in started) == [0, 1] and all(e["torchrun"] for e in started)
+    assert {e["replica"]: e["forked"] for e in started} == {0: "", 1: "agent"}  # torchrun's, forkrun's
     cluster, local = steps(read_events(tmp_path / "cluster")), steps(read_events(local_reference(tmp_path)))
     assert sorted(cluster) == sorted(local) == list(range(6))
     assert [cluster[s]["param_digest"] for s in range(6)] == [local[s]["param_digest"] for s in range(6)]
@@ -98,7 +100,7 @@ def test_a_rank_killed_under_torchrun_leaves_the_survivor_on_the_trajectory(tmp_
     assert [(e["kind"], e["replica"], e["step"], e["phase"]) for e in fired] == [("kill", 1, 2, "allreduce")]
     dead = [e for e in records if e["event"] == "member_dead"]
     assert [e["replica"] for e in dead] == [1]  # found by the coordinator alone: no launcher reports exits
-    assert jobs[1].returncode != 0 and jobs[0].returncode == 0  # torchrun saw its rank die
+    assert jobs[1].returncode != 0 and jobs[0].returncode == 0  # forkrun's torchrun saw its rank die
     cluster = steps(records)
     assert cluster[2]["replicas"] == 1 and cluster[1]["replicas"] == 2  # the kill took effect in step 2
     assert (cluster[1]["ranks"], cluster[2]["ranks"]) == (2, 1)

@@ -21,7 +21,7 @@ from unbroken.runtime.launcher.processes import AgentGroup, start_time
 from unbroken.runtime.launcher.zygote import Forked, Zygote
 
 DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
-FORKRUN = "unbroken.runtime.launcher.forkrun"  # torchrun, its ranks forked from its agent
+FORKRUN = "unbroken.runtime.forkrun"  # torchrun, its ranks forked from its agent
 COORDINATOR = "unbroken.runtime.control.coordinator"
 SNAPSHOT_AGENT = "unbroken.runtime.snapshot.agent"
 

@@ -1,4 +1,4 @@
-"""torchrun whose workers fork from its agent: `python -m unbroken.runtime.launcher.forkrun TORCHRUN_FLAGS
+"""torchrun whose workers fork from its agent: `python -m unbroken.runtime.forkrun TORCHRUN_FLAGS
 -m unbroken.runtime.worker [ARGS]`, the same flags and the same agent as `torchrun`.
 
 Owns: that command, and the forked worker's two ends of torchrun's function-entrypoint protocol (its
