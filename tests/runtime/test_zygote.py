@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.runtime.test_starting import bind
 from unbroken.runtime.launcher.zygote import Zygote
 
 pytestmark = pytest.mark.timeout(90)
@@ -57,17 +58,6 @@ def test_a_server_with_threads_running_does_not_fork(tmp_path):
     assert server.proc.poll() is not None  # closed: the launcher execs each trainer instead
 
 
-def _bind(port: int) -> int:
-    """0 if a fresh socket can bind `port` (no process holds it), else the errno."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            return e.errno
-    return 0
-
-
 def test_a_held_socket_goes_to_the_child_that_keeps_it_and_to_no_other_process(tmp_path):
     held = socket.socket()
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -85,10 +75,10 @@ def test_a_held_socket_goes_to_the_child_that_keeps_it_and_to_no_other_process(t
         while not all(log.exists() and "argv=['wait']" in log.read_text() for log in logs):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert _bind(port) == errno.EADDRINUSE  # the keeper holds it
+        assert bind(port) == errno.EADDRINUSE  # the keeper holds it
         os.kill(keeper.pid, signal.SIGKILL)
         assert keeper.wait(30) == -signal.SIGKILL
-        assert _bind(port) == 0  # nobody else had a copy: not the server, not the other child
+        assert bind(port) == 0  # nobody else had a copy: not the server, not the other child
         assert other.poll() is None
         os.kill(other.pid, signal.SIGKILL)
         assert other.wait(30) == -signal.SIGKILL
