@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -84,3 +85,27 @@ def test_a_held_socket_goes_to_the_child_that_keeps_it_and_to_no_other_process(t
         assert other.wait(30) == -signal.SIGKILL
     finally:
         server.close()
+
+
+def test_a_launcher_running_one_thread_forks_the_server_itself(tmp_path):
+    """`unbroken train` runs one thread when it starts its server, so it forks the server rather than
+    exec a fresh interpreter; the server's children still get their own streams, argv and exit codes."""
+    log = tmp_path / "kid.log"
+    script = textwrap.dedent(f"""
+        import os
+        from unbroken.runtime.launcher.zygote import Zygote, _Server, alone
+        assert alone()
+        server = Zygote.start(["tests.runtime._forked_child"], dict(os.environ))
+        assert isinstance(server.proc, _Server) and server.usable()
+        with open(f"/proc/{{server.proc.pid}}/cmdline") as f, open("/proc/self/cmdline") as g:
+            same = f.read() == g.read()  # a fork's command line is its parent's
+        kid = server.spawn("tests.runtime._forked_child", ["3"], {{**os.environ, "FORKED_TEST": "kid"}}, {str(log)!r})
+        print(same, kid.pid, kid.wait(30))
+        server.close()
+        print(server.proc.returncode)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=80)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (same, pid, code), (closed,) = [line.split() for line in r.stdout.splitlines()]
+    assert same == "True" and code == "3" and closed == str(-signal.SIGKILL)
+    assert f"pid={pid} argv=['3'] env=kid stdin=''" in log.read_text()

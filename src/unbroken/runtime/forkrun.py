@@ -73,6 +73,9 @@ def run_worker(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [WORKER, *argv]
     os.environ["UNBROKEN_FORKED"] = "agent"  # worker_start's `forked`
+    import torch.multiprocessing
+
+    torch.multiprocessing._set_thread_name("ub:rank")  # for `ps -o comm`: its command line is the agent's
     from unbroken.runtime import worker
 
     worker.main(argv, exit=_exit)

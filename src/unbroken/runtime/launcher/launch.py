@@ -22,7 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed import DistError, PrefixStore
+from unbroken.runtime.launcher.zygote import forkable_torch
+
+forkable_torch()  # before torch's first import here: the launcher stays one thread, to fork its server
+from torch.distributed import DistError, PrefixStore  # noqa: E402
 
 from unbroken.config import Config
 from unbroken.events import EventLog

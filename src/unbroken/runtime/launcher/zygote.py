@@ -27,13 +27,20 @@ child but the one whose request keeps it; the server closes its own copy once th
 coordinator, forked too, serves the port the launcher bound and holds (starting.py), and no other process
 keeps it open.
 
+The server itself is forked from the launcher where the launcher runs one thread (`unbroken train`: it
+imports torch with one OpenMP thread, `forkable_torch`), saving its interpreter's ~1.3 CPU-s of start-up
+and torch import in every run; it then imports what the trainers need, which the launcher never does.
+Elsewhere (a launcher inside a threaded process: a test's, a notebook's) it is a fresh interpreter.
+
 Protocol (JSON lines): the launcher writes {"module", "argv", "env", "log", "cores", "keep"} (module: one
 of the server's; keep: held descriptors this child takes); the server answers {"pid"} for
 each, in order, and {"exit": pid, "code": c} whenever a child ends.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
+import io
 import json
 import os
 import select
@@ -45,6 +52,39 @@ import time
 import traceback
 
 READY = "ready"
+
+
+def name_process(name: str) -> None:
+    """Name this process for `ps -o comm`, `top` and `pgrep` (Linux's 15-character comm): a forked
+    process's command line is its parent's, so that is where `ps` tells them apart."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def alone() -> bool:
+    """Whether this process runs one thread (Python's and the OS's count): only then may it fork a
+    process that goes on running Python."""
+    return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1
+
+
+def forkable_torch() -> None:
+    """Import torch with one OpenMP thread, so that the process stays `alone` and can fork its server:
+    with OMP_NUM_THREADS unset, importing torch starts OpenMP's pool. The environment is put back, so
+    every child gets the launcher's as it was. Call before the launcher first imports torch; a no-op
+    once torch is imported (the launcher then execs its server)."""
+    if "torch" in sys.modules:
+        return
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the launcher computes nothing that wants more
+    try:
+        import torch  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 class Forked:
@@ -81,6 +121,78 @@ class Forked:
         return self.returncode
 
 
+class _Server:
+    """The server forked from the launcher, seen as the part of `subprocess.Popen` that Zygote uses (stdin,
+    stdout, poll, kill, wait)."""
+
+    def __init__(self, pid: int, requests: int, replies: int):
+        self.pid, self.returncode = pid, None
+        self.stdin, self.stdout = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
+
+    @classmethod
+    def fork(cls, argv: list[str], env: dict[str, str], hold: tuple[int, ...]) -> _Server:
+        """Fork the server (the caller must be `alone`): in the child, `serve(argv)` over two pipes."""
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _become_server(argv, env, requests_r, replies_w, hold)  # never returns
+        os.close(requests_r)
+        os.close(replies_w)
+        return cls(pid, requests_w, replies_r)
+
+    def _reap(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped elsewhere
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        return self._reap(0)
+
+
+def _become_server(argv: list[str], env: dict[str, str], requests: int, replies: int, hold: tuple[int, ...]) -> None:
+    """In the launcher's forked child: keep the request and reply pipes (as fds 0 and 1) and the held
+    descriptors, close every other descriptor the launcher had, take `env`, and serve; never returns."""
+    code = 1
+    try:
+        os.dup2(requests, 0)
+        os.dup2(replies, 1)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        for fd in {int(f) for f in os.listdir("/proc/self/fd")} - {0, 1, 2, *hold}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+        # fresh standard streams over fds 0-2, as an exec'd server has (the launcher's may be wrapped);
+        # the children print through them to their logs
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), write_through=True)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [__file__, *argv]
+        name_process("ub:forkserver")
+        serve(argv)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
 class Zygote:
     """The launcher's end. `start(module, env)` once per run, early (the server imports while the launcher
     starts the coordinator); `usable()` before the first `spawn()`; `spawn()` per trainer; `close()` at the
@@ -99,7 +211,10 @@ class Zygote:
         """Start the server for `modules` (what its children may run) with `env` (what every child inherits
         until its request's env replaces it: the import-time settings, OMP_NUM_THREADS among them), holding
         the descriptors `hold` for the children that keep them. Does not wait."""
-        proc = subprocess.Popen([sys.executable, "-m", __name__, *(f"--hold={fd}" for fd in hold), *modules],
+        argv = [*(f"--hold={fd}" for fd in hold), *modules]
+        if alone():
+            return cls(_Server.fork(argv, env, hold))
+        proc = subprocess.Popen([sys.executable, "-m", __name__, *argv],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 pass_fds=hold)
         return cls(proc)
@@ -184,6 +299,7 @@ def _child(request: dict, inherited: list[int]) -> None:
         os.environ.update(request["env"])
         os.environ["UNBROKEN_FORKED"] = "server"  # worker_start's `forked`
         sys.argv = [request["module"], *request["argv"]]
+        name_process(f"ub:{request['module'].rsplit('.', 1)[-1]}")  # ub:coordinator, ub:worker, ub:forkrun
         result = importlib.import_module(request["module"]).main(request["argv"])  # imported already
         code = result if isinstance(result, int) else 0  # a main that returns its exit code
     except SystemExit as e:
