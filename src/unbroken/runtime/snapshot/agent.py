@@ -263,6 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shards", type=int, default=1,
                    help="ranks per replica group: serve each shard index's snapshots (a thread each)")
     a = p.parse_args(argv)
+    if os.environ.get("UNBROKEN_FORKED"):
+        # forked from the launcher's server, whose torch started with the trainers' OMP_NUM_THREADS: the
+        # parity and checksum work gets the threads a fresh interpreter would take from this environment
+        import torch
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
     # One SnapshotAgent per shard index, each with its own store client and thread: an agent blocks in
     # collectives with its peers (parity, rebuild), and shard j's peers must never wait for shard i's.
