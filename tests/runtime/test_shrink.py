@@ -174,11 +174,13 @@ def test_a_rank_lost_before_any_step_committed_drops_its_group(tmp_path, pipelin
 GROW = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--steps", "32", "--microbatches", "4",
         "--exact", "--run.progress=false", "--coord.heartbeat_timeout=2.5", "--coord.heartbeat_interval=0.1",
         "--coord.run_timeout=150", "--coord.progress_timeout=120", "--model.dropout=0", "--parallel.on_rank_loss=replan",
-        "--parallel.reform_seconds=0.1", "--parallel.replace_after=2.5"]
+        "--parallel.reform_seconds=0.1", "--parallel.replace_after=6"]
 # Group 0's first stage sleeps 20x its compute from step 4 on (how=sleep: wall time only, which the
 # detector does not read and the arithmetic never sees), so that steps take ~0.5 s of wall clock but
-# little CPU: the replacement's agent (started 2.5 s after the loss: under 2 test workers' load, at 0.2 s
-# the group grew back 2 steps after it shrank, before its smaller quota was published), the lapse of the lost agent's
+# little CPU: the replacement's agent (started 6 s after the loss: under 2 test workers' load, at 0.2 s
+# the group grew back 2 steps after it shrank, before its smaller quota was published; at 2.5 s, once
+# the agent and its ranks were forked rather than exec'd (~3 s of imports less), the replacement's
+# ranks arrived inside the shrunk group's first step and no step committed with it), the lapse of the lost agent's
 # rendezvous keep-alives (3 s), the survivor's restart, both workers' start-up and the heal (~7-10 s)
 # land by step ~15-20 of 32, and the oracle stays cheap. Dropout 0: the oracle (one process,
 # the whole model) draws one dropout stream per microbatch.
@@ -223,7 +225,7 @@ def assert_grown_back(events: list[dict], out: Path, dead: list[dict], shrank: b
 @pytest.mark.alone
 def test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan(tmp_path):
     """Rank 1 of group 1 dies at step 3 with its torchrun agent (its host lost); group 1 goes on shrunk on
-    rank 0 with the quota weight of its smaller plan; 2.5 s after the lost agent ended, the launcher starts
+    rank 0 with the quota weight of its smaller plan; 6 s after the lost agent ended, the launcher starts
     a replacement agent for it (a spare host), whose rendezvous makes torchrun restart the survivor's
     worker: group 1 is declared dead once more, re-forms with both ranks at its full plan, is healed stage
     by stage from group 0 and takes equal quotas again. Every step's digest is the plain one-process loop's

@@ -58,7 +58,7 @@ def test_an_fsdp2_group_that_lost_a_rank_goes_on_shrunk_on_its_survivor_bitwise(
 
 
 def test_a_replaced_host_grows_the_shrunk_fsdp2_group_back_to_its_two_shards(tmp_path):
-    """Rank 1 of group 1 dies with its host at step 3; group 1 goes on shrunk on rank 0; 2.5 s after the
+    """Rank 1 of group 1 dies with its host at step 3; group 1 goes on shrunk on rank 0; 6 s after the
     lost agent ended the launcher starts a replacement, whose rendezvous restarts the survivor: group 1
     re-forms at its full plan (2 FSDP2 shards), healed shard by shard from group 0, and every step's digest
     is the plain one-process loop's, each microbatch's rows split as the shards split them (dropout 0)."""
