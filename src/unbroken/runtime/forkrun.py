@@ -21,6 +21,7 @@ agent's objects: it ends by `os._exit`, so no inherited destructor runs.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         import torch._dynamo  # noqa: F401 - what AdamW's first step imports (~0.8 CPU-s), done once here
 
         import unbroken.runtime.worker  # noqa: F401 - torch, DTensor, DCP, gloo: what every rank imports
+
+        gc.collect()
+        gc.freeze()  # kept out of the ranks' collections: else each would copy every inherited page
 
         args.module, args.run_path, args.start_method = False, True, "fork"
         args.training_script = str(ENTRY)

@@ -39,6 +39,7 @@ each, in order, and {"exit": pid, "code": c} whenever a child ends.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import io
 import json
@@ -321,6 +322,10 @@ def serve(argv: list[str]) -> None:
     for module in modules:
         importlib.import_module(module)
     import torch._dynamo  # noqa: F401 - what AdamW's first step imports (~0.8 CPU-s), done once here
+    # what the imports made is kept out of every collection from now on, here and in each child: a
+    # child's collector would otherwise write into every inherited object and copy each page it lies on
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the launcher, which closes the pipe: ends here
     out = sys.stdout.buffer
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
