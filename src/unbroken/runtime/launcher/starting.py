@@ -95,6 +95,12 @@ def fork_server(cfg: Config, held: socket.socket | None = None) -> Zygote | None
                         hold=(held.fileno(),) if held else ())
 
 
+def _torchrun(cfg: Config, cmd: list[str]) -> str:
+    """The torchrun module a group's agent runs: under "fork" with the default worker, forkrun (torchrun's
+    own agent, its ranks forked from it once it imported the worker); else torchrun itself."""
+    return FORKRUN if cfg.run.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
+
+
 def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
                   resume: str, run_id: str, recorded: int = -1,
                   zygote: Zygote | None = None) -> subprocess.Popen | Forked:
@@ -115,9 +121,7 @@ def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
     if torchrun:  # the cluster's command: a torchrun
         # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
         # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
-        # "fork": torchrun's own agent, its ranks forked from it once it imported the worker (forkrun.py)
-        agent = FORKRUN if cfg.run.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
-        cmd = [sys.executable, "-m", agent, "--standalone",
+        cmd = [sys.executable, "-m", _torchrun(cfg, cmd), "--standalone",
                f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
     mine = None
     if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
@@ -144,8 +148,7 @@ def start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
     agent stays a participant of the rendezvous until its keep-alives lapse (3 x 1 s here; torch's
     default 3 x 5 s): only then can a replacement's agent take its place."""
     G = cfg.parallel.group_size
-    agent = FORKRUN if cfg.run.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
-    line = [sys.executable, "-m", agent, f"--nnodes={G}", "--nproc-per-node=1",
+    line = [sys.executable, "-m", _torchrun(cfg, cmd), f"--nnodes={G}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={address}",
             "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
             f"--rdzv-id={job}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
