@@ -74,7 +74,7 @@ def test_a_replaced_host_grows_the_shrunk_fsdp2_group_back_to_its_two_shards(tmp
 
 
 # 2 groups of 8 ranks, torchtitan's (pp, dp_shard, tp) mesh: 2 stages x 2 FSDP2 shards x TP 2
-THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "48", "--exact", "--run.progress=false",
+THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "12", "--exact", "--run.progress=false",
            "--coord.heartbeat_timeout=4.0", "--coord.heartbeat_interval=0.2", "--coord.run_timeout=270",
            "--coord.progress_timeout=200", "--model.dropout=0", "--parallel.group_size=8", "--parallel.pp=2",
            "--parallel.tp=2", "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
@@ -90,9 +90,12 @@ def test_a_3d_group_re_forms_a_pipeline_of_tp_teams_bitwise(tmp_path, tmp_path_f
     through TP over its team, and reduces each index with group 0's rank of it. Every step's digest is
     the failure-free 3-D run's: the TP degree is kept (the same kernels), each index sums in float64 the
     float32 gradients its FSDP2 rank's reduce-scatter summed, and the stages hand the tied weight's parts
-    over apart. 48 microbatches a step: the re-formed group is priced at about 1/2 of the group, and
-    with 4 a shrunk group's microbatch would outlast group 0's whole step. Group 0 sleeps 1 s after each
-    of its steps from step 3 (a pipeline's compute span is its step) so the heal lands with steps left."""
+    over apart. 12 microbatches a step: the re-formed group is priced at about 1/2 of the group and takes
+    4 of them to group 0's 8 (amortised 0.22 s a step against dropping's 0.28, measured alone); with 4 a
+    shrunk group's microbatch would outlast group 0's whole step. It was 48: the run and its reference
+    took 273 CPU-s of the suite's ~1700 (176 s on one worker); at 12, 85 CPU-s and 64 s alone. Group 0
+    sleeps 1 s after each of its steps from step 3 (a pipeline's compute span is its step) so the heal
+    lands with steps left."""
     reference = train(tmp_path_factory, "three-d-reference", THREE_D)
     out, events = run_faults(tmp_path, "kill:replica=1,rank=5,step=2,phase=compute; slow:replica=0,from=3,for=1.0",
                              base=THREE_D)
