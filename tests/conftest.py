@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,15 +19,61 @@ BASE = ["--replicas", "4", "--steps", "12", "--microbatches", "8", "--exact", "-
         "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1", "--coord.run_timeout=240"]
 
 
-def unbroken(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run the `unbroken` CLI as a user would, in a fresh process. A run's ranks compute on the CPU unless
-    the test names a device: the suite's groups are several gloo ranks a host, which on a GPU machine
-    would share its one GPU under NCCL (refused); the `gpu` tests ask for CUDA."""
+def unbroken(*args: str, timeout: float = 240, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run the `unbroken` CLI as a user would, in a process of its own, and return what `subprocess.run`
+    would. A run's ranks compute on the CPU unless the test names a device: the suite's groups are several
+    gloo ranks a host, which on a GPU machine would share its one GPU under NCCL (refused); the `gpu`
+    tests ask for CUDA.
+
+    The process is forked from this worker's CLI server (`cli_server`), which imported the CLI, torch and
+    the trainer once, and then calls `unbroken.cli.main(args)` as `python -m unbroken.cli` would: its own
+    pid, environment, stdout, stderr and exit code (an uncaught exception: its traceback and 1). No module
+    of ours reads the environment at import (test_architecture checks it), so what a fresh interpreter
+    does differently is the ~2.5 CPU-s of imports it repeats in each run, and torch's own import-time
+    reads (OMP_NUM_THREADS, TORCH_CPP_LOG_LEVEL), which the server takes as `unbroken train`'s launcher
+    takes them. `fresh=True`, or UNBROKEN_TEST_FRESH=1 for the whole suite, execs a fresh interpreter instead."""
     if args and args[0] in ("train", "coordinator") and not any(a.startswith("--parallel.device") for a in args):
         args = (*args, "--parallel.device=cpu")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "unbroken.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    server = None if fresh else cli_server()
+    if server is None:
+        return subprocess.run([sys.executable, "-m", "unbroken.cli", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory(prefix="unbroken-cli-") as d:
+        out, err = f"{d}/stdout", f"{d}/stderr"
+        child = server.spawn("unbroken.cli", list(args), env, log=out, err=err, mark=False)
+        deadline = time.monotonic() + timeout
+        while child.poll() is None:  # poll, not wait: wait holds the server's lock (side_by_side's threads)
+            if time.monotonic() > deadline:
+                child.kill()
+                child.wait()
+                raise subprocess.TimeoutExpired(["unbroken", *args], timeout)
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(["unbroken", *args], child.returncode,
+                                           Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))
+
+
+_cli: dict[str, object] = {}
+_cli_lock = threading.Lock()
+
+
+def cli_server():
+    """This test worker's CLI fork server (`unbroken.runtime.launcher.zygote`), started on first use: a
+    fresh interpreter that imports the CLI and what a run's processes import (as the launcher's own
+    server does), with one OpenMP thread and torch's C++ log level as `unbroken.cli.main` sets it before
+    torch is imported. None where it did not come up, or UNBROKEN_TEST_FRESH is set: each run then execs."""
+    if os.environ.get("UNBROKEN_TEST_FRESH"):
+        return None
+    from unbroken.runtime.launcher.zygote import Zygote
+    with _cli_lock:
+        if "server" not in _cli:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            server = Zygote.start(["unbroken.cli", "unbroken.commands", "unbroken.runtime.launcher.launch",
+                                   "unbroken.runtime.control.coordinator", "unbroken.runtime.worker",
+                                   "unbroken.runtime.forkrun", "unbroken.runtime.snapshot.agent"], env)
+            _cli["server"] = server if server.usable() else None
+        return _cli["server"]
 
 
 def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subprocess.CompletedProcess]:

@@ -337,3 +337,43 @@ def test_every_imported_unbroken_name_exists():
                 if parent not in NAMES:  # `from unbroken.x import name`: x must exist
                     missing.setdefault(str(f.relative_to(SRC)), []).append(n)
     assert not missing, missing
+
+
+def import_time_env_reads(text: str) -> list[int]:
+    """Lines that read the environment (`os.environ`, `environ`, `getenv`) in code that runs when the module
+    is imported: module and class bodies, default values and decorators, not function bodies."""
+    found: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for part in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]:
+                if part is not None:
+                    visit(part)
+            return
+        if isinstance(node, ast.Lambda):
+            return
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Name) and node.id in ("environ", "getenv"):
+            found.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(text))
+    return found
+
+
+def test_the_env_scan_catches_what_it_claims():
+    assert import_time_env_reads("import os\nX = os.environ.get('A')\n") == [2]
+    assert import_time_env_reads("import os\nclass C:\n    y = os.getenv('B')\n") == [3]
+    assert import_time_env_reads("import os\ndef f(a=os.environ['C']):\n    pass\n") == [2]
+    assert import_time_env_reads("import os\ndef f():\n    return os.environ['D']\nL = lambda: os.getenv('E')\n") == []
+
+
+def test_no_module_reads_the_environment_at_import():
+    """What a process's environment says is read when it is used, never when a module is imported: the
+    test suite forks every CLI run from a server that imported the modules once (tests/conftest.py:
+    `unbroken`), and the fork servers fork trainers and agents the same way (zygote.py), so an
+    import-time read would see the server's environment, not the run's."""
+    bad = {str(f.relative_to(SRC)): lines for f in MODULES if (lines := import_time_env_reads(f.read_text()))}
+    assert not bad, bad

@@ -32,8 +32,9 @@ imports torch with one OpenMP thread, `forkable_torch`), saving its interpreter'
 and torch import in every run; it then imports what the trainers need, which the launcher never does.
 Elsewhere (a launcher inside a threaded process: a test's, a notebook's) it is a fresh interpreter.
 
-Protocol (JSON lines): the launcher writes {"module", "argv", "env", "log", "cores", "keep"} (module: one
-of the server's; keep: held descriptors this child takes); the server answers {"pid"} for
+Protocol (JSON lines): the launcher writes {"module", "argv", "env", "log", "cores", "keep", "err", "mark"}
+(module: one of the server's; keep: held descriptors this child takes; err: stderr's own file, if not the
+log's; mark: set UNBROKEN_FORKED); the server answers {"pid"} for
 each, in order, and {"exit": pid, "code": c} whenever a child ends.
 """
 from __future__ import annotations
@@ -230,11 +231,15 @@ class Zygote:
         return self.ready
 
     def spawn(self, module: str, argv: list[str], env: dict[str, str], log: str,
-              cores: list[int] | None = None, keep: tuple[int, ...] = ()) -> Forked:
+              cores: list[int] | None = None, keep: tuple[int, ...] = (), err: str | None = None,
+              mark: bool = True) -> Forked:
         """Fork one child running `module` (one the server was started with) with `argv`, `env` (whole: it
-        replaces the server's), stdout and stderr appended to `log`, pinned to `cores` if given, keeping
-        the held descriptors `keep` (at their numbers). Raises OSError if the server died."""
-        request = {"module": module, "argv": argv, "env": env, "log": log, "cores": cores, "keep": list(keep)}
+        replaces the server's), stdout and stderr appended to `log` (stderr to `err` instead, if given),
+        pinned to `cores` if given, keeping the held descriptors `keep` (at their numbers). `mark`: the
+        child's UNBROKEN_FORKED says "server" (worker_start's `forked`), which its exec'd children then
+        inherit; False leaves the environment as `env` has it. Raises OSError if the server died."""
+        request = {"module": module, "argv": argv, "env": env, "log": log, "cores": cores, "keep": list(keep),
+                   "err": err, "mark": mark}
         with self.lock:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
@@ -288,17 +293,19 @@ def _child(request: dict, inherited: list[int]) -> None:
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a trainer not
         out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if request.get("err") else out
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)  # over the server's request pipe
         os.dup2(out, 1)
-        os.dup2(out, 2)
-        for fd in {out, null, *inherited} - {0, 1, 2}:  # and its other children's pidfds
+        os.dup2(err, 2)
+        for fd in {out, err, null, *inherited} - {0, 1, 2}:  # and its other children's pidfds
             os.close(fd)
         if request.get("cores"):
             os.sched_setaffinity(0, request["cores"])
         os.environ.clear()
         os.environ.update(request["env"])
-        os.environ["UNBROKEN_FORKED"] = "server"  # worker_start's `forked`
+        if request.get("mark", True):
+            os.environ["UNBROKEN_FORKED"] = "server"  # worker_start's `forked`
         sys.argv = [request["module"], *request["argv"]]
         name_process(f"ub:{request['module'].rsplit('.', 1)[-1]}")  # ub:coordinator, ub:worker, ub:forkrun
         result = importlib.import_module(request["module"]).main(request["argv"])  # imported already
