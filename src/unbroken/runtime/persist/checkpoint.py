@@ -135,8 +135,9 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _quiet(no_dist: bool):
-    # Single-process DCP is intended here; its "assuming single process" warning is noise.
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    # Single-process DCP is intended here; its "assuming single process" warning is noise. An async save
+    # warns again from DCP's writer thread after this block has ended, so the filter is the process's
+    # (this one message only), not the block's.
+    if no_dist:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    yield
