@@ -2,6 +2,8 @@
 pipeline of tensor-parallel stages holds. Pure tensor bookkeeping, no processes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -92,10 +94,26 @@ def test_the_layout_of_a_3d_group_is_each_rank_s_own_local_tensors(tmp_path):
     index's slices of one whole model (the same seed) are, bit for bit and in order, the local tensors
     that rank holds: its stage's parameters, its TP part of each (qkv's heads reordered, row-wise
     columns) and FSDP2's chunk of that along dim 0 (2-D pieces where both cut one weight)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     pp, tp, world = 2, 2, 8
-    mp.spawn(_local_shards, args=(world, f"file://{tmp_path}/rdzv", pp, tp, str(tmp_path)), nprocs=world)
+    # the 8 ranks fork from one server that imported this module and parallelize once (with one OpenMP
+    # thread, as the launcher's fork server does: forking after OpenMP's pool started is unsafe), rather
+    # than 8 fresh interpreters importing torch: 28 -> 10 CPU-s for the test alone (2 cores, pytest included)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        [__name__, "unbroken.runtime.parallel.parallelize"])
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the server's, read when it starts; the ranks set theirs anyway
+    try:
+        mp.start_processes(_local_shards, args=(world, f"file://{tmp_path}/rdzv", pp, tp, str(tmp_path)),
+                           nprocs=world, start_method="forkserver")
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
     torch.manual_seed(0)
     standin = StandIn(GPT(Config().model), pp=pp, tp=tp, shards=world // (pp * tp))
     for rank in range(world):
