@@ -64,14 +64,15 @@ def cli_server():
     torch is imported. None where it did not come up, or UNBROKEN_TEST_FRESH is set: each run then execs."""
     if os.environ.get("UNBROKEN_TEST_FRESH"):
         return None
+    from unbroken.runtime.launcher.starting import COORDINATOR, DEFAULT_WORKER, FORKRUN, SNAPSHOT_AGENT
     from unbroken.runtime.launcher.zygote import Zygote
     with _cli_lock:
         if "server" not in _cli:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            # the CLI and its launcher, and every module the launcher's own fork server imports
             server = Zygote.start(["unbroken.cli", "unbroken.commands", "unbroken.runtime.launcher.launch",
-                                   "unbroken.runtime.control.coordinator", "unbroken.runtime.worker",
-                                   "unbroken.runtime.forkrun", "unbroken.runtime.snapshot.agent"], env)
+                                   COORDINATOR, DEFAULT_WORKER[2], FORKRUN, SNAPSHOT_AGENT], env)
             _cli["server"] = server if server.usable() else None
         return _cli["server"]
 
