@@ -2,8 +2,6 @@
 pipeline of tensor-parallel stages holds. Pure tensor bookkeeping, no processes."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -89,7 +87,7 @@ def _local_shards(rank: int, world: int, init: str, pp: int, tp: int, out: str) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_the_layout_of_a_3d_group_is_each_rank_s_own_local_tensors(tmp_path):
+def test_the_layout_of_a_3d_group_is_each_rank_s_own_local_tensors(tmp_path, monkeypatch):
     """2 stages x 2 FSDP2 shards x TP 2 (8 real ranks, parallelize as the worker calls it): every shard
     index's slices of one whole model (the same seed) are, bit for bit and in order, the local tensors
     that rank holds: its stage's parameters, its TP part of each (qkv's heads reordered, row-wise
@@ -104,16 +102,9 @@ def test_the_layout_of_a_3d_group_is_each_rank_s_own_local_tensors(tmp_path):
     # than 8 fresh interpreters importing torch: 28 -> 10 CPU-s for the test alone (2 cores, pytest included)
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         [__name__, "unbroken.runtime.parallel.parallelize"])
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # the server's, read when it starts; the ranks set theirs anyway
-    try:
-        mp.start_processes(_local_shards, args=(world, f"file://{tmp_path}/rdzv", pp, tp, str(tmp_path)),
-                           nprocs=world, start_method="forkserver")
-    finally:
-        if before is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's, read when it starts; the ranks set theirs anyway
+    mp.start_processes(_local_shards, args=(world, f"file://{tmp_path}/rdzv", pp, tp, str(tmp_path)),
+                       nprocs=world, start_method="forkserver")
     torch.manual_seed(0)
     standin = StandIn(GPT(Config().model), pp=pp, tp=tp, shards=world // (pp * tp))
     for rank in range(world):

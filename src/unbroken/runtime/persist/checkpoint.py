@@ -9,7 +9,6 @@ trainer's model/optimizer state, DCP-compatible) nor in-memory snapshots (runtim
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -87,9 +86,9 @@ class Checkpointer:
         self.wait()
         path = step_dir(self.directory, step)
         path.mkdir(parents=True, exist_ok=True)
-        with _quiet(self._no_dist):
-            resp = dcp.async_save(dict(state_dict), checkpoint_id=str(path),
-                                  process_group=self.pg, no_dist=self._no_dist)
+        _quiet(self._no_dist)
+        resp = dcp.async_save(dict(state_dict), checkpoint_id=str(path),
+                              process_group=self.pg, no_dist=self._no_dist)
         fut = getattr(resp, "upload_completion", resp)
         if self._rank == 0:  # mark as soon as DCP is done, even if nobody calls wait()
             fut.add_done_callback(lambda f: f.exception() is None and self._mark(path, step))
@@ -127,17 +126,15 @@ class Checkpointer:
         if rec["world"] != self.world:
             raise WorldSizeMismatch(f"{path} was saved by {rec['world']} ranks, this run has "
                                     f"{self.world}")
-        with _quiet(self._no_dist):
-            dcp.load(dict(state_dict), checkpoint_id=str(path), process_group=self.pg,
-                     no_dist=self._no_dist)
+        _quiet(self._no_dist)
+        dcp.load(dict(state_dict), checkpoint_id=str(path), process_group=self.pg,
+                 no_dist=self._no_dist)
         return step
 
 
-@contextlib.contextmanager
-def _quiet(no_dist: bool):
+def _quiet(no_dist: bool) -> None:
     # Single-process DCP is intended here; its "assuming single process" warning is noise. An async save
-    # warns again from DCP's writer thread after this block has ended, so the filter is the process's
-    # (this one message only), not the block's.
+    # warns again from DCP's writer thread after the call returned, so the filter is the process's (this
+    # one message only; installing it again replaces it), not a block's.
     if no_dist:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    yield
