@@ -49,7 +49,7 @@ def install(out_dir: str) -> None:
     """Call once at start-up (sitecustomize). In a trainer worker: wrap, and write totals every second."""
     with open("/proc/self/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
-    if b"unbroken.runtime.worker" not in argv or b"torch.distributed.run" in argv:  # a worker, not its agent
+    if b"unbroken.runtime.trainer" not in argv or b"torch.distributed.run" in argv:  # a worker, not its agent
         return
     import torch
     import torch.distributed.fsdp as fsdp
@@ -57,8 +57,10 @@ def install(out_dir: str) -> None:
 
     from unbroken import events
     from unbroken.model import data
-    from unbroken.runtime import devicetime, faults, gradients, trainer
-    from unbroken.runtime.control import coordination, heartbeat, sidecar
+    from unbroken.runtime.parallel import accumulator as gradients
+    from unbroken.runtime.trainer import devicetime, faults, step as trainer
+    from unbroken.runtime.trainer import heartbeat, sidecar
+    from unbroken.runtime.trainer import membership as coordination
     from unbroken.runtime.parallel import collectives
 
     nn.Module.__call__ = _clocked("model.forward", nn.Module.__call__, outermost=True)

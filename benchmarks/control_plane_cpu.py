@@ -36,9 +36,9 @@ HZ = os.sysconf("SC_CLK_TCK")
 def kind(cmdline: str) -> str:
     if "torch.distributed.run" in cmdline:
         return "torchrun agents"
-    if "unbroken.runtime.worker" in cmdline:
+    if "unbroken.runtime.trainer" in cmdline:
         return "trainer ranks"
-    if "unbroken.runtime.control.coordinator" in cmdline:
+    if "unbroken.runtime.coordinator.coordinator" in cmdline:
         return "coordinator"
     return "launcher" if "unbroken.cli" in cmdline else "other"
 

@@ -69,9 +69,9 @@ from unbroken.policy.snapshotting import young_daly_interval
 from unbroken.runtime.persist.checkpoint import Checkpointer
 from unbroken.runtime.launcher.launch import launch
 from unbroken.runtime.persist.state import materialize, training_state
-from unbroken.runtime.worker import default_factories
-from unbroken.runplot import write_png
-from unbroken.runreport import timeline
+from unbroken.runtime.trainer.lifecycle import default_factories
+from unbroken.observe.plot import write_png
+from unbroken.observe.report import timeline
 
 MODES = ("live", "live-rejoin", "restart-memory", "restart-disk")
 PHASES = ("compute", "allreduce", "optimizer")  # where the kills land, in turn

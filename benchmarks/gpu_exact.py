@@ -38,7 +38,7 @@ def measure(mode: str, size: str, repeats: int) -> dict:
     from unbroken.config import DataConfig, ModelConfig
     from unbroken.model.data import DataSource, mix, seed_microbatch
     from unbroken.model.gpt import GPT
-    from unbroken.runtime.gradients import param_digest
+    from unbroken.runtime.parallel.accumulator import param_digest
     from unbroken.runtime.parallel.device import exact_kernels
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,7 +1,7 @@
 """ReCoVer's 512-GPU and ResiHP's 256-GPU scenarios on the simulator, our figure beside the paper's.
 
 For ResiHP's scenarios our strategy is unbroken_replan, which calls the real re-planning scheduler
-(unbroken.policy.scheduling.decide); each of its decisions is printed: the plan chosen for the group and
+(unbroken.policy.replan_scheduler.decide); each of its decisions is printed: the plan chosen for the group and
 every candidate's predicted step time and re-plan cost.
 
 Usage: python benchmarks/paper_scenarios.py [--seed K]
@@ -46,7 +46,7 @@ def recover(seed: int) -> list[tuple[str, float]]:
     return [("recover_512_effective_throughput", eff), ("recover_512_tokens_at_234_gpu_hours", 1 + at)]
 
 
-OURS = "unbroken_replan"  # the detector plus the re-planning scheduler (policy/scheduling.py)
+OURS = "unbroken_replan"  # the detector plus the re-planning scheduler (policy/replan_scheduler.py)
 # ResiHP's baselines: drop the group (with the batch shrinking, torchft-like, and with it kept constant by
 # in-step recovery), restart from a checkpoint (persistent, or our in-memory one), a detector that reports
 # but does not act; unbroken_detect (quotas follow the detector, no re-planning) is printed beside them

@@ -6,7 +6,7 @@ microbatch; `--layout pp-fsdp`: 2 groups x 2 stages x 2 FSDP2 shards) through un
 (gloo, --exact), the last rank (the last stage, or shard 1; stage 1's shard 1) of group 1 SIGKILLed at
 step FROM and never replaced, under `--parallel.on_rank_loss=replan` (the coordinator's scheduler chooses;
 here it chooses shrink: group 1 goes on as its survivor running the whole model, or with pp-fsdp as a
-pipeline of two survivors, one a stage, each holding both shards of its stage: runtime/reform.py;
+pipeline of two survivors, one a stage, each holding both shards of its stage: runtime/trainer/replan_reform.py;
 healed from group 0, its quota weight the cost model's) and `--parallel.on_rank_loss=drop` (group 1 leaves for the
 rest of the run: torchrun stops its survivor, and nothing restarts it), alternating the two in every round,
 and reading each run's committed tokens per second over the episode from its event log.

@@ -3,7 +3,7 @@
 Owns: running both quota policies and a failure-free run alternately through unbroken's own launcher on
 real processes, reading each run's throughput from its event log, and the ideal it is measured against.
 Does not own: detection (the coordinator's detector decides the speeds from measured device times; it
-never sees the fault spec) or the slowness injection (runtime/faults.py, how=throttle: the slow replica
+never sees the fault spec) or the slowness injection (runtime/trainer/faults.py, how=throttle: the slow replica
 burns CPU time in its computing thread until each microbatch has taken `factor` x its own unslowed
 ones, as a core throttled by `factor`).
 

@@ -1,8 +1,8 @@
 """The layout of DESIGN.md holds: `unbroken.policy` imports without torch, numpy, runtime or sim (checked in
 a subprocess that blocks them); the import rules hold for every import statement, relative ones included
 (AST scan of src/unbroken); the import graph has no circle and no arrow from a lower layer up; every file
-of runtime/ stands in a folder named for its process, but the trainer's own few; no file but
-runtime/control/keys.py spells a store key; and no module exceeds 500 lines."""
+of runtime/ stands in a folder named for its process; no file but
+runtime/store/keys.py spells a store key; and no module exceeds 500 lines."""
 from __future__ import annotations
 
 import ast
@@ -49,17 +49,25 @@ RULES = {  # package -> what it must never import
     "unbroken.policy": ("unbroken.runtime", "unbroken.sim", "torch"),
     "unbroken.runtime": ("unbroken.sim", "unbroken.eval", "unbroken.cli", "unbroken.commands"),
     "unbroken.sim": ("unbroken.runtime", "unbroken.eval", "torch"),
-    # processes: the coordinator's and members' control plane, the snapshot agents and the launcher never
-    # import the trainer's code; the trainer never imports the launcher
-    "unbroken.runtime.control": ("unbroken.runtime.trainer", "unbroken.runtime.worker", "unbroken.runtime.launcher",
-                                 "unbroken.runtime.persist.persistence", "unbroken.runtime.persist.state",
-                                 "unbroken.runtime.parallel", "torch.nn"),
-    "unbroken.runtime.snapshot": ("unbroken.runtime.trainer", "unbroken.runtime.worker", "unbroken.runtime.launcher",
+    # what a person looks at reads logs and, for `status`, the store: it runs no part of a run
+    "unbroken.observe": ("unbroken.sim", "unbroken.runtime.trainer", "unbroken.runtime.launcher",
+                         "unbroken.runtime.parallel", "unbroken.runtime.persist", "torch.nn"),
+    # one folder per process: the store layer everything uses imports none of the processes; the
+    # coordinator, the snapshot agents and the launcher never import the trainer's code (a trainer's death
+    # never takes them along, and none holds a model); the trainer's mechanics never import its process
+    "unbroken.runtime.store": ("unbroken.runtime.coordinator", "unbroken.runtime.trainer", "unbroken.runtime.launcher",
+                               "unbroken.runtime.parallel", "unbroken.runtime.persist", "unbroken.runtime.snapshot",
+                               "torch.nn"),
+    "unbroken.runtime.coordinator": ("unbroken.runtime.trainer", "unbroken.runtime.launcher",
+                                     "unbroken.runtime.persist.persistence", "unbroken.runtime.persist.state",
+                                     "unbroken.runtime.parallel", "torch.nn"),
+    "unbroken.runtime.snapshot": ("unbroken.runtime.trainer", "unbroken.runtime.coordinator", "unbroken.runtime.launcher",
                                   "unbroken.runtime.persist"),
-    "unbroken.runtime.launcher": ("unbroken.runtime.trainer", "unbroken.runtime.worker", "unbroken.runtime.persist",
-                                  "unbroken.runtime.parallel"),
-    "unbroken.runtime.persist": ("unbroken.runtime.launcher", "unbroken.runtime.trainer", "unbroken.runtime.worker"),
-    "unbroken.runtime.parallel": ("unbroken.runtime.launcher", "unbroken.runtime.trainer", "unbroken.runtime.worker"),
+    "unbroken.runtime.launcher": ("unbroken.runtime.trainer", "unbroken.runtime.persist", "unbroken.runtime.parallel"),
+    "unbroken.runtime.trainer": ("unbroken.runtime.coordinator", "unbroken.runtime.launcher"),
+    "unbroken.runtime.persist": ("unbroken.runtime.launcher", "unbroken.runtime.trainer", "unbroken.runtime.coordinator"),
+    "unbroken.runtime.parallel": ("unbroken.runtime.launcher", "unbroken.runtime.trainer", "unbroken.runtime.coordinator",
+                                  "unbroken.runtime.persist"),
 }
 
 
@@ -67,7 +75,7 @@ def test_the_scan_resolves_relative_imports():
     text = "from ..runtime import trainer\nfrom . import y\nimport torch.nn as nn\n"
     found = imports(SRC / "policy" / "x.py", text)
     assert found >= {"unbroken.runtime", "unbroken.runtime.trainer", "unbroken.policy.y", "torch.nn"}
-    assert hits("unbroken.runtime.trainer", RULES["unbroken.policy"]) and not hits("torchvision", ("torch",))
+    assert hits("unbroken.runtime.trainer.step", RULES["unbroken.policy"]) and not hits("torchvision", ("torch",))
     assert imports(SRC / "sim" / "strategies" / "__init__.py", "from ...runtime import x\n") >= {"unbroken.runtime"}
 
 
@@ -205,24 +213,20 @@ LAYERS = {
     "unbroken.topology": 0, "unbroken.config": 0, "unbroken.events": 0, "unbroken.faultspec": 0,
     "unbroken.storeurl": 0,
     "unbroken.policy": 0,
-    "unbroken.model": 1, "unbroken.report": 1, "unbroken.progress": 1, "unbroken.runview": 1,
-    "unbroken.runreport": 1, "unbroken.runplot": 1,
-    # runtime, by how much of a trainer a file needs: the store protocol and leaf helpers first
-    "unbroken.audit": 1,
-    "unbroken.runtime": 2, "unbroken.runtime.control": 2, "unbroken.runtime.gradients": 2,
-    "unbroken.runtime.devicetime": 2, "unbroken.runtime.control.etcdstore": 2,
-    "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3, "unbroken.runtime.faults": 3,
-    "unbroken.runtime.step": 3,
-    "unbroken.runtime.persist": 4, "unbroken.runtime.speculation": 4,
-    # the coordinator process's own top: its exporter reads DCP checkpoints' markers on disk
-    "unbroken.runtime.control.metrics": 5, "unbroken.runtime.control.coordinator": 5,
-    "unbroken.runtime.control.standalone": 5,
-    "unbroken.runtime.trainer": 5,
-    "unbroken.runtime.worker": 6, "unbroken.runtime.reform": 6, "unbroken.runtime.launcher": 6, "unbroken.runtime.launcher.resume": 6,
-    "unbroken.runtime.forkrun": 7, "unbroken.runtime._forked_entry": 7,  # the torchrun agent over the worker
+    "unbroken.model": 1, "unbroken.observe": 1, "unbroken.audit": 1,
+    # runtime, by how much of a trainer a file needs: the store first, then the mechanics, then processes
+    "unbroken.runtime": 2, "unbroken.runtime.store": 2,
+    "unbroken.runtime.parallel": 3, "unbroken.runtime.snapshot": 3,
+    "unbroken.runtime.persist": 4,
+    "unbroken.runtime.coordinator": 5,
+    "unbroken.runtime.trainer": 5, "unbroken.runtime.trainer.lifecycle": 6,
+    "unbroken.runtime.trainer.replan_reform": 6,
+    "unbroken.runtime.trainer.forkrun": 7, "unbroken.runtime.trainer._forked_entry": 7,
+    "unbroken.runtime.trainer.__main__": 7,
+    "unbroken.runtime.launcher": 6, "unbroken.runtime.launcher.resume": 6,
     "unbroken.sim": 2,
     "unbroken.api": 7, "unbroken": 7,
-    "unbroken.eval": 8, "unbroken.commands": 8, "unbroken.status": 8,
+    "unbroken.eval": 8, "unbroken.commands": 8, "unbroken.observe.status": 8,
     "unbroken.cli": 9,
 }
 
@@ -237,17 +241,21 @@ def test_no_import_runs_back_up_a_layer():
     assert not {n: d for n, d in up.items() if d}, "imports from a lower layer into a higher one"
 
 
-TRAINER_OWN = {"__init__", "trainer", "worker", "reform", "gradients", "speculation", "faults", "step", "devicetime",
-               "forkrun", "_forked_entry"}  # forkrun: the torchrun agent its ranks fork from, worker imported
-PROCESS_FOLDERS = {"launcher", "control", "parallel", "persist", "snapshot"}
+PROCESS_FOLDERS = {"store", "coordinator", "trainer", "launcher", "snapshot", "parallel", "persist"}
 
 
 def test_runtime_files_stand_in_a_folder_of_their_process():
+    """runtime/ holds only its package file: every module is in the folder of the process it runs in (or of
+    the mechanics that process uses), and every folder says in its docstring what runs there."""
     runtime = SRC / "runtime"
-    loose = sorted(f.stem for f in runtime.glob("*.py") if f.stem not in TRAINER_OWN)
+    loose = sorted(f.stem for f in runtime.glob("*.py") if f.stem != "__init__")
     folders = sorted(d.name for d in runtime.iterdir() if d.is_dir() and d.name != "__pycache__")
     assert not loose, f"runtime/ files outside a process folder: {loose}"
-    assert set(folders) <= PROCESS_FOLDERS, folders
+    assert set(folders) == PROCESS_FOLDERS, folders
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((runtime / folder / "__init__.py").read_text()))
+        assert doc and len(doc) > 80, f"runtime/{folder}/__init__.py says nothing of what runs there"
+
 
 
 def test_topology_imports_only_the_standard_library():
@@ -257,13 +265,13 @@ def test_topology_imports_only_the_standard_library():
 
 # -- store keys ---------------------------------------------------------------------------------------------
 
-KEYS_MODULE = SRC / "runtime" / "control" / "keys.py"
+KEYS_MODULE = SRC / "runtime" / "store" / "keys.py"
 STORE_CALLS = {"set", "get", "add", "check", "compare_set", "multi_get", "multi_set", "wait", "delete_key"}
 
 
 def key_families() -> tuple[str, ...]:
     """The literal start of every slash-separated key that keys.py builds ("members/", "done/", ...)."""
-    from unbroken.runtime.control import keys
+    from unbroken.runtime.store import keys
     out = set()
     for name in dir(keys):
         fn = getattr(keys, name)
@@ -324,7 +332,7 @@ def test_the_key_scan_catches_what_it_claims():
 def test_no_store_key_is_spelled_outside_the_keys_module():
     fam = key_families()
     spelled = {str(f.relative_to(SRC)): key_literals(f.read_text(), fam) for f in MODULES if f != KEYS_MODULE}
-    assert not {f: k for f, k in spelled.items() if k}, "store keys spelled outside runtime/control/keys.py"
+    assert not {f: k for f, k in spelled.items() if k}, "store keys spelled outside runtime/store/keys.py"
 
 
 def test_every_imported_unbroken_name_exists():

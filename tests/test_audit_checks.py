@@ -196,7 +196,7 @@ def test_compare_checks_every_copy_of_a_redone_step(clean, tmp_path):
 def test_summary_counts_a_corrupt_line_the_audit_refuses(clean, tmp_path):
     """The launcher's summary is written whatever happened, so it reports a corrupt line instead of
     failing; the audit is what refuses the log."""
-    from unbroken.report import summarize
+    from unbroken.observe.runs import summarize
     run = copy(clean, tmp_path)
     ls = lines(run)
     ls[4] = "garbage\n"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.runtime.test_recovery_e2e import assert_killed
 from unbroken.events import read_events
-from unbroken.report import audit
+from unbroken.observe.runs import audit
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "custom_model.py"
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 from unbroken import cli
 from unbroken.events import read_events
-from unbroken.runplot import PANELS
+from unbroken.observe.plot import PANELS
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:

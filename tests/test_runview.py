@@ -3,7 +3,7 @@ recovery timed from the fault that caused it, a re-formed epoch, a whole-job res
 count once, snapshots, verdicts, and a log fed in pieces giving what one feed gives."""
 from __future__ import annotations
 
-from unbroken.runview import RunView, cause_of
+from unbroken.observe.view import RunView, cause_of
 
 
 def _log() -> list[dict]:

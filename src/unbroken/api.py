@@ -76,7 +76,7 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
     cfg) -> torch Optimizer. Any of them None: the built-in GPT, corpus, AdamW. In a worker process this
     call trains and then ends the process (it never returns there). Raises ConfigError on bad input.
     """
-    from unbroken.runtime import worker
+    from unbroken.runtime.trainer import lifecycle as worker
     from unbroken.runtime.launcher import launch
 
     custom = any(f is not None for f in (model, data, optimizer))

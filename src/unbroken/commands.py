@@ -14,10 +14,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from unbroken import report, runplot, runreport
+from unbroken.observe import plot as runplot
+from unbroken.observe import report as runreport
+from unbroken.observe import runs as report
 from unbroken.api import check_host, make_config
 from unbroken.config import ConfigError, load, parse_overrides
-from unbroken.status import wide_console
+from unbroken.observe.status import wide_console
 from unbroken.events import read_events
 
 console = Console()
@@ -63,11 +65,11 @@ def _ran(result, cfg) -> int:
 
 
 def coordinator(args: argparse.Namespace, rest: list[str]) -> int:
-    """`unbroken coordinator`: serve one run for torchrun jobs until it ends (runtime/control/standalone.py)."""
+    """`unbroken coordinator`: serve one run for torchrun jobs until it ends (runtime/coordinator/standalone.py)."""
     overrides = parse_overrides(rest)
     overrides["run.out"] = args.out
     cfg = make_config(load(args.config, overrides))
-    from unbroken.runtime.control import standalone
+    from unbroken.runtime.coordinator import standalone
     code = standalone.run(cfg, args.host, args.port, say=lambda line: print(line, flush=True))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -237,16 +239,16 @@ def add_parsers(sub) -> None:
 
 
 def status(args: argparse.Namespace, rest: list[str]) -> int:
-    """`unbroken status ADDR|RUN_DIR [--watch S]` (status.py)."""
-    from unbroken import status as screen
+    """`unbroken status ADDR|RUN_DIR [--watch S]` (observe/status.py)."""
+    from unbroken.observe import status as screen
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch {args.watch}: must be a positive number of seconds")
     return screen.show(args.target, args.watch)
 
 
 def worker(args: argparse.Namespace, rest: list[str]) -> int:
-    """`unbroken worker`: the same process as `python -m unbroken.runtime.worker` (it never returns)."""
-    from unbroken.runtime import worker as entry
+    """`unbroken worker`: the same process as `python -m unbroken.runtime.trainer` (it never returns)."""
+    from unbroken.runtime.trainer import lifecycle as entry
     entry.main(["--coordinator", args.coordinator, "--group", str(args.group)])
     return 1  # not reached: the worker ends its process
 

@@ -77,7 +77,7 @@ class RunConfig:
     quotas: str = "speed"
     recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
     # commit pipelining: the optimizer steps and the next step computes before the commit decision
-    # is read; undone on retry (runtime/speculation.py). "auto": states up to 8 MiB in host memory
+    # is read; undone on retry (runtime/trainer/speculation.py). "auto": states up to 8 MiB in host memory
     # (64 MiB on an accelerator), and not with snapshots or checkpoints (trainer.py); "on": any size
     step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
@@ -87,7 +87,7 @@ class RunConfig:
     # torchrun's agent process per group (its start-up and one more process per group on the host);
     # "fork" forks the coordinator, the snapshot agents and one-rank groups' trainers from a process that
     # imported torch once (launcher/zygote.py), and a group of several ranks is a forked torchrun agent
-    # whose ranks fork from it (runtime/forkrun.py): ~3 CPU-s less per trainer start and restart
+    # whose ranks fork from it (runtime/trainer/forkrun.py): ~3 CPU-s less per trainer start and restart
     launcher: str = "fork"
     # torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running job,
     # healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun line)
@@ -125,7 +125,7 @@ class ParallelConfig:
     # tensor-parallel degree inside a group (attention heads and MLP units split; group_size = tp, so far)
     tp: int = 1
     # what a group that loses a rank does: drop (the whole group leaves until torchrun brings it back) or
-    # replan (the scheduler of policy/scheduling.py chooses; "shrink" runs the group on its survivor,
+    # replan (the scheduler of policy/replan_scheduler.py chooses; "shrink" runs the group on its survivor,
     # healed from a peer group). replan starts one torchrun agent per rank, as a group spanning hosts.
     on_rank_loss: str = "drop"
     # the re-plan cost model's one-off cost of re-forming a group after a plan change, s (stated, not

@@ -1,8 +1,8 @@
 """The event log: one JSON object a line in `RUN_DIR/events.jsonl`, written by every process of a run.
 
 Owns: the record format, appending safely from many processes, and reading a log back.
-Does not own: what to do about an event (policy), or summaries, live figures and plots (report.py,
-runview.py, runplot.py).
+Does not own: what to do about an event (policy), or summaries, live figures and plots (observe/runs.py,
+observe/view.py, observe/plot.py).
 
 This docstring is the schema, for third-party readers too. Schema version: `SCHEMA_VERSION` below, carried
 by the first record of a log (`run_start`, field "schema"; logs written before versioning have none:
@@ -27,7 +27,7 @@ their fields:
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
                  waited: s spent waiting for a peer's decision or a new epoch in the step)
   compute        step, replica, epoch, microbatch, seconds, wall, tokens, sumsq   (one per microbatch;
-                 seconds: device time (runtime/devicetime.py): this rank's own; a pipeline stage's, its
+                 seconds: device time (runtime/trainer/devicetime.py): this rank's own; a pipeline stage's, its
                  group's slowest stage's share, and own: this stage's; wall: wall time. The detector
                  reads each group's slowest rank per microbatch from the done records)
   reduce         step, replica, epoch, seconds, ok, wait; microbatches (ok: the ones it reduced)
@@ -52,10 +52,10 @@ their fields:
   group_plan     step, replica, why, group, decision (drop|keep|reweight|repartition|shrink|grow), plan
                  ("tp8 pp3 [27,27,26]"; null: dropped), teams (ranks per stage), predicted_step_seconds,
                  replan_seconds, moved_bytes, horizon_steps, options (every candidate: kind, plan, weight,
-                 step_seconds, replan_seconds, moved_bytes, amortised_seconds)   (policy/scheduling.py's
+                 step_seconds, replan_seconds, moved_bytes, amortised_seconds)   (policy/replan_scheduler.py's
                  decision for a group that lost or regained ranks or whose rank turned slow; the
                  simulator applies it). The coordinator writes it too when a group turns Slow or Healthy
-                 again (runtime/control/replanning.py), adding speed, located (the ranks found slow
+                 again (runtime/coordinator/replan.py), adding speed, located (the ranks found slow
                  against the same rank of the peer groups, policy/locating.py; [] where none), rank_speeds
                  (rank -> that ratio; {} without per-rank times), per_microbatch_seconds, cost_source
                  (predictor|measured median), applied (the option it executed: keep|reweight|shrink|
@@ -69,7 +69,7 @@ their fields:
                  run.quotas=speed: the weight its quotas follow from then on, its measured speed; null:
                  unchanged)   (the coordinator, once a re-planned group has committed its first 3 steps on
                  the new plan, or 3 steps after a keep or reweight decision: nothing moved, 0 bytes, the
-                 re-plan time null; not for a drop; what each figure counts: runtime/control/replancost.py)
+                 re-plan time null; not for a drop; what each figure counts: runtime/coordinator/replan_measure.py)
   fenced         replica, step, reason                (a zombie that woke up and left)
   exit           replica, code                        (the launcher saw a worker process end)
   run_failed     reason, last_committed_step

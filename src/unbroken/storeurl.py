@@ -1,7 +1,7 @@
 """The address of an etcd coordination store: `etcd://h1:2379,h2:2379[/namespace][?failover=S]`.
 
 Owns: parsing and printing that address (`EtcdAddress`, `parse_url`, `problem`). Torch-free, so the
-config's validation and the store's client (runtime/control/etcdstore.py) read it through one parser.
+config's validation and the store's client (runtime/store/etcd.py) read it through one parser.
 Does not own: talking to etcd, or whether the members answer (store.preflight checks that when a run
 starts).
 """

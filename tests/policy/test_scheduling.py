@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.policy import plans as P
-from unbroken.policy import scheduling as S
+from unbroken.policy import replan_plans as P
+from unbroken.policy import replan_scheduler as S
 from unbroken.policy import stepcost as C
 from unbroken.policy.predictor import CostModel
 from unbroken.topology import Topology, TopologyError

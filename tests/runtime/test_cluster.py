@@ -129,7 +129,7 @@ def test_a_port_in_use_is_one_line(tmp_path):
 def test_a_coordinator_that_does_not_answer_is_one_line(tmp_path):
     port = free_port()  # nothing listens there
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "unbroken.runtime.worker", "--coordinator", f"127.0.0.1:{port}",
+    r = subprocess.run([sys.executable, "-m", "unbroken.runtime.trainer", "--coordinator", f"127.0.0.1:{port}",
                         "--group", "0"], capture_output=True, text=True, timeout=50,
                        env={**os.environ, "UNBROKEN_CONNECT_TIMEOUT": "2"})
     one_line_exit_2(r, rf"unbroken: error: the coordinator at '127\.0\.0\.1:{port}' does not answer")
@@ -144,7 +144,7 @@ def test_a_group_outside_the_run_is_one_line(tmp_path):
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert coordinator.stdout.readline().startswith("unbroken coordinator: serving")
-        r = subprocess.run([sys.executable, "-m", "unbroken.runtime.worker", "--coordinator", f"127.0.0.1:{port}",
+        r = subprocess.run([sys.executable, "-m", "unbroken.runtime.trainer", "--coordinator", f"127.0.0.1:{port}",
                             "--group", "5"], capture_output=True, text=True, timeout=50)
         one_line_exit_2(r, r"unbroken: error: group 5 out of range: 2 groups")
         r = subprocess.run([sys.executable, "-m", "unbroken.cli", "worker", "--coordinator", f"127.0.0.1:{port}"],

@@ -20,9 +20,9 @@ from tests.conftest import side_by_side
 from tests.runtime.test_cluster import env, local_reference, one_line_exit_2, readme_lines
 from tests.runtime.test_standby_e2e import TTL, leads, took_over
 from unbroken.events import read_events, steps
-from unbroken.report import audit, compare
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.etcdstore import EtcdStore
+from unbroken.observe.runs import audit, compare
+from unbroken.runtime.store import keys
+from unbroken.runtime.store.etcd import EtcdStore
 from unbroken.runtime.launcher.processes import kill_tree
 
 README_STORE = "etcd://127.0.0.1:2379,127.0.0.1:22379,127.0.0.1:32379/cluster-42"
@@ -99,7 +99,7 @@ def test_the_leading_coordinator_killed_under_torchrun_jobs_a_standby_leads_and_
 @pytest.mark.timeout(120)
 def test_bad_etcd_input_to_the_coordinator_and_the_worker_is_one_line_and_writes_nothing(etcd, tmp_path):
     cli = [sys.executable, "-m", "unbroken.cli", "coordinator"]
-    worker = [sys.executable, "-m", "unbroken.runtime.worker", "--group", "0", "--coordinator"]
+    worker = [sys.executable, "-m", "unbroken.runtime.trainer", "--group", "0", "--coordinator"]
     out = tmp_path / "never"
 
     def run(*args: str) -> subprocess.CompletedProcess:

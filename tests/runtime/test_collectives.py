@@ -1,6 +1,6 @@
 """EpochGroup with real processes on gloo: a member that stops (SIGSTOP) or dies (SIGKILL) while the others
 are inside an all-reduce never hangs them for the group's timeout. Once a new epoch is published in the
-store (the key layout of runtime/control/keys.py, written here by the test as the coordinator would),
+store (the key layout of runtime/store/keys.py, written here by the test as the coordinator would),
 the survivors leave within 2 s of a 30 s timeout, with EpochMoved (or CollectiveError for a dead peer),
 their own buffers untouched, and then reduce correctly as the two-member group of epoch 1."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ MEMBER = """
 import json, os, sys, time
 import torch
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.control.store import connect
+from unbroken.runtime.store.client import connect
 
 address, me, N, TIMEOUT_S = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 group_store, watch = connect(address), connect(address)  # one client per thread: formation runs in its own

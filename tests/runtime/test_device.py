@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import unbroken
 from unbroken.config import ConfigError
-from unbroken.runtime.gradients import Accumulator, param_digest
+from unbroken.runtime.parallel.accumulator import Accumulator, param_digest
 from unbroken.runtime.parallel.device import (backend, bind, check_gpus, exact_kernels, gpu_index, nccl_environment,
                                               preflight, resolve)
 
@@ -88,7 +88,7 @@ def test_the_digest_s_kept_views_read_in_place_updates_new_storage_and_go_with_t
     dies takes its entry with it."""
     import xxhash
 
-    from unbroken.runtime import gradients
+    from unbroken.runtime.parallel import accumulator as gradients
 
     def fresh(p):  # the digest without any kept view
         return xxhash.xxh3_128(p.detach().numpy().tobytes()).hexdigest()

@@ -9,8 +9,8 @@ import torch
 
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
-from unbroken.runtime.devicetime import DeviceClock
-from unbroken.runtime.faults import Injector
+from unbroken.runtime.trainer.devicetime import DeviceClock
+from unbroken.runtime.trainer.faults import Injector
 
 
 def busy(seconds: float) -> None:

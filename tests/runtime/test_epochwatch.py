@@ -13,8 +13,8 @@ pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = r'''
 import datetime, os, time
-import unbroken.runtime.control.epochwatch as ew
-from unbroken.runtime.control import keys
+import unbroken.runtime.store.watch as ew
+from unbroken.runtime.store import keys
 from torch.distributed import TCPStore, PrefixStore
 ew._WAIT = datetime.timedelta(seconds=0.3)  # a day in production
 srv = TCPStore("127.0.0.1", 0, 1, True)
@@ -39,8 +39,8 @@ def test_watch_wakes_on_each_new_epoch_and_after_timed_out_waits():
 
 COUNTERS = r'''
 import os
-import unbroken.runtime.control.epochwatch as ew
-from unbroken.runtime.control import keys
+import unbroken.runtime.store.watch as ew
+from unbroken.runtime.store import keys
 from torch.distributed import TCPStore
 srv = TCPStore("127.0.0.1", 0, 1, True)
 connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
@@ -64,10 +64,10 @@ def test_wake_and_weights_watches_move_on_each_call():
 
 DECISIONS = r'''
 import os, time
-import unbroken.runtime.control.epochwatch as ew
-from unbroken.runtime.control import keys
+import unbroken.runtime.store.watch as ew
+from unbroken.runtime.store import keys
 from torch.distributed import TCPStore
-from unbroken.runtime.control.coordination import Coordination, Plan
+from unbroken.runtime.trainer.membership import Coordination, Plan
 srv = TCPStore("127.0.0.1", 0, 1, True)
 connect = lambda: TCPStore("127.0.0.1", srv.port, 1, False)
 srv.set("epoch", "0"); srv.set("members/0", "[0, 1]"); srv.set("members/1", "[0]")
@@ -106,9 +106,9 @@ def test_decision_watch_pushes_decisions_and_epoch_changes_without_polling():
 
 SPURIOUS = r'''
 import os, time
-import unbroken.runtime.control.epochwatch as ew
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.store import connect, last_committed
+import unbroken.runtime.store.watch as ew
+from unbroken.runtime.store import keys
+from unbroken.runtime.store.client import connect, last_committed
 from torch.distributed import TCPStore
 srv = TCPStore("127.0.0.1", 0, 1, True, use_libuv=True)
 address = f"127.0.0.1:{srv.port}"
@@ -139,9 +139,9 @@ def test_decision_watch_waits_again_when_a_read_of_the_missing_key_wakes_it():
 
 PROBED = r'''
 import datetime, os, threading, time
-import unbroken.runtime.control.epochwatch as ew
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.store import read
+import unbroken.runtime.store.watch as ew
+from unbroken.runtime.store import keys
+from unbroken.runtime.store.client import read
 from torch.distributed import TCPStore
 srv = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=20), use_libuv=True)
 client = lambda: TCPStore("127.0.0.1", srv.port, 1, False, timeout=datetime.timedelta(seconds=20), use_libuv=True)

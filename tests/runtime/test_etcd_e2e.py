@@ -17,10 +17,10 @@ import pytest
 
 from tests.conftest import side_by_side, unbroken
 from unbroken.events import read_events
-from unbroken.report import audit, compare
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.etcdstore import EtcdStore
-from unbroken.runtime.control.store import read
+from unbroken.observe.runs import audit, compare
+from unbroken.runtime.store import keys
+from unbroken.runtime.store.etcd import EtcdStore
+from unbroken.runtime.store.client import read
 
 SMALL = ["--replicas", "2", "--steps", "10", "--microbatches", "4", "--exact", "--run.progress=false",
          "--coord.heartbeat_timeout=5", "--coord.heartbeat_interval=0.1", "--coord.run_timeout=200"]

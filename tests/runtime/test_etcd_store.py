@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from unbroken.runtime.control.etcdstore import EtcdStore, parse_url
+from unbroken.runtime.store.etcd import EtcdStore, parse_url
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,7 +52,7 @@ def test_the_store_calls_mean_what_they_mean_on_a_tcpstore(etcd):
 
 def test_compare_set_decides_once_and_add_counts_every_increment_across_processes(etcd):
     url = fresh(etcd).address.url
-    code = ("import sys; from unbroken.runtime.control.etcdstore import EtcdStore\n"
+    code = ("import sys; from unbroken.runtime.store.etcd import EtcdStore\n"
             "s = EtcdStore(sys.argv[1]); me = sys.argv[2]\n"
             "won = s.compare_set('decision', '', 'commit@' + me)\n"
             "for _ in range(20): s.add('count', 1)\n"
@@ -69,7 +69,7 @@ def test_compare_set_decides_once_and_add_counts_every_increment_across_processe
 def test_a_gloo_group_forms_on_a_prefix_of_it(etcd):
     url = fresh(etcd).address.url
     code = ("import sys, datetime, torch, torch.distributed as dist\n"
-            "from unbroken.runtime.control.etcdstore import EtcdStore\n"
+            "from unbroken.runtime.store.etcd import EtcdStore\n"
             "r = int(sys.argv[2])\n"
             "pg = dist.ProcessGroupGloo(dist.PrefixStore('epoch0', EtcdStore(sys.argv[1])), r, 2,"
             " datetime.timedelta(seconds=30))\n"
@@ -113,7 +113,7 @@ def test_urls_are_parsed_or_refused_naming_the_bad_part():
 
 
 def test_one_leader_at_a_time_and_a_leader_that_lost_its_lease_ends(etcd):
-    from unbroken.runtime.control.election import Leadership
+    from unbroken.runtime.coordinator.election import Leadership
     url = fresh(etcd).address.url
     lost = threading.Event()
     first = Leadership(EtcdStore(url), "first", ttl_s=2, on_lost=lost.set)
@@ -133,8 +133,8 @@ def test_one_leader_at_a_time_and_a_leader_that_lost_its_lease_ends(etcd):
 
 
 def test_a_deposed_leader_cannot_write(etcd):
-    from unbroken.runtime.control import keys
-    from unbroken.runtime.control.election import Leadership
+    from unbroken.runtime.store import keys
+    from unbroken.runtime.coordinator.election import Leadership
     url = fresh(etcd).address.url
     deposed = threading.Event()
     first_store = EtcdStore(url)

@@ -1,4 +1,4 @@
-"""forkrun (runtime/forkrun.py): torchrun's own agent with its ranks forked from it. Through the product's
+"""forkrun (runtime/trainer/forkrun.py): torchrun's own agent with its ranks forked from it. Through the product's
 launcher, a group's ranks are forked, a rank SIGKILLed makes torchrun restart the whole group (forked
 again, new pids), and the survivors' clean ends reach their agents (the run ends); a script that is not
 the worker runs as plain torchrun runs it, in fresh interpreters."""
@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import unbroken
 from unbroken.events import read_events, steps
-from unbroken.runtime.forkrun import forkable
+from unbroken.runtime.trainer.forkrun import forkable
 
 
 def test_this_torch_s_agent_can_fork_the_worker():
@@ -48,7 +48,7 @@ def test_a_script_that_is_not_the_worker_runs_in_fresh_interpreters(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text("import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']), 'w')"
                       ".write(str('torch' in sys.modules))\n")
-    r = subprocess.run([sys.executable, "-m", "unbroken.runtime.forkrun", "--standalone",
+    r = subprocess.run([sys.executable, "-m", "unbroken.runtime.trainer.forkrun", "--standalone",
                         "--nproc-per-node=2", str(script), str(tmp_path)], capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [(tmp_path / rank).read_text() for rank in "01"] == ["False", "False"]  # nothing preloaded

@@ -11,7 +11,7 @@ import pytest
 from torch.distributed import HashStore
 
 from tests.runtime.test_cluster import free_port
-from unbroken.runtime.control import keys
+from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.parallelize import unshared_store
 
 pytestmark = pytest.mark.timeout(60)

@@ -156,7 +156,7 @@ def test_status_of_the_running_job_and_of_the_finished_run(observed):
     out = " ".join(out.split())
     assert "finished ok" in out and f"step {STEPS}/{STEPS} committed" in out
     assert "recent recoveries" in out and "exit" in out and "0->1" in out
-    status = json.loads(json.dumps(__import__("unbroken.status").status.load(str(result.run_dir))))
+    status = json.loads(json.dumps(__import__("unbroken.observe.status").status.load(str(result.run_dir))))
     assert status["replicas"]["1"]["health"] == "dead" and status["members"] == [0, 2]
 
 
@@ -175,8 +175,8 @@ class _Store:
 def test_snapshot_and_checkpoint_figures_of_a_real_run(tmp_path):
     """A run with in-memory snapshots every step and DCP checkpoints every 2 steps; its log and checkpoint
     directory exported by a fresh Exporter and scraped over HTTP."""
-    from unbroken.runtime.control.keys import status as status_key
-    from unbroken.runtime.control.metrics import Exporter
+    from unbroken.runtime.store.keys import status as status_key
+    from unbroken.runtime.coordinator.metrics import Exporter
     shm = f"/dev/shm/unbroken/test-metrics-{os.getpid()}"
     cfg = make_config(replicas=2, steps=6, microbatches=4, progress=False, out=str(tmp_path / "run"),
                       snapshot__enabled=True, snapshot__shm_dir=shm, checkpoint__every=2)
@@ -207,8 +207,8 @@ def test_snapshot_and_checkpoint_figures_of_a_real_run(tmp_path):
 
 def test_a_record_the_fold_cannot_read_never_takes_the_coordinator_down(tmp_path):
     """The exporter runs inside the coordinator: a malformed record is reported once, the job goes on."""
-    from unbroken.runtime.control.keys import status as status_key
-    from unbroken.runtime.control.metrics import Exporter
+    from unbroken.runtime.store.keys import status as status_key
+    from unbroken.runtime.coordinator.metrics import Exporter
     lines = [{"event": "run_start", "t": 1.0, "replicas": 1, "steps": 2, "microbatches": 1, "run_id": "r"},
              {"event": "step", "t": 2.0, "step": 0}]  # no tokens, no loss
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))

@@ -1,4 +1,4 @@
-"""A re-plan's measured cost beside its prediction (runtime/control/replancost.py): the figures from committed
+"""A re-plan's measured cost beside its prediction (runtime/coordinator/replan_measure.py): the figures from committed
 steps' timings and the joiner's heal reports, and the coordinator's `group_plan_measured` event, without
 processes (a HashStore stands in for the coordinator's store). The torchrun path: tests/runtime/test_shrink.py."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 from torch.distributed import HashStore
 
 from unbroken.events import EventLog, read_events
-from unbroken.policy.plans import Plan
+from unbroken.policy.replan_plans import Plan
 from unbroken.policy.predictor import MicrobatchTiming
-from unbroken.policy.scheduling import Option
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.replancost import MEASURE_STEPS, Measurer, fields, step_figures
-from unbroken.runtime.control.replanning import GroupShape, planner_for
-from unbroken.runtime.control.slowness import SlownessMonitor
+from unbroken.policy.replan_scheduler import Option
+from unbroken.runtime.store import keys
+from unbroken.runtime.coordinator.replan_measure import MEASURE_STEPS, Measurer, fields, step_figures
+from unbroken.runtime.coordinator.replan import GroupShape, planner_for
+from unbroken.runtime.coordinator.slowness import SlownessMonitor
 
 OPTION = Option("shrink", Plan(1, (2,), ((0,),), weight=0.5), 0.3, 0.12, 4096.0, 0.31, (0, 0, 1))
 

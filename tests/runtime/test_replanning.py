@@ -1,5 +1,5 @@
 """The coordinator's re-planning step without processes: verdict changes in, `group_plan` events and quota
-weights out (runtime/control/replanning.py). The torchrun path is tests/runtime/test_slow_pp.py."""
+weights out (runtime/coordinator/replan.py). The torchrun path is tests/runtime/test_slow_pp.py."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,7 +10,7 @@ from unbroken.policy.predictor import MicrobatchTiming, Predictor
 import pytest
 
 from unbroken.policy.workload import PARKED
-from unbroken.runtime.control.replanning import DROP, EQUAL, MULTI_RANK, GroupShape, planner_for, reformable
+from unbroken.runtime.coordinator.replan import DROP, EQUAL, MULTI_RANK, GroupShape, planner_for, reformable
 
 SHAPE = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=20)
 TIMINGS = {g: [MicrobatchTiming(256, 16384.0, 0.004)] * 4 for g in (0, 1)}
@@ -237,8 +237,8 @@ def test_reformable_refuses_exactly_the_plans_whose_slices_are_not_a_peer_s_shar
     are executable (each holds whole shard indices of its full stages); a TP 2 team (its slices would cut
     other heads than a TP 4 rank's), a team sharding with FSDP2 (other rows) and a split of layers that
     cuts a full stage are refused, each named."""
-    from unbroken.policy.plans import Plan
-    from unbroken.policy.scheduling import Option
+    from unbroken.policy.replan_plans import Plan
+    from unbroken.policy.replan_scheduler import Option
 
     full = Plan(tp=4, stages=(2, 2), teams=(tuple(range(8)), tuple(range(8, 16))), shard=2)
     unable = reformable(full)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import BASE, unbroken
 from unbroken.events import read_events
-from unbroken.report import audit, compare
+from unbroken.observe.runs import audit, compare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import unbroken
 from unbroken.events import read_events
-from unbroken.report import audit, compare
+from unbroken.observe.runs import audit, compare
 
 SMALL = ["--replicas", "2", "--steps", "14", "--microbatches", "4", "--exact", "--run.progress=false",
          "--coord.heartbeat_timeout=5", "--coord.heartbeat_interval=0.1", "--coord.run_timeout=200",
@@ -30,7 +30,7 @@ def sealed(out) -> bool:
     """Whether the agents hold a snapshot step committed by every replica (its digest written): what a
     memory restore needs, read from the run's etcd store as the trainers would. (On etcd the agents
     poll for allocation requests every 0.25 s, so the first snapshot can lag the first steps.)"""
-    from unbroken.runtime.control.store import connect
+    from unbroken.runtime.store.client import connect
     from unbroken.runtime.snapshot.control import snapshot_keys
     run_id = next(e for e in read_events(out) if e["event"] == "run_start")["run_id"]
     k = snapshot_keys(run_id)

@@ -1,7 +1,7 @@
 """Re-planning at run time (`--parallel.on_rank_loss=replan`): 2 groups of 2 pipeline stages, each rank a
 real torchrun agent of its own, in `--exact`, dropout on. A rank of group 1 is SIGKILLed; its group
 leaves the step and the survivors redo its microbatches, as under drop; then the coordinator's scheduler
-(policy/scheduling.py) chooses between dropping the group and shrinking it onto its surviving rank.
+(policy/replan_scheduler.py) chooses between dropping the group and shrinking it onto its surviving rank.
 
 Under shrink the survivor goes on as the whole group (the whole model on one rank, every stage's shard
 index: standin.py), healed stage by stage from the matching ranks of group 0, and the run stays bitwise

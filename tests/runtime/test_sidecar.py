@@ -14,8 +14,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from unbroken.events import EventLog, read_events
-from unbroken.runtime.control.coordination import Coordination, Decision, Plan
-from unbroken.runtime.control.sidecar import Sidecar
+from unbroken.runtime.trainer.membership import Coordination, Decision, Plan
+from unbroken.runtime.trainer.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,7 +144,7 @@ def test_the_commit_carries_weights_the_coordinator_published_after_the_last_rec
     """A verdict reached just after step 5's commit (weights published once its record was out) plans
     step 7 through step 6's commit: read at the proposal, not step 7 with step 8's (the plan of step 6
     came with step 5's commit). Without the re-read the proposal carries the weights read at the record."""
-    from unbroken.runtime.control.epochwatch import WeightsWatch, publish_weights, stop
+    from unbroken.runtime.store.watch import WeightsWatch, publish_weights, stop
 
     log = EventLog(tmp_path / "events.jsonl")
 

@@ -1,7 +1,7 @@
 """A fail-slow rank inside a pipeline group, through real torchrun jobs (2 groups x PP 2, gloo, --exact):
 rank 1 (the last stage) of group 1 spins 3x its compute from step 2. Each stage reports its own device
 time, the coordinator times the group by its slowest stage, its detector declares group 1 Slow and
-locates its rank 1, the scheduler (policy/scheduling.py) is
+locates its rank 1, the scheduler (policy/replan_scheduler.py) is
 called and its decision logged as a `group_plan` event with every candidate's predicted step time and
 re-plan cost; the runtime applies reweight (keep under --run.quotas=equal, drop under --run.quotas=drop:
 the group parked for the rest of the run) and says why the others are not executable. Oracle: the event log, the audit, and the PP oracle's digests (quotas
@@ -18,7 +18,7 @@ from tests.runtime.test_groups import digests, plain_loop
 from tests.runtime.test_pp_tp import staged
 from unbroken.config import Config
 from unbroken.events import read_events, steps
-from unbroken.report import audit
+from unbroken.observe.runs import audit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -15,7 +15,7 @@ from tests.conftest import unbroken
 from tests.runtime.test_groups import digests, plain_loop
 from unbroken.config import Config
 from unbroken.events import read_events, steps
-from unbroken.report import audit
+from unbroken.observe.runs import audit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import unbroken
 from tests.runtime._detector_targets import failing, once_more_if_the_host_moved
 from unbroken.events import read_events
-from unbroken.report import audit, compare
+from unbroken.observe.runs import audit, compare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 

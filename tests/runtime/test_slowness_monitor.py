@@ -12,9 +12,9 @@ import json
 from torch.distributed import HashStore
 
 from unbroken.events import EventLog, read_events
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.coordinator import Coordinator
-from unbroken.runtime.control.slowness import SlownessMonitor
+from unbroken.runtime.store import keys
+from unbroken.runtime.coordinator.coordinator import Coordinator
+from unbroken.runtime.coordinator.slowness import SlownessMonitor
 
 
 def commit_only(store, step: int, slow: float) -> None:
@@ -74,7 +74,7 @@ def test_a_group_s_ranks_time_themselves_and_the_monitor_takes_the_slowest(tmp_p
     times each microbatch at its slowest rank's seconds, with every rank's by rank, as the locator
     needs them. A member whose rank record is missing is timed by rank 0 alone, not mislabelled."""
     from unbroken.policy.predictor import MicrobatchTiming
-    from unbroken.runtime.control.coordination import Coordination
+    from unbroken.runtime.trainer.membership import Coordination
 
     store = HashStore()
     store.set(keys.members(0), json.dumps([0, 1]))

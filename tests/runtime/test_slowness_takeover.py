@@ -11,8 +11,8 @@ import json
 from torch.distributed import HashStore
 
 from unbroken.events import EventLog, read_events
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.slowness import REPLAY_STEPS, SlownessMonitor
+from unbroken.runtime.store import keys
+from unbroken.runtime.coordinator.slowness import REPLAY_STEPS, SlownessMonitor
 
 
 def committed(store, step: int, slow: float = 1.0) -> None:
@@ -58,7 +58,7 @@ def test_a_takeover_prices_a_rank_lost_before_its_first_new_step(tmp_path):
     """Groups of 2 pipeline stages under replan: the new leader's first act may be a rank loss. The
     replayed steps' timings calibrate the cost model, so the scheduler decides (`group_plan`) instead of
     dropping the group for want of timings (`group_plan_skipped`: what a takeover did before)."""
-    from unbroken.runtime.control.replanning import GroupShape, planner_for
+    from unbroken.runtime.coordinator.replan import GroupShape, planner_for
 
     store = HashStore()
     store.set(keys.members(0), json.dumps([0, 1]))
@@ -84,7 +84,7 @@ def test_a_takeover_knows_which_groups_run_shrunk_and_sees_them_grow_back(tmp_pa
     """The leader shrank group 1 onto its surviving stage, then died. Its successor must price group 1
     as the one-rank plan it runs (not as a reweighted full group: that is all the weights say), and
     when group 1's lost rank is back, log the grow (`ranks back`) and give it equal quotas again."""
-    from unbroken.runtime.control.replanning import GroupShape, planner_for
+    from unbroken.runtime.coordinator.replan import GroupShape, planner_for
 
     store = HashStore()
     store.set(keys.members(0), json.dumps([0, 1]))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.runtime.gradients import Accumulator, unique_parameters
-from unbroken.runtime.speculation import CPU_MAX_BYTES, MAX_BYTES, Rollback, limit
+from unbroken.runtime.parallel.accumulator import Accumulator, unique_parameters
+from unbroken.runtime.trainer.speculation import CPU_MAX_BYTES, MAX_BYTES, Rollback, limit
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import unbroken
 from unbroken.events import read_events
-from unbroken.report import audit, compare
+from unbroken.observe.runs import audit, compare
 
 TTL = 2
 SMALL = ["--replicas", "2", "--steps", "60", "--microbatches", "4", "--exact", "--run.progress=false",

@@ -72,7 +72,7 @@ def _local_shards(rank: int, world: int, init: str, pp: int, tp: int, out: str) 
     tensors (`gradients.local`, in `unique_parameters` order) saved for the parent to compare."""
     import torch.distributed as dist
 
-    from unbroken.runtime.gradients import local, unique_parameters
+    from unbroken.runtime.parallel.accumulator import local, unique_parameters
     from unbroken.runtime.parallel.parallelize import parallelize
     from unbroken.topology import Topology
 
@@ -157,7 +157,7 @@ def test_a_survivor_s_stale_parameters_name_what_still_holds_them():
     test process held before: other tests' modules may live on in it.)"""
     import threading
 
-    from unbroken.runtime.reform import _holder, stale_parameters
+    from unbroken.runtime.trainer.replan_reform import _holder, stale_parameters
 
     before = stale_parameters()
     done = threading.Event()

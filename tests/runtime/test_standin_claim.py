@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch.distributed import HashStore
 
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.coordination import Coordination
+from unbroken.runtime.store import keys
+from unbroken.runtime.trainer.membership import Coordination
 
 
 def test_a_survivor_claims_for_its_own_incarnation_not_the_group_s_newest():
@@ -27,7 +27,7 @@ def test_a_survivor_s_report_of_its_broken_group_spares_the_other_survivors():
     claims (worker's `spared`, trainer.fence) rather than leaving as a fenced group's rank would (CI at
     bca5810: rank 0 fenced 0.1 s after an exit-code report, its TP team unable to re-form). A verdict on a
     named rank or an exit keeps its meaning."""
-    from unbroken.runtime.control.coordination import BROKE, lost_rank
+    from unbroken.runtime.store.reasons import BROKE, lost_rank
 
     assert lost_rank(BROKE) == -1
     assert lost_rank("rank 3: no heartbeat for 2.0 s") == 3

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from unbroken.config import Config
-from unbroken.runtime.control.store import connect
+from unbroken.runtime.store.client import connect
 from unbroken.runtime.launcher.processes import kill_tree
 from unbroken.runtime.launcher.resume import _still_running
 from unbroken.runtime.launcher.starting import fork_server, hold_port, start_coordinator

@@ -13,9 +13,9 @@ Does not own: the detector, the baselines or the alarm/episode accounting (repla
 The runs use equal quotas (`--run.quotas=equal`): the detector still runs and logs its verdicts, but
 work is never moved, so every method sees the same open-loop observations (moving work off a slow
 replica would shorten its step time and hide it from the step-time baselines). Every method reads the
-same per-microbatch device time (runtime/devicetime.py: the computing thread's CPU time here), the
+same per-microbatch device time (runtime/trainer/devicetime.py: the computing thread's CPU time here), the
 `seconds` of each `compute` event. Slowness is a spin in the computing thread until the microbatch has
-taken factor x the replica's own unslowed device time (runtime/faults.py, how=spin): it shows on that
+taken factor x the replica's own unslowed device time (runtime/trainer/faults.py, how=spin): it shows on that
 clock as a throttled core would, and nothing else tells the detector. An alarm counts as true if it
 falls in [onset, end + grace) of its replica's episode; false alarms are per 1,000 replica-steps;
 recall above 1.2x counts the episodes of factor >= 1.2 only (below, a slowdown sits within the

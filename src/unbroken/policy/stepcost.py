@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from unbroken.policy import workload
-from unbroken.policy.plans import Plan
+from unbroken.policy.replan_plans import Plan
 
 
 @dataclass(frozen=True)

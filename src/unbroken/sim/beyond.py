@@ -15,18 +15,18 @@ BEYOND_RUNTIME: dict[str, str] = {
     # peer, with the same policy.membership.admit the simulator uses; so did TP x PP replica groups:
     # the runtime runs TP inside pipeline stages, rank = stage x tp + TP index, as the simulator's groups;
     # and so did their snapshots and DCP checkpoints: tests/runtime/test_pp_tp_persist.py)
-    # the runtime's coordinator calls the same scheduler (runtime/control/replanning.py) when its detector
+    # the runtime's coordinator calls the same scheduler (runtime/coordinator/replan.py) when its detector
     # declares a group Slow or Healthy again (executing keep or reweight, and under --run.quotas=drop
     # dropping a Slow group: parked for good, tests/runtime/test_slow_pp.py) and when a group of 2 pipeline
     # stages, 2 TP ranks or 2 FSDP2 shards, or a TP x FSDP2 x PP group, loses a rank (executing drop, shrink
     # onto one survivor or, for a pipeline, onto its survivors as merged full stages, each one rank (every
     # TP index and FSDP2 shard of its stages) or a whole TP team (each rank every FSDP2 shard of its part):
-    # runtime/reform.py, and growing back), or has one slow rank located (shrinking around it onto one
+    # runtime/trainer/replan_reform.py, and growing back), or has one slow rank located (shrinking around it onto one
     # healthy rank)
     "replanning": "re-planning a replica group around a lost or slow rank beyond what the runtime executes: "
                   "re-forming several survivors into a smaller plan of several ranks other than a pipeline of "
                   "merged full stages, each one rank or a TP team of the full degree, unsharded by FSDP2 "
-                  "(which the runtime executes: runtime/reform.py), "
+                  "(which the runtime executes: runtime/trainer/replan_reform.py), "
                   "moving layers off a slow stage, "
                   "taking a group dropped for slowness back onto the step once it recovers (the runtime "
                   "executes keep and reweight for a slow group, and under --run.quotas=drop drops it for good: "

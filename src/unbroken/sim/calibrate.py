@@ -55,7 +55,7 @@ def boundaries(recs: list[dict[str, Any]]) -> dict[int, float]:
     """When each step's work was done: the end of the last successful reduction of that step, by anyone
     (every member's ends together: it is a collective), keyed by step. Falls back to the step records'
     times where a log has no `reduce` events. Why not the records: a member stepping ahead writes step
-    s's record after it has computed step s+1's microbatches (runtime/speculation.py), so a record's
+    s's record after it has computed step s+1's microbatches (runtime/trainer/speculation.py), so a record's
     time moves by up to a step with who wrote it, while the reduction's end does not."""
     ends: dict[int, float] = {}
     for r in recs:
@@ -146,7 +146,7 @@ def _first_faulted(spec: tuple[Fault, ...], default: float) -> float:
 def _stretch(recs: list[dict[str, Any]], spec: tuple[Fault, ...]) -> dict[str, float]:
     """How far this host's slow injection misses its factor, per `how`: the slowed replica's median
     microbatch wall time while slowed, over its own before the episode (step 0 left out: warm-up), over
-    the factor. how=spin aims at F x the replica's own unslowed device time (runtime/faults.py), so it
+    the factor. how=spin aims at F x the replica's own unslowed device time (runtime/trainer/faults.py), so it
     measures ~1.0 (0.998 and 1.04 here); it was 1.12 when the spin burned (F-1) x each slowed span's own
     compute, which the spin itself had slowed (its caches refilled after each spin)."""
     ratios: dict[str, list[float]] = {}

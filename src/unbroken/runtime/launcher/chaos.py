@@ -23,7 +23,7 @@ from unbroken.events import EventLog
 from unbroken.faultspec import Fault
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.processes import signal_tree
-from unbroken.runtime.control.store import get_json
+from unbroken.runtime.store.client import get_json
 from unbroken.runtime.snapshot.control import node_dir, shard_run_ids, snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path
 

@@ -31,19 +31,19 @@ from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.policy.snapshotting import needs_restart, restore_source
-from unbroken.progress import LiveView
-from unbroken.report import finish_run
+from unbroken.observe.progress import LiveView
+from unbroken.observe.runs import finish_run
 from unbroken.runtime.launcher.processes import AgentGroup, kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
 from unbroken.runtime.launcher.starting import DEFAULT_WORKER, fork_server, hold_port, start_coordinator, start_worker
 from unbroken.runtime.launcher.zygote import Forked
-from unbroken.runtime.control import keys
-from unbroken.runtime.control.store import connect, finished_among, last_committed, read
-from unbroken.runtime.control.store import preflight as store_preflight
-from unbroken.runtime.control.epochwatch import wake
-from unbroken.runtime.control.metrics import preflight
+from unbroken.runtime.store import keys
+from unbroken.runtime.store.client import connect, finished_among, last_committed, read
+from unbroken.runtime.store.client import preflight as store_preflight
+from unbroken.runtime.store.watch import wake
+from unbroken.runtime.coordinator.metrics import preflight
 
 MAX_RESTARTS = 20
 # Records the watch neither acts on nor shows: most of the log (a few per replica and step), so they

@@ -16,13 +16,13 @@ from dataclasses import astuple
 from pathlib import Path
 
 from unbroken.config import Config
-from unbroken.runtime.control.replanning import group_shape
+from unbroken.runtime.coordinator.replan import group_shape
 from unbroken.runtime.launcher.processes import AgentGroup, start_time
 from unbroken.runtime.launcher.zygote import Forked, Zygote
 
-DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.worker"]
-FORKRUN = "unbroken.runtime.forkrun"  # torchrun, its ranks forked from its agent
-COORDINATOR = "unbroken.runtime.control.coordinator"
+DEFAULT_WORKER = [sys.executable, "-m", "unbroken.runtime.trainer.lifecycle"]  # what `-m unbroken.runtime.trainer` runs
+FORKRUN = "unbroken.runtime.trainer.forkrun"  # torchrun, its ranks forked from its agent
+COORDINATOR = "unbroken.runtime.coordinator.coordinator"
 SNAPSHOT_AGENT = "unbroken.runtime.snapshot.agent"
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 
-from unbroken.runtime.control import keys
+from unbroken.runtime.store import keys
 
 
 class CollectiveError(RuntimeError):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import DistNetworkError, PrefixStore, ProcessGroup, Store, TCPStore
 
-from unbroken.runtime.control import keys
+from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
 from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Topology, TopologyError

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from unbroken.model.data import Microbatch
-from unbroken.runtime.gradients import unique_parameters
+from unbroken.runtime.parallel.accumulator import unique_parameters
 from unbroken.topology import TopologyError
 
 

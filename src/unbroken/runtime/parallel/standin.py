@@ -9,7 +9,7 @@ torch.chunk's along dim 0, as `fully_shard` cuts a rank's local tensor); the acc
 each microbatch's gradient under every shard index holding a part of it (`ShardedAccumulator`); the state a
 shard index heals with (`StandIn.heal_tensors`); the forward hook that re-seeds a microbatch's dropout at
 each stage boundary, as a pipeline's stages each seed it. Does not own: deciding to shrink
-(policy/scheduling.py, asked by the coordinator: replanning.py), the step (trainer.py), or the transfer
+(policy/replan_scheduler.py, asked by the coordinator: replanning.py), the step (trainer.py), or the transfer
 (persist/healing.py, called once per shard index).
 
 Why one rank can stand in bitwise for a pipeline (`--exact`): a microbatch's gradient of each parameter is
@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from unbroken.model.data import seed_microbatch
-from unbroken.runtime.gradients import Accumulator, local
+from unbroken.runtime.parallel.accumulator import Accumulator, local
 from unbroken.runtime.parallel.pipeline import stage_names
 from unbroken.topology import TopologyError
 

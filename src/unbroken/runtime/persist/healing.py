@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import PrefixStore, Store
 
-from unbroken.runtime.gradients import local, param_digest, unique_parameters
+from unbroken.runtime.parallel.accumulator import local, param_digest, unique_parameters
 from unbroken.runtime.persist.state import materialize
 
 

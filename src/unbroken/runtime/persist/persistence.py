@@ -23,9 +23,9 @@ from torch.distributed import PrefixStore, Store
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.policy.snapshotting import shares_of
-from unbroken.runtime.control import keys
+from unbroken.runtime.store import keys
 from unbroken.runtime.persist.checkpoint import Checkpointer, latest_checkpoint
-from unbroken.runtime.gradients import param_digest, unique_parameters
+from unbroken.runtime.parallel.accumulator import param_digest, unique_parameters
 from unbroken.runtime.snapshot import SnapshotClient, StateLoadError
 from unbroken.runtime.snapshot.control import node_dir, shard_run_id, shard_run_ids
 from unbroken.runtime.persist.state import load_rng, local_state, materialize, training_state

@@ -31,8 +31,8 @@ import xxhash
 
 from . import operations
 from .checksum import checksum, folded_digest
-from unbroken.runtime.control.etcdstore import EtcdStore
-from unbroken.runtime.control.store import connect, get_json
+from unbroken.runtime.store.etcd import EtcdStore
+from unbroken.runtime.store.client import connect, get_json
 
 from .control import Topology, post_command, shard_run_ids, snapshot_keys, topology_dict
 from .shm import Kind, SlotFile, State, data_path, parity_path

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import errors
 from .checksum import checksum, folded_digest
-from unbroken.runtime.control.store import get_json
+from unbroken.runtime.store.client import get_json
 
 from .control import DEFAULT_SHM_DIR, Topology, read_topology, request_rebuild, snapshot_keys
 from .layout import Layout, check_out, copy_range_in, copy_range_out, shard_bounds, unflatten

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from unbroken.runtime.control.keys import SnapshotKeys
-from unbroken.runtime.control.store import connect, get_json
+from unbroken.runtime.store.keys import SnapshotKeys
+from unbroken.runtime.store.client import connect, get_json
 
 from . import errors
 from .shm import check_run_id

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import errors
 from .checksum import checksum
-from unbroken.runtime.control.store import get_json
+from unbroken.runtime.store.client import get_json
 from .erasure import RSCodec, gloo_group
 from .layout import shard_bounds
 from .parity import Member, StripePlan, encode, rebuild

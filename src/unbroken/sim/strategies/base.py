@@ -37,7 +37,7 @@ class Run(abc.ABC):
     ckpt_cost = 0.0  # s per persistent checkpoint; subclasses with checkpoints set it with ckpt_every
     ckpt_every = 0
     snapshot = 0.0  # s blocked per step for an in-memory snapshot
-    replans = False  # whether it re-plans replica groups (policy/scheduling.py): named in run_start
+    replans = False  # whether it re-plans replica groups (policy/replan_scheduler.py): named in run_start
 
     def __init__(self, scenario: Scenario, faults: tuple[Fault, ...], log: SimLog, *, log_steps: bool = False,
                  aggregate_seconds: float = 3600.0, seed: int = 0):

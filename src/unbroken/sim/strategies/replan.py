@@ -1,4 +1,4 @@
-"""unbroken with ResiHP-style re-planning: the real scheduler (`unbroken.policy.scheduling.decide`) picks each
+"""unbroken with ResiHP-style re-planning: the real scheduler (`unbroken.policy.replan_scheduler.decide`) picks each
 replica group's plan when it loses ranks, when a rank of it is declared Slow or Healthy again, and when its
 lost ranks are back.
 
@@ -31,9 +31,10 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
-from unbroken.policy import scheduling, stepcost
+from unbroken.policy import replan_scheduler as scheduling
+from unbroken.policy import stepcost
 from unbroken.policy.detection import Verdict
-from unbroken.policy.plans import Plan, full_plan
+from unbroken.policy.replan_plans import Plan, full_plan
 from unbroken.sim.cluster import Fault
 from unbroken.sim.strategies.detect import LiveDetect
 from unbroken.topology import Topology
@@ -71,7 +72,7 @@ class Replan(LiveDetect):
         self.engine.on("slow_back", self._on_slow_back)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "scheduler": "unbroken.policy.scheduling.decide",
+        return {**super().describe(), "scheduler": "unbroken.policy.replan_scheduler.decide",
                 "full_plan": self.full.shape(), "device_seconds": round(self.setting.work.device_seconds, 6),
                 "hardware": asdict(self.setting.hardware), "replan_simplifications": [
                     "a group shrunk after a fail-stop sits out the step in flight, re-plans while the others go "

@@ -1,0 +1,109 @@
+"""A member's heartbeat thread: says where the replica is, and fences it once it was declared dead.
+
+Owns: a background thread with its own store client (clients are not thread-safe) that writes
+`hb/{r}` every interval with (seq, step, phase, microbatch, epoch), and that ends the process once it
+was declared dead: a zombie (stopped, then continued after the coordinator gave up on it) learns it is
+no longer a member within one interval of waking and leaves without writing anything into a later step.
+A beat is one round trip: a compare-and-set from the value it wrote last, which fails once the
+coordinator, after writing `dead/{r}`, overwrote `hb/{r}` with its fence mark (where a write and a
+`dead/{r}` check were two: 80 of the store's ~800 requests a second in a 4-replica run).
+Does not own: judging liveness (coordinator) or the member's own fence checks in the step (trainer).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+
+from torch.distributed import PrefixStore
+
+from unbroken.runtime.store import keys
+from unbroken.runtime.store.client import connect
+
+
+class Heartbeat:
+    def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
+                 prefix: str = "", rank: int = 0, spared: Callable[[str], bool] | None = None):
+        self.me, self.interval = me, interval_s
+        self.key = keys.heartbeat(me, rank)  # every rank of a group beats: any one silent kills the group
+        self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
+        self._store = PrefixStore(prefix, connect(address)) if prefix else connect(address)
+        self._on_fenced = on_fenced
+        # spared(reason): a fence this process survives (it stops beating, and its trainer takes over):
+        # a group declared dead for another rank's silence, whose survivor may go on shrunk
+        self._spared = spared
+        self._stop = threading.Event()
+        self._kick = threading.Event()  # beat now (see `at`)
+        self._seq = 0
+        self._last = ""  # the value of our last beat ("": none yet, the key is missing)
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        if not self._beat() and not self._fence():
+            return
+        self._thread.start()
+
+    def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
+        """Record where the replica is; cheap (a dict update), call at every phase and microbatch.
+
+        Leaving "start" beats at once: the coordinator judges a member whose last beat says "start" by
+        the start-up timeout (minutes), so one killed before its thread's next beat would stay a member
+        that long (seen under torchrun, where no launcher reports the exit: 120 s of survivors waiting)."""
+        leaving_start = self.where["phase"] == "start" and phase != "start"
+        self.where = {"step": step, "phase": phase, "mb": mb,
+                      "epoch": self.where["epoch"] if epoch is None else epoch}
+        if leaving_start:
+            self._kick.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._kick.set()
+
+    def _beat(self) -> bool:
+        """Write the next beat; False if the coordinator's fence mark stands where our last beat was."""
+        self._seq += 1
+        value = json.dumps({"seq": self._seq, **self.where})
+        if self._store.compare_set(self.key, self._last, value) != value.encode():
+            return False
+        self._last = value
+        return True
+
+    def _fence(self) -> bool:
+        """Leave (exit 3), unless `spared`: then stop beating and return False."""
+        reason = json.loads(self._store.get(keys.dead(self.me)))["reason"]
+        if self._spared is not None and self._spared(reason):
+            self._stop.set()
+            return False
+        self._on_fenced(f"declared dead ({reason})")
+        os._exit(3)
+
+    def _run(self) -> None:
+        while True:
+            self._kick.wait(self.interval)  # every interval, or at once when kicked
+            self._kick.clear()
+            if self._stop.is_set():
+                return
+            if not self._beat() and not self._fence():
+                return
+
+
+class Beats:
+    """Heartbeats of several rank indices as one: a shrunk group's one rank beats for every rank index it
+    stands in for (runtime/parallel/standin.py), since the coordinator judges each index of a member
+    group. The same calls as `Heartbeat`."""
+
+    def __init__(self, beats: list[Heartbeat]):
+        self.beats = beats
+
+    def start(self) -> None:
+        for b in self.beats:
+            b.start()
+
+    def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
+        for b in self.beats:
+            b.at(step, phase, mb, epoch)
+
+    def stop(self) -> None:
+        for b in self.beats:
+            b.stop()

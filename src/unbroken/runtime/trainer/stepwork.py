@@ -1,0 +1,57 @@
+"""The data of one training step while it runs: passed to every stage of the step, never kept on the trainer;
+and what the trainer trains, as the worker built it (`Parts`).
+
+Owns: `StepWork`, what a step holds from its first microbatch until its commit (and, pipelined, until its
+decision is read): the step's local gradient sum, the timings of the microbatches it computed, its token
+count, the decision it read. Does not own: what happens to it (trainer.py executes the policy's actions on
+it; speculation.py keeps a step that stepped ahead of its decision).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from unbroken.runtime.trainer.membership import Decision
+from unbroken.runtime.parallel.accumulator import Accumulator
+from unbroken.runtime.parallel.pipeline import Stages
+from unbroken.runtime.parallel.standin import StandIn
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What this rank trains, built by the worker: the model as this rank holds it (parallelize), the
+    data source (microbatch(step, i), step_tokens(step, M)) and the optimizer over the model's parameters."""
+    model: nn.Module
+    data: object
+    optimizer: torch.optim.Optimizer
+    group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
+    stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
+    standin: StandIn | None = None  # a shrunk group's rank holding several shard indices (standin.py)
+
+
+@dataclass
+class StepWork:
+    """One step's working data. The accumulator is kept for a retry (the step goes on from it); two
+    alternate between steps, since step s+1 computes while s, pipelined, awaits its decision."""
+    step: int
+    acc: Accumulator
+    tokens: int  # tokens in the whole step (every microbatch): the loss weights' denominator
+    started: float  # time.time() at the step's start
+    # mb -> (tokens, sumsq, this rank's own device s)
+    timings: dict[int, tuple] = field(default_factory=dict)
+    waited: float = 0.0  # s spent waiting on peers' decisions or epochs (after any step ahead)
+    stepped: float = 0.0  # time.time() after its optimizer step
+    decision: Decision | None = None  # the last decision read of this step
+    next_plan: Future = field(default_factory=Future)  # the next step's plan: its commit carries it
+    members: tuple[int, ...] = ()  # the step's own members as its state machine last said
+
+    def held(self) -> tuple[int, ...]:
+        """The microbatches this member computed in the step (the policy's `held`), in order."""
+        return tuple(sorted(self.timings))
+
+    def timings_of(self, held: tuple[int, ...]) -> list[tuple]:
+        return [self.timings[i] for i in held]
