@@ -69,7 +69,7 @@ from unbroken.policy.snapshotting import young_daly_interval
 from unbroken.runtime.persist.checkpoint import Checkpointer
 from unbroken.runtime.launcher.launch import launch
 from unbroken.runtime.persist.state import materialize, training_state
-from unbroken.runtime.trainer.lifecycle import default_factories
+from unbroken.runtime.trainer.placement import default_factories
 from unbroken.observe.plot import write_png
 from unbroken.observe.report import timeline
 

@@ -53,7 +53,7 @@ from unbroken.runtime.launcher.launch import launch
 from unbroken.runtime.snapshot.checksum import checksum
 from unbroken.runtime.snapshot.layout import Layout, copy_range_out, shard_bounds
 from unbroken.runtime.persist.state import materialize, training_state
-from unbroken.runtime.trainer.lifecycle import default_factories
+from unbroken.runtime.trainer.placement import default_factories
 
 
 def state_cost(cfg, replicas: int, reps: int = 3) -> dict[str, float]:

@@ -76,14 +76,14 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
     cfg) -> torch Optimizer. Any of them None: the built-in GPT, corpus, AdamW. In a worker process this
     call trains and then ends the process (it never returns there). Raises ConfigError on bad input.
     """
-    from unbroken.runtime.trainer import lifecycle as worker
     from unbroken.runtime.launcher import launch
+    from unbroken.runtime.trainer import lifecycle, placement
 
     custom = any(f is not None for f in (model, data, optimizer))
-    if worker.in_worker():
-        d = worker.default_factories()
+    if placement.in_worker():
+        d = placement.default_factories()
         factories = type(d)(model or d.model, data or d.data, optimizer or d.optimizer)
-        code = worker.run(factories)
+        code = lifecycle.run(factories)
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)

@@ -108,6 +108,15 @@ class Accumulator:
         # a tensor-parallel stage's gradient is a DTensor: this rank's slice of it (pipeline.Stages' sink)
         self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]].add_(local(shard).reshape(-1))
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers a step reduces, one per shard index held: this rank's own."""
+        return [self.buffer]
+
+    def load_reduced(self, reduced: list[torch.Tensor]) -> float:
+        """`load_grads` of the reduced copies of `buffers`, in order; the step's loss."""
+        return self.load_grads(reduced[0])
+
     def load_grads(self, reduced: torch.Tensor) -> float:
         """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced
         (step) loss. The views of the last buffer given are kept: the all-reduce reuses one."""

@@ -156,6 +156,14 @@ class ShardedAccumulator:
     def buffer(self) -> torch.Tensor:  # step.py reads its dtype and size
         return self.parts[self.loss_shards[0] if self.loss_shards else 0].buffer
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers a step reduces, one per shard index held, in `held` order."""
+        return [a.buffer for a in self.parts]
+
+    def load_reduced(self, reduced: list[torch.Tensor]) -> float:
+        return self.load_grads(reduced)
+
     def zero(self) -> None:
         for a in self.parts:
             a.zero()

@@ -388,3 +388,8 @@ class Coordination:
 
 class GroupLost(RuntimeError):
     """This rank's group was declared dead because another of its ranks went silent (trainer.fence)."""
+
+
+class FencedOut(RuntimeError):
+    """This process was declared dead (a zombie that woke up): it leaves, writing nothing into a later
+    step. Raised by the trainer's fence; the lifecycle ends the process with exit code 3."""

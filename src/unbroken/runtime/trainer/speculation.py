@@ -4,7 +4,7 @@ Owns: `Pipeline`, the step (at most one) that stepped ahead of its decision (`Pe
 step ahead, settling it once its decision is read (commit: nothing to do; retry: undo), and `Rollback`,
 the copy of the parameters and the optimizer state taken just before a speculative optimizer step, put
 back when the decision turns out to be retry. Does not own: the step's actions (trainer.py runs them,
-also for a settled step, through the `Steps` protocol below) or the decision itself (coordination.py).
+also for a settled step) or the decision itself (membership.py).
 
 Why: after the all-reduce every member but the last to publish waits for the commit decision: a
 second synchronisation point each step that DDP does not have (its ranks part after the all-reduce).
@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import operator
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -158,14 +157,22 @@ class Pending:
 
 
 class Steps(Protocol):
-    """What settling a pending step needs of the trainer: the same calls its own step makes."""
+    """What reading a pending step's decision needs of the trainer: the same calls its own step makes."""
 
     def decided(self, work: StepWork, step: int, epoch: int, won) -> rec.Decided: ...
 
     def await_outcome(self, work: StepWork, step: int, epoch: int,
                       decision: bool) -> rec.Decided | rec.EpochChanged: ...
 
-    def drive(self, work: StepWork, state: rec.StepState, queue: deque) -> rec.StepState | None: ...
+
+@dataclass(frozen=True)
+class Settlement:
+    """A pending step whose decision is read: the rest of its actions (its Apply on a commit; on a retry,
+    its recovery to a commit) for the trainer to run, and whether it committed as it stepped."""
+    work: StepWork
+    state: rec.StepState
+    actions: tuple[rec.Action, ...]
+    committed: bool
 
 
 class Pipeline:
@@ -203,16 +210,16 @@ class Pipeline:
             return loss
         return None
 
-    def settle(self, steps: Steps) -> bool:
-        """Read the pending step's decision and finish it; True unless it was retried. Call before
-        anything of a later step leaves the process, and once after the last step.
+    def settle(self, steps: Steps) -> Settlement | None:
+        """Read the pending step's decision; None when no step is pending. Call before anything of a
+        later step leaves the process, and once after the last step; then run the settlement's actions.
 
-        Commit: the step's events and record. Retry (or the epoch moved first): the optimizer step is
-        undone and the step goes on from its intact accumulator until it commits; the caller's step,
-        computed on the undone parameters, must start over."""
+        Commit: the rest is the step's events and record. Retry (or the epoch moved first): the optimizer
+        step is undone here and the step goes on from its intact accumulator until it commits; the
+        caller's step, computed on the undone parameters, must start over."""
         pending, self.pending = self.pending, None
         if pending is None:
-            return True
+            return None
         work, state, step, epoch = pending.work, pending.state, pending.action.step, pending.action.epoch
         t = time.perf_counter()
         count, won = pending.published.result()
@@ -222,11 +229,11 @@ class Pipeline:
             event = steps.decided(work, step, epoch, won)  # the sidecar compare-and-set it: ours, or a retry
         else:
             event = steps.await_outcome(work, step, epoch, decision=True)
-        if event != rec.Decided(epoch, "commit"):
+        committed = event == rec.Decided(epoch, "commit")
+        if not committed:
             self._undo(work, step, epoch)
         state, more = rec.on_event(state, event)
-        steps.drive(work, state, deque(more))
-        return event == rec.Decided(epoch, "commit")
+        return Settlement(work, state, more, committed)
 
     def _undo(self, work: StepWork, step: int, epoch: int) -> None:
         self.rollback.restore()

@@ -1,38 +1,36 @@
 """One replica's training loop: the step protocol of DESIGN.md, executing `policy.recovery` actions.
 
-Owns: turning each action of the recovery state machine into real work (forward/backward into the local
-accumulator, an all-reduce of a copy, store reads and compare-and-sets, the optimizer step) and each
-outcome into the next event; the per-microbatch RNG; the events of this replica. Does not own: decisions
-(policy), membership (coordinator), building the model, data and optimizer or process start-up
-(worker.py), the step's data (step.py: passed to each stage), commit pipelining's bookkeeping
-(speculation.py).
+Owns: turning each action of the recovery state machine into real work (forward/backward into the
+step's accumulator, an all-reduce of a copy, store reads and compare-and-sets, the optimizer step) and
+each outcome into the next event; the per-microbatch RNG; the events of this rank. Does not own:
+decisions (policy), membership (the coordinator), building what it trains or the process's life
+(lifecycle.py, admission.py), the step's data (stepwork.py: passed to each phase, never kept here), this
+rank's part in a step (role.py), commit pipelining's bookkeeping (speculation.py).
 
-A step, read top to bottom (`train_step`, `run_plan`, `drive`):
+A step, top to bottom (`train_step`, then `run_plan`):
   plan = our proposal (epoch, members, quota weights); the agreed plan comes with the step before's
                                                commit (a generation's first step: compare-and-set)
   policy says Compute(owned microbatches)   -> forward/backward each into this step's accumulator
-  before anything leaves the process        -> settle the previous step (below); the agreed plan:
-                                               adopt it, or redo the step under it
+  settle the previous, pipelined step       -> its decision read, its Apply run (or, retried, the step
+                                               starts over: Restart.PREVIOUS_RETRIED)
+  adopt the agreed plan                     -> or start over under it (Restart.ANOTHER_PLAN_WON)
   policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved)
   policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
   on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
   policy says Apply                         -> load reduced grads, optimizer step, digest, events;
-                                               the commit's proposer writes the step record
-                                               (on its sidecar)
+                                               the commit's proposer writes the step record (sidecar)
 
 Commit pipelining (run.step_ahead, speculation.py): where the policy says Publish, the publish goes to
 the sidecar and the optimizer steps at once; the next step settles this one's decision before anything
-of its own leaves the process. Commit, the usual case: the step's events and record are written then.
-Retry: the state is put back and this step goes on from its own intact accumulator. Without it every
-member would wait for the last to publish: a second synchronisation point each step that DDP lacks.
+of its own leaves the process. Without it every member would wait for the last to publish: a second
+synchronisation point each step that DDP lacks.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -42,191 +40,187 @@ from unbroken.events import EventLog
 from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
+from unbroken.runtime.parallel.accumulator import Accumulator, local, param_digest, unique_parameters
 from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
-from unbroken.runtime.trainer.membership import Coordination, Decision, GroupLost, Plan
+from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.store.reasons import evicted, lost_rank
 from unbroken.runtime.trainer.devicetime import DeviceClock
-from unbroken.runtime.trainer.faults import Injector
-from unbroken.runtime.parallel.accumulator import Accumulator, local, param_digest, unique_parameters
-from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.trainer.donor import Donor
+from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
+from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
+from unbroken.runtime.trainer.role import RankRole
 from unbroken.runtime.trainer.sidecar import Sidecar
 from unbroken.runtime.trainer.speculation import Pipeline, Rollback, limit
-from unbroken.runtime.trainer.stepwork import Parts, StepWork
-from unbroken.topology import Identity
+from unbroken.runtime.trainer.stepwork import GradientSink, OwnShard, Parts, StepWork
+
+
+class Restart(str, Enum):
+    """Why a step's work is dropped and the step starts over under the agreed plan (a `replan` event)."""
+    PREVIOUS_RETRIED = "previous step retried"  # our work used parameters that were undone
+    ANOTHER_PLAN_WON = "another plan won"  # and it assigns us other microbatches
+
+
+class Settled(Enum):
+    """What settling the previous, pipelined step found."""
+    NOTHING = "nothing pending"
+    COMMITTED = "committed"
+    RETRIED = "retried"
 
 
 class Trainer:
-    """One rank's step loop. Build once per process (after `parallelize`), then call `fit` once."""
+    """One rank's step loop. Build once per process incarnation (after `parallelize`), then call `fit`
+    once."""
 
-    def __init__(self, cfg: Config, who: Identity, parts: Parts, coord: Coordination, log: EventLog,
+    def __init__(self, cfg: Config, who, parts: Parts, coord: Coordination, log: EventLog,
                  heartbeat: Heartbeat, injector: Injector, sidecar: Coordination, persist=None):
-        self.cfg, self.who, self.me, self.coord, self.log = cfg, who, who.group, coord, log
+        self.cfg, self.me, self.coord, self.log = cfg, who.group, coord, log
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
-        self.stages, self.standin = parts.stages, parts.standin
-        # the shard indices it reduces, digests and heals: its own, or those it holds in a shrunk group
-        self.holds = self.standin.held if self.standin else (who.rank,)
-        self.shrinkable = cfg.parallel.on_rank_loss == "replan" and who.group_size > 1 and not self.standin
+        self.stages = parts.stages
+        self.params = unique_parameters(self.model)
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
-        self.ranks, topology = who.group_size, cfg.topology()
-        # ranks that time their own part of each microbatch, each rank's seconds in the store (coordination.
-        # stage): the group's; a stand-in (no group) times all it computes itself. Also the ranks the step
-        # record counts for this member (sidecar._write)
-        self.timed = self.ranks if self.group is not None else 1
-        # a member's shard indices, each reduced and published once a step (count=len(holds) per rank): the
-        # full plan's G, also where a re-formed group's fewer ranks hold several each (its ranks x 1 counted
-        # too few, and a step committed before the others' reduces, one of which then failed: CI at 0a92ac3)
-        self.indices = cfg.parallel.group_size
-        _, self.share, tp_index = topology.coords(who.rank)  # share: whose rows of each microbatch (data.part)
-        self.shares = topology.dp_shard
-        self.fsdp = self.group is not None and self.shares > 1 and not self.standin  # FSDP2: rows, reduce-scatter
-        # the shares whose rows of each microbatch it computes: its own; a stand-in for FSDP2 shards, all
-        self.computes = tuple(range(self.shares)) if self.standin and self.standin.shares > 1 else (self.share,)
-        self.counts_loss = tp_index == 0 or self.standin is not None  # TP ranks' loss: one counts it
-        self.tag = {**({"rank": who.rank} if self.ranks > 1 else {}),  # on this rank's own events
-                    **({"shards": list(self.holds)} if self.standin else {})}
-        self.params = unique_parameters(self.model)
-        self.device = local(self.params[0]).device  # where microbatches go (worker.build put the model there)
+        standin = parts.standin
+        self.role = RankRole.of(cfg.topology(), who, parts.group is not None,
+                                standin.held if standin else None, standin.shares if standin else 1,
+                                cfg.parallel.on_rank_loss == "replan")
+        self.holding = standin or OwnShard(self.params, who.rank)  # what it holds of each shard index
+        self.device = local(self.params[0]).device  # where microbatches go (admission.build put the model there)
         self.clock = DeviceClock(self.device, cfg.run.threads)
-        dtype = torch.float64 if cfg.run.exact else torch.float32
-        # A group's ranks under --exact take the float64 reduce-scatter output itself (FSDP2 would round
-        # it to float32 in .grad): summed over a step's batches, rounded once, as one-rank groups do.
-        # A pipeline stage hands over each microbatch's gradients itself (pipeline.py says why).
-        hooked = self.stages is not None or (self.fsdp and cfg.run.exact)
-        if self.standin:
-            self.accs = (self.standin.accumulator(dtype, self.params), self.standin.accumulator(dtype, self.params))
-            if self.stages is None:  # a merged pipeline stage's gradients come through Stages' hooks
-                self.standin.attach(self.params, lambda p, grad: self.acc.add_shard(p, grad))
-        else:
-            self.accs = (Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked))  # alternate
-        self.acc = self.accs[0]  # the accumulator computing now (the hook's sink)
-        if self.stages is not None:
-            self.stages.sink = lambda p, grad: self.acc.add_shard(p, grad)
-            if self.fsdp:  # FSDP2 inside the stages: a batch's reduce-scattered shards (pipeline.Stages)
-                reduced_shards(self.model, self.stages.took_shard)
-        elif hooked:
-            reduced_shards(self.model, lambda p, shard: self.acc.add_shard(p, shard))
+        self.accs = self._accumulators(standin)  # alternate between steps: s+1 computes while s settles
+        self.sink = GradientSink(self.accs[0])  # gradient hooks -> the accumulator of the step computing
+        self._hook_gradients(standin)
         self.groups: dict[tuple[int, tuple[int, ...], int], EpochGroup] = {}  # (epoch, members, shard) -> group
+        self.copies: dict[int, torch.Tensor] = {}  # each step's all-reduce copies (StepWork.copies)
         self.seen_epoch = -1  # the latest epoch `ahead` looked at
-        self.reduced: torch.Tensor | list[torch.Tensor] | None = None  # the last all-reduce's result(s)
-        self.scratch: dict[int, torch.Tensor] = {}  # shard -> the all-reduce's copy, until one is abandoned
         self.wait_s = 4 * cfg.coord.collective_timeout
         self.reform_after = 2 * cfg.coord.heartbeat_timeout  # see wait()
-        self.sidecar = Sidecar(sidecar, log, cfg.parallel.group_size, self.wait_s, self.holds)
+        self.sidecar = Sidecar(sidecar, log, cfg.parallel.group_size, self.wait_s, self.role.holds)
         # Snapshots and checkpoints of a step start once it is known committed; pipelined, that comes
         # after the next step's compute, so their copy would no longer overlap it: "auto" does not
-        # pipeline with them (and a restore e2e test turned flaky with it: 2 of 4 runs against 0 of 4).
-        # A group's ranks do not step ahead: a rollback of sharded state is not built.
-        mode = "off" if (self.persist and cfg.run.step_ahead == "auto") or self.ranks > 1 else cfg.run.step_ahead
+        # pipeline with them. A group's ranks do not step ahead: a rollback of sharded state is not built.
+        mode = "off" if (persist and cfg.run.step_ahead == "auto") or self.role.ranks > 1 else cfg.run.step_ahead
         self.pipeline = Pipeline(Rollback(self.params, self.optimizer, limit(mode, self.params[0].device)),
                                  log, self.me)
-        self.carried: dict[int, Future] = {}  # step -> its plan, once the step before commits
-        self.donor = Donor(coord, log, self.me, who.rank, self.holds, self.model, self.optimizer,
-                           cfg.coord.collective_timeout, (lambda j: lambda: self.standin.heal_tensors(
-                               j, self.optimizer)) if self.standin else None, self.shard_tag)
+        self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
+                           cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
+                               j, self.optimizer)) if standin else None, self.role.shard_tag)
+
+    def _accumulators(self, standin) -> tuple:
+        """Two accumulators of the run's dtype. A group's ranks under --exact take the float64
+        reduce-scatter output itself (FSDP2 would round it to float32 in .grad): summed over a step's
+        batches, rounded once, as one-rank groups do. A pipeline stage hands over each microbatch's
+        gradients itself (pipeline.py says why): both are `hooked`."""
+        dtype = torch.float64 if self.cfg.run.exact else torch.float32
+        if standin:
+            return standin.accumulator(dtype, self.params), standin.accumulator(dtype, self.params)
+        hooked = self.stages is not None or (self.role.fsdp and self.cfg.run.exact)
+        return Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked)
+
+    def _hook_gradients(self, standin) -> None:
+        """Point the gradient hooks (once) at the sink: a stand-in's per-parameter hooks, a pipeline
+        stage's, or FSDP2's reduce-scattered shards under --exact."""
+        if standin and self.stages is None:  # a merged pipeline stage's gradients come through Stages' hooks
+            standin.attach(self.params, self.sink.add_shard)
+        elif self.stages is not None:
+            self.stages.sink = self.sink.add_shard
+            if self.role.fsdp:  # FSDP2 inside the stages: a batch's reduce-scattered shards (pipeline.Stages)
+                reduced_shards(self.model, self.stages.took_shard)
+        elif self.role.fsdp and self.cfg.run.exact:
+            reduced_shards(self.model, self.sink.add_shard)
+
+    # -- the loop ---------------------------------------------------------------------------------------
 
     def fit(self, first_step: int = 0, plan: Plan | None = None) -> None:
         """Train steps first_step .. run.steps-1 (a joiner: from the step after the one it healed to, under
-        that step's `plan`). Returns when done; a fenced replica exits the process."""
+        that step's `plan`). Returns when done; raises FencedOut where this rank was declared dead."""
+        carried = None
         if plan is not None:
-            self.carried[first_step] = Future()
-            self.carried[first_step].set_result(plan)
+            carried = Future()
+            carried.set_result(plan)
         self.model.train()
         for step in range(first_step, self.cfg.run.steps):
-            self.train_step(step)
+            carried = self.train_step(step, carried).next_plan
         while self.pipeline.pending is not None:  # the last step's decision (retried, it may step ahead again)
-            self.pipeline.settle(self)
+            self.settle_previous()
         self.sidecar.finish(self.cfg.run.steps - 1, self.reform_after)
 
-    def train_step(self, step: int) -> rec.StepState:
-        # Compute under our own proposal until the agreed plan is known: the one the previous step's
-        # commit carries (pipelined: read before anything of this step leaves the process), or for a
-        # generation's first step the first proposal compare-and-set (on the sidecar, meanwhile). If
-        # another plan won (the epoch or the weights changed) and it assigns us other microbatches,
-        # the work is dropped and the step starts over under it (a `replan` event); so it is when the
-        # previous step, stepped ahead, turns out retried (our work used parameters that were undone).
+    def train_step(self, step: int, carried: Future | None = None) -> StepWork:
+        """One step until it commits (pipelined: until it stepped ahead of its decision); its work.
+
+        Compute under our own proposal until the agreed plan is known: the one the previous step's commit
+        carries (`carried`), or for a generation's first step the first proposal compare-and-set (on the
+        sidecar, meanwhile). If another plan won and it assigns us other microbatches, or the previous
+        step turns out retried, the work is dropped and the step starts over under the agreed plan."""
         work = StepWork(step, self.accs[step % 2], self.data.step_tokens(step, self.cfg.run.microbatches),
-                        time.time())
+                        time.time(), copies=self.copies)
         plan = self.coord.proposal(self.sidecar.weights)
-        agreed = self.carried.pop(step, None) or self.sidecar.plan(step, plan)
-        self.carried[step + 1] = work.next_plan
-        if self.ranks > 1:  # a group's ranks must compute the same microbatches: the agreed plan's
+        agreed = carried or self.sidecar.plan(step, plan)
+        if self.role.ranks > 1:  # a group's ranks must compute the same microbatches: the agreed plan's
             plan = agreed.result()
-        while True:
-            state = self.run_plan(work, plan, agreed)
-            if isinstance(state, rec.StepState):
-                return state
+        while isinstance(restart := self.run_plan(work, plan, agreed), Restart):
             proposed = plan.epoch
             # retried before its commit: the previous step's commit, and with it our plan, is still to come
             plan = agreed.result() if agreed.done() else self.coord.proposal(self.sidecar.weights)
-            self.log.emit("replan", step=step, replica=self.me, proposed=proposed, agreed=plan.epoch, why=state,
-                          **self.tag)
+            self.log.emit("replan", step=step, replica=self.me, proposed=proposed, agreed=plan.epoch,
+                          why=restart.value, **self.role.tag)
+        return work
 
-    def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | str:
-        """Run the step's state machine from `plan`; or why the step must start over (another plan won,
-        or the previous step was retried)."""
+    def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | Restart:
+        """The step's state machine from `plan`, to its commit; or why the step must start over."""
         work.acc.zero()
         work.timings = {}
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
-                                   plan.weights, self.indices)
-
-        why = ""
-
-        def before_leaving(state: rec.StepState) -> rec.StepState | None:
-            nonlocal why
-            if not self.pipeline.settle(self):
-                why = "previous step retried"
-                return None
+                                   plan.weights, self.role.indices)
+        queue = deque(actions)
+        while queue and isinstance(queue[0], rec.Compute):  # local work: nothing leaves the process
+            state = self.advance(work, state, queue)
+        if queue:  # before anything of this step leaves the process
+            if self.settle_previous() is Settled.RETRIED:
+                return Restart.PREVIOUS_RETRIED
             won = agreed.result()
-            if won == plan:
-                return state
-            why = "another plan won"  # keep our work if it is still ours under it
-            return rec.adopt(state, won.epoch, won.members, won.weights)
-
-        return self.drive(work, state, deque(actions), before_leaving) or why
-
-    def drive(self, work: StepWork, state: rec.StepState, queue: deque,
-              before_leaving: Callable[[rec.StepState], rec.StepState | None] | None = None) -> rec.StepState | None:
-        """Execute the policy's actions for `work` until the step commits (or is pending: pipelining).
-        `before_leaving` runs once, before the first action that is not a Compute; its None aborts."""
-        while queue:
-            action = queue.popleft()
-            if before_leaving is not None and not isinstance(action, rec.Compute):
-                state, before_leaving = before_leaving(state), None
+            if won != plan:  # keep our work if it is still ours under the agreed plan
+                state = rec.adopt(state, won.epoch, won.members, won.weights)
                 if state is None:
-                    return None
-            if self.pipeline.can_step_ahead(action):
-                self.step_ahead(work, state, action)
+                    return Restart.ANOTHER_PLAN_WON
+        return self.drive(work, state, queue)
+
+    def settle_previous(self) -> Settled:
+        """Read the pipelined previous step's decision and finish that step: its Apply on a commit, or its
+        recovery to a commit on a retry (its optimizer step undone). Call before anything of the current
+        step leaves the process, and after the last step until nothing is pending."""
+        settlement = self.pipeline.settle(self)
+        if settlement is None:
+            return Settled.NOTHING
+        self.drive(settlement.work, settlement.state, deque(settlement.actions))
+        return Settled.COMMITTED if settlement.committed else Settled.RETRIED
+
+    def drive(self, work: StepWork, state: rec.StepState, queue: deque) -> rec.StepState:
+        """Execute the policy's actions for `work` until its step commits (or steps ahead: pipelining)."""
+        while queue:
+            if self.pipeline.can_step_ahead(queue[0]):
+                self.step_ahead(work, state, queue.popleft())
                 return state
-            work.members = state.members
-            event = self.execute(work, action)
-            if event is None:
-                continue
-            before = state
-            state, more = rec.on_event(state, event)
-            if state.epoch != before.epoch and not state.phase.terminal:
-                self.log.emit("recovery", step=work.step, replica=self.me, from_epoch=before.epoch,
-                              to_epoch=state.epoch, redo=sorted(state.owed), **self.tag)
-                self.sidecar.recover(work.step - 1, state.members)
-            queue.extend(more)
+            state = self.advance(work, state, queue)
         return state
 
-    def step_ahead(self, work: StepWork, state: rec.StepState, action: rec.Publish) -> None:
-        """Publish on the sidecar and step the optimizer before the decision (speculation.py). Our done
-        record and count go out beside it, and the sidecar compare-and-sets the commit if we were the
-        last to publish; else a peer's decision is pushed to us (DecisionWatch) while the next step
-        computes. (Publishing on the step's path cost a store round trip there.)"""
-        self.before_publish(action.step, action.epoch)
-        held = action.held
-        published = self.sidecar.publish(action.step, action.epoch, held, work.timings_of(held),
-                                         self.coord.staged(action.step, action.epoch, held),
-                                         len(state.members) * self.indices,
-                                         self.coord.proposal(self.sidecar.weights), self.coord.watch_decision)
-        self.pipeline.step_ahead(work, state, action, published, lambda: self.step_optimizer(work))
+    def advance(self, work: StepWork, state: rec.StepState, queue: deque) -> rec.StepState:
+        """Execute the action at the head of `queue`; the policy's next state, its actions queued."""
+        action = queue.popleft()
+        work.members = state.members
+        event = self.execute(work, action)
+        if event is None:
+            return state
+        before = state
+        state, more = rec.on_event(state, event)
+        if state.epoch != before.epoch and not state.phase.terminal:
+            self.log.emit("recovery", step=work.step, replica=self.me, from_epoch=before.epoch,
+                          to_epoch=state.epoch, redo=sorted(state.owed), **self.role.tag)
+            self.sidecar.recover(work.step - 1, state.members)
+        queue.extend(more)
+        return state
 
     def execute(self, work: StepWork, action: rec.Action) -> rec.Event | None:
         self.ahead()
@@ -239,7 +233,7 @@ class Trainer:
                 self.before_publish(step, epoch)
                 self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
                 return rec.Published(epoch, self.coord.publish(step, epoch, held, work.timings_of(held),
-                                                               count=len(self.holds), ranks=self.timed))
+                                                               count=len(self.role.holds), ranks=self.role.timed))
             case rec.Propose(step, epoch, outcome):
                 plan = self.sidecar.fresh(self.coord.proposal(self.sidecar.weights)) if outcome == "commit" else None
                 return self.decided(work, step, epoch, self.coord.propose(step, epoch, outcome, plan))
@@ -252,6 +246,21 @@ class Trainer:
                 self.fence(step, reason)
         raise AssertionError(f"unhandled action {action!r}")
 
+    def step_ahead(self, work: StepWork, state: rec.StepState, action: rec.Publish) -> None:
+        """Publish on the sidecar and step the optimizer before the decision (speculation.py). Our done
+        record and count go out beside it, and the sidecar compare-and-sets the commit if we were the
+        last to publish; else a peer's decision is pushed to us (DecisionWatch) while the next step
+        computes."""
+        self.before_publish(action.step, action.epoch)
+        held = action.held
+        published = self.sidecar.publish(action.step, action.epoch, held, work.timings_of(held),
+                                         self.coord.staged(action.step, action.epoch, held),
+                                         len(state.members) * self.role.indices,
+                                         self.coord.proposal(self.sidecar.weights), self.coord.watch_decision)
+        self.pipeline.step_ahead(work, state, action, published, lambda: self.step_optimizer(work))
+
+    # -- what the actions do ------------------------------------------------------------------------------
+
     def ahead(self) -> None:
         """Before each action (a local read unless the epoch moved): groups a newly admitted joiner will
         need start forming on their threads while we go on, its heal group (donor.py) and, where the
@@ -263,7 +272,7 @@ class Trainer:
         self.donor.prepare(latest)
         self.seen_epoch, members = latest, tuple(sorted(self.coord.members(latest)))
         if latest > 0 and self.me in members and set(self.coord.members(latest - 1)) < set(members):
-            for shard in self.holds:
+            for shard in self.role.holds:
                 self.group_of(latest, members, shard)
 
     def group_of(self, epoch: int, members: tuple[int, ...], shard: int) -> EpochGroup:
@@ -280,7 +289,7 @@ class Trainer:
 
     def decided(self, work: StepWork, step: int, epoch: int, won: Decision) -> rec.Decided:
         """The event for a decision of `work`'s step, kept for its Apply; the proposer logs it."""
-        if won.proposer == self.me and self.who.rank == 0:
+        if won.proposer == self.me and self.role.rank == 0:
             self.log.emit("decision", step=step, epoch=epoch, outcome=won.outcome, replica=self.me)
         work.decision = won
         return rec.Decided(epoch, won.outcome, self.chain_after(epoch) if won.outcome == "retry" else ())
@@ -319,35 +328,32 @@ class Trainer:
             return self.coord.wait_for(step, epoch, decision, self.wait_s)
 
     def compute(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
-        """Forward/backward each microbatch into the accumulator. Randomness is a function of (seed, step, i)."""
-        # A group's ranks reduce-scatter once per batch (FSDP2 accumulates the unsharded gradients of the
-        # others, in float64 under --exact), where a reduce-scatter per microbatch cost 12% of a 2 x 2
-        # step (benchmarks/hsdp_overhead.py). Outside --exact the batch's float32 sum rounds as it falls.
-        self.acc = work.acc
+        """Forward/backward each microbatch into the step's accumulator. Randomness is a function of
+        (seed, step, i), never of the rank. A group's ranks reduce-scatter once per batch (FSDP2
+        accumulates the unsharded gradients of the others, in float64 under --exact)."""
+        self.sink.point_at(work.acc)
         if self.stages is not None:
             return self.compute_stages(work, step, microbatches)
+        role = self.role
         for n, i in enumerate(microbatches):
-            if self.fsdp:
+            if role.fsdp:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
             self.hb.at(step, "compute", i)
             self.ahead()  # an admission mid-compute: the joiner's groups form from the next microbatch on
             whole = self.data.microbatch(step, i)
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
-            for share in self.computes:
-                mb = part(whole, share, self.shares)  # this share's sequences
-                seed_microbatch(mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
-                if self.standin:
-                    self.standin.seed = mix(self.cfg.run.seed, step, i)  # and per stage, as a pipeline seeds it
+            for share in role.computes:
+                mb = part(whole, share, role.shares)  # this share's sequences
+                seed_microbatch(seed := mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
+                self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
                 loss = self.model(mb.x.to(self.device), mb.y.to(self.device)) * loss_weight(mb.tokens, work.tokens)
                 loss.backward()
-                work.acc.add(loss if self.counts_loss else loss.new_zeros(()), share)  # the record sums shares
-            if len(self.computes) > 1:
-                mb = part(whole, 0, self.shares)  # a stand-in reports rank 0's rows, as its group did
+                work.acc.add(loss if role.counts_loss else loss.new_zeros(()), share)  # the record sums shares
+            if len(role.computes) > 1:
+                mb = part(whole, 0, role.shares)  # a stand-in reports rank 0's rows, as its group did
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)
             seconds, wall = span.stop()
-            work.timings[i] = (mb.tokens, mb.sumsq, seconds)
-            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
-                          wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
+            self.record_compute(work, step, i, mb, seconds, wall)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
         return rec.Computed(microbatches)
@@ -357,17 +363,17 @@ class Trainer:
         group runs the same ones, a retry's redone ones too); each microbatch's gradients reach the
         accumulator one by one (pipeline.py). A schedule interleaves its microbatches, so one's own device
         time is not separable: the call's is shared out by tokens, the predictor's main feature."""
+        role = self.role
         # (microbatch, share) in schedule order: this rank's FSDP shard's rows of each (whole without FSDP2),
-        # or each shard's rows in turn on a re-formed stage holding every shard (reform.py): stage 0 reads x
-        items = [(i, share) for i in microbatches for share in self.computes]
+        # or each shard's rows in turn on a re-formed stage holding every shard (replan_reform.py)
+        items = [(i, share) for i in microbatches for share in role.computes]
         wholes = {i: self.data.microbatch(step, i) for i in microbatches}
-        mbs = [part(wholes[i], share, self.shares) for i, share in items]
+        mbs = [part(wholes[i], share, role.shares) for i, share in items]
 
         def before(k: int) -> None:  # this stage's forward of item k
             self.hb.at(step, "compute", items[k][0])
             seed_microbatch(seed := mix(self.cfg.run.seed, step, items[k][0]))  # dropout: per microbatch
-            if self.standin:  # and per full stage inside a merged one
-                self.standin.seed = seed
+            self.holding.seed = seed  # and per full stage inside a merged one
 
         def after(k: int) -> None:
             if k == 0:
@@ -376,21 +382,24 @@ class Trainer:
         span = self.clock.start()
         weights = [loss_weight(mb.tokens, work.tokens) for mb in mbs]
         for k, loss in enumerate(self.stages.run(mbs, weights, before, after)):  # the last stage's, in order
-            work.acc.add(loss if self.counts_loss else loss.new_zeros(()), items[k][1])
+            work.acc.add(loss if role.counts_loss else loss.new_zeros(()), items[k][1])
         self.faults.stretch(step, span, sum(mb.tokens for mb in mbs), sum(mb.sumsq for mb in mbs))
         own, wall = span.stop()
         # This stage's own time, its schedule's share of each microbatch by tokens (a stand-in for several
         # shards reports its first share's rows, as `compute` does); the group's is its slowest stage's
-        # (slowness.group_timings), as in `compute`: a stage waiting on a slow peer's send blocks
-        # without spending device time.
+        # (slowness.group_timings): a stage waiting on a slow peer's send spends no device time.
         tokens = sum(mb.tokens for mb in mbs)
-        shares = {i: sum(mb.tokens for (j, _), mb in zip(items, mbs) if j == i) / tokens for i in microbatches}
-        mbs = [part(wholes[i], self.computes[0], self.shares) for i in microbatches]
-        for i, mb in zip(microbatches, mbs):
-            work.timings[i] = (mb.tokens, mb.sumsq, own * shares[i])
-            self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(own * shares[i], 6),
-                          wall=round(wall * shares[i], 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.tag)
+        for i in microbatches:
+            share = sum(mb.tokens for (j, _), mb in zip(items, mbs) if j == i) / tokens
+            self.record_compute(work, step, i, part(wholes[i], role.computes[0], role.shares), own * share,
+                                wall * share)
         return rec.Computed(microbatches)
+
+    def record_compute(self, work: StepWork, step: int, i: int, mb, seconds: float, wall: float) -> None:
+        """Microbatch i's timing for the detector (published with the step) and its `compute` event."""
+        work.timings[i] = (mb.tokens, mb.sumsq, seconds)
+        self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
+                      wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.role.tag)
 
     def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:
         """All-reduce a copy of the accumulator in the group of the step's `members` in `epoch` (a group
@@ -402,37 +411,36 @@ class Trainer:
 
         def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
             self.faults.at(step, "allreduce")  # the state a step ahead would need
-            self.coord.stage(step, epoch, held, work.timings_of(held), self.timed)
+            self.coord.stage(step, epoch, held, work.timings_of(held), self.role.timed)
             self.pipeline.save_early()
 
-        buffers = [a.buffer for a in work.acc.parts] if self.standin else [work.acc.buffer]
         results = []
-        for shard, buffer in zip(self.holds, buffers):  # a stand-in reduces each shard index in its family
+        for shard, buffer in zip(self.role.holds, work.acc.buffers):  # a stand-in: each index it holds
             key = (epoch, members, shard)
             self.group_of(*key)
-            into = self.scratch.get(shard)
+            into = work.copies.get(shard)
             if into is None or into.dtype != buffer.dtype:
-                into = self.scratch[shard] = torch.empty_like(buffer)
-            tag = self.shard_tag(shard)
+                into = work.copies[shard] = torch.empty_like(buffer)
+            tag = self.role.shard_tag(shard)
             try:
                 result = self.groups[key].allreduce(buffer, lambda: self.coord.moved(epoch),
                                                     on_issued=issued if not results else None, into=into)
             except EpochMoved:
-                self.scratch = {}  # the abandoned collective may still write them
+                work.copies.clear()  # the abandoned collective may still write them
                 return rec.EpochChanged(self.coord.chain_after(epoch))
             except CollectiveError as e:
-                self.scratch = {}
+                work.copies.clear()
                 self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e), **tag)
                 return rec.ReduceFailed(epoch, str(e))
             results.append(result.tensor)
             self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True,
                           seconds=round(result.seconds, 6), microbatches=list(held), **tag)
-        self.reduced = results if self.standin else results[0]
+        work.reduced = results
         return rec.Reduced(epoch)
 
     def step_optimizer(self, work: StepWork) -> float:
         """Reduced gradient into .grad, optimizer step; returns the step's loss."""
-        loss = work.acc.load_grads(self.reduced)  # a group's rank: its share (the record sums the shares)
+        loss = work.acc.load_reduced(work.reduced)  # a group's rank: its share (the record sums the shares)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         # the record job of the step before is done (it reads no parameters: it takes `apply`'s digests),
@@ -456,10 +464,10 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
-        digests = {shard: param_digest(self.shard_parameters(shard)) for shard in self.holds}
+        digests = {shard: param_digest(self.holding.parameters(shard)) for shard in self.role.holds}
         for shard, digest in digests.items():
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=digest,
-                          waited=round(work.waited, 6), **self.shard_tag(shard))
+                          waited=round(work.waited, 6), **self.role.shard_tag(shard))
         members = work.members
         if self.persist:
             self.persist.after_commit(step, members, lambda: self.faults.at(step, "snapshot"))
@@ -470,23 +478,14 @@ class Trainer:
             step_time=round(work.stepped - work.started, 6)), digests)
         self.donor.heal(step, members, commit.plan)
 
-    def shard_tag(self, shard: int) -> dict:
-        """The tag of an event about one shard index (a stand-in's: that index as its rank)."""
-        if not self.standin:
-            return self.tag
-        return {k: v for k, v in self.tag.items() if k != "shards"} | {"rank": shard}
-
-    def shard_parameters(self, shard: int) -> list[torch.Tensor]:
-        """This rank's parameters of shard index `shard` (all of them, unless it stands in for several)."""
-        return self.standin.parameters(shard) if self.standin else self.params
-
     def fence(self, step: int, reason: str) -> None:
-        """Leave the run (exit 3): declared dead, this process must write nothing into a later step.
-        Raises GroupLost instead where its group was declared dead for another rank and may go on
-        shrunk on this one (parallel.on_rank_loss=replan): the worker then asks the coordinator."""
-        dead = self.coord.dead_reason() if self.shrinkable else None
-        if dead is not None and lost_rank(dead) not in (None, self.who.rank):
+        """Leave the run: declared dead, this process must write nothing into a later step. Raises
+        FencedOut (the lifecycle exits 3), or GroupLost where its group was declared dead for another rank
+        and may go on shrunk on this one (parallel.on_rank_loss=replan): the lifecycle then asks the
+        coordinator."""
+        dead = self.coord.dead_reason() if self.role.shrinkable else None
+        if dead is not None and lost_rank(dead) not in (None, self.role.rank):
             raise GroupLost(dead)
-        self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.tag)
-        release_agent(self.cfg.parallel.on_rank_loss == "replan", evicted(dead or "", self.who.rank))
-        os._exit(3)
+        self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.role.tag)
+        release_agent(self.cfg.parallel.on_rank_loss == "replan", evicted(dead or "", self.role.rank))
+        raise FencedOut(reason)

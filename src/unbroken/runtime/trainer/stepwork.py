@@ -3,8 +3,10 @@ and what the trainer trains, as the worker built it (`Parts`).
 
 Owns: `StepWork`, what a step holds from its first microbatch until its commit (and, pipelined, until its
 decision is read): the step's local gradient sum, the timings of the microbatches it computed, its token
-count, the decision it read. Does not own: what happens to it (trainer.py executes the policy's actions on
-it; speculation.py keeps a step that stepped ahead of its decision).
+count, its reduction's result and the copies it reduces, the decision it read; `GradientSink`, where the
+gradient hooks put what they receive (pointed at the step computing); `OwnShard`, a plain rank's holding
+with a stand-in's interface. Does not own: what happens to them (step.py executes the policy's actions on
+a step; speculation.py keeps a step that stepped ahead of its decision).
 """
 from __future__ import annotations
 
@@ -48,6 +50,11 @@ class StepWork:
     decision: Decision | None = None  # the last decision read of this step
     next_plan: Future = field(default_factory=Future)  # the next step's plan: its commit carries it
     members: tuple[int, ...] = ()  # the step's own members as its state machine last said
+    reduced: list[torch.Tensor] | None = None  # its last all-reduce's results, one per shard index held
+    # shard index -> the all-reduce's copy of the accumulator, kept from step to step (the trainer's one
+    # pool, given to each step): a failure leaves the accumulator itself intact. Cleared when a
+    # reduction is abandoned, since the abandoned collective may still write into them.
+    copies: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def held(self) -> tuple[int, ...]:
         """The microbatches this member computed in the step (the policy's `held`), in order."""
@@ -55,3 +62,30 @@ class StepWork:
 
     def timings_of(self, held: tuple[int, ...]) -> list[tuple]:
         return [self.timings[i] for i in held]
+
+
+class GradientSink:
+    """Where the gradient hooks (a pipeline stage's, FSDP2's reduce-scatter output under --exact, a
+    stand-in's) put each gradient: the accumulator of the step computing now. Point it at a step's
+    accumulator (`point_at`) before that step's first backward; the hooks are set once, at build."""
+
+    def __init__(self, acc):
+        self.acc = acc
+
+    def point_at(self, acc) -> None:
+        self.acc = acc
+
+    def add_shard(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self.acc.add_shard(param, grad)
+
+
+class OwnShard:
+    """A plain rank's holding, with the interface of a stand-in (parallel/standin.StandIn) that the step
+    uses: the one shard index it holds is its own, and every parameter it has is that index's."""
+
+    def __init__(self, params: list[torch.Tensor], rank: int):
+        self.held, self._params = (rank,), params
+        self.seed: int | None = None  # a stand-in reseeds its merged stages from it; a plain rank need not
+
+    def parameters(self, shard: int) -> list[torch.Tensor]:
+        return self._params

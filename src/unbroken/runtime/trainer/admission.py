@@ -1,0 +1,129 @@
+"""Admission: what a trainer does between connecting and training, as one group of ranks.
+
+Owns: building the model, data and optimizer as this rank holds it (`build`, `build_standin`), the
+group's one view of whether it joins a running job (`agree`), the run's signature a joiner must match
+(`signature`), and joining: the admission request, the wait for it and the heal from a live group
+(`join`). Does not own: when these run, or what an error means (lifecycle.py); the donor's side of a
+heal (donor.py); the transfer itself (persist/healing.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from unbroken.config import Config
+from unbroken.events import EventLog
+from unbroken.policy.membership import donor
+from unbroken.runtime.parallel.accumulator import unique_parameters
+from unbroken.runtime.parallel.parallelize import parallelize
+from unbroken.runtime.parallel.standin import StandIn
+from unbroken.runtime.persist.healing import Forming, receive
+from unbroken.runtime.persist.state import materialize
+from unbroken.runtime.store import keys
+from unbroken.runtime.trainer.heartbeat import Beats, Heartbeat
+from unbroken.runtime.trainer.membership import Coordination
+from unbroken.runtime.trainer.placement import Factories
+from unbroken.runtime.trainer.stepwork import Parts
+from unbroken.topology import Identity
+
+
+def build(cfg: Config, factories: Factories, who: Identity, group, device=None) -> Parts:
+    """The model (as this rank holds it, on `device`: CPU when None), data and optimizer over the replica
+    group's own process group (`intra_group`; None for one-rank groups). The thread count is the same on
+    every replica, so kernels sum in the same order; the seed makes the initial parameters identical."""
+    import torch
+
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    device = torch.device("cpu") if device is None else device
+    # a stage's microbatch is its FSDP shard's rows (data.part); config: seq_len a number, shards divide B
+    topology = cfg.topology()
+    shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len)) if topology.pp > 1 else None
+    # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
+    model, stages = parallelize(factories.model(cfg).to(device), topology, group, cfg.run.exact, who.rank,
+                                shape, device)
+    data = factories.data(cfg)
+    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group, stages)
+
+
+def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
+    """A shrunk group's one rank: the whole model (its state comes from a peer group's ranks by healing, so
+    the seed matters only for determinism), every stage's, TP rank's or FSDP2 shard's shard index held
+    (standin.py)."""
+    import torch
+
+    torch.manual_seed(cfg.run.seed)
+    model = factories.model(cfg).to(torch.device("cpu") if device is None else device)
+    standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard)
+    return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
+
+
+def agree(group, joining: bool, restart: int, me: int) -> tuple[bool, str]:
+    """(Whether this group's ranks join a running job, the nonce of their one admission request), the same
+    on every rank: rank 0's nonce, and joining if any rank would. Call once per process, after
+    `intra_group` and before the heartbeat starts. Neither torchrun's restart count nor a rank's own view
+    of the coordinator is common to a group's ranks: a rank its own agent restarted is attempt r + 1, its
+    peers, restarted by their agents for the membership change, attempt r, and a peer may look before
+    the coordinator has declared the group dead. Raises what a collective of a broken group raises."""
+    import secrets
+
+    import torch.distributed as dist
+
+    nonce = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'direct')}-{restart}-{me}-{secrets.token_hex(4)}"
+    if group is None:
+        return joining, nonce
+    views: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, (joining, nonce), group=group)
+    return any(j for j, _ in views), views[0][1]
+
+
+def signature(cfg: Config, parts: Parts) -> str:
+    """sha256 of the run's config and the model's parameter names, global shapes and dtypes: what every
+    group must share (a joiner built from other code or another config is refused before loading)."""
+    h = hashlib.sha256(cfg.to_json().encode())
+    for name, p in parts.model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()
+
+
+def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat | Beats, parts: Parts, log: EventLog,
+         restart: int, nonce: str, admitted: int | None = None) -> tuple[int, object]:
+    """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
+    step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1).
+    `admitted`: the epoch that admitted this rank's shrunk group, whose survivors asked before they built
+    (reform.agree); it takes each shard index it holds from the donor's ranks, one heal each. Call once, after `build`, before
+    training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
+    at once after a `leave`) and for a step boundary: up to the start-up timeout."""
+    # The optimizer's state tensors to load into, before asking: its one step imports torch._dynamo
+    # (~1 CPU-s, AdamW's first step), which done after the request landed in the survivors' steps around
+    # the admission on a shared host, the window the rejoin's stall is measured over (benchmarks/rejoin.py).
+    materialize(parts.model, parts.optimizer)
+    wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
+    if admitted is None:  # a shrunk group's survivors asked and were admitted before they built (reform.agree)
+        if who.rank == 0:
+            coord.ask_to_join(nonce, restart)
+        admitted = coord.admitted(nonce, wait)
+    coord.incarnation = str(admitted)  # its survivors claim a stand-in for this incarnation (claim_standin)
+    heartbeat.start()
+    standin = parts.standin
+    shards = [(j, lambda j=j: standin.heal_tensors(j, parts.optimizer)) for j in standin.held] \
+        if standin else [(who.rank, None)]
+
+    def forming(d: int, shard: int) -> Forming:
+        return Forming(coord.group_store(), keys.heal_prefix(who.group, admitted, d, shard), 1, timeout)
+
+    # the donor of the step boundary ahead, as the members will pick it if nobody dies meanwhile
+    likely = donor([m for m in coord.members(admitted) if m != who.group], who.group)
+    early = [forming(likely, j) for j, _ in shards]
+    step, chosen, plan = coord.heal_offer(admitted, wait)
+    heartbeat.at(step, "heal")
+    received = 0
+    for (j, shard), ready in zip(shards, early):
+        got, seconds, transfer = receive(ready if chosen == likely else forming(chosen, j), parts.model,
+                                         parts.optimizer, shard)
+        received += got
+        log.emit("heal", replica=who.group, donor=chosen, step=step, bytes=got, seconds=round(seconds, 6),
+                 transfer=round(transfer, 6), side="joiner",
+                 **({"rank": j} if who.group_size > 1 else {}), **({"shrunk": True} if standin else {}))
+    coord.report_healed(admitted, who.rank, received)
+    return step + 1, plan
