@@ -75,11 +75,11 @@ def install(out_dir: str) -> None:
     _wrap(collectives.EpochGroup, ["allreduce"], "EpochGroup")
     _wrap(events.EventLog, ["emit"], "EventLog")
     _wrap(heartbeat.Heartbeat, ["at"], "Heartbeat")
-    _wrap(trainer.rec, ["start", "on_event", "adopt"], "policy.recovery")  # as trainer.py calls them
+    _wrap(trainer.rec, ["start", "on_event", "adopt"], "policy.recovery")  # as trainer/step.py calls them
     _wrap(devicetime.DeviceClock, ["start"], "DeviceClock")
     _wrap(devicetime.Span, ["stop"], "DeviceClock.Span")
     _wrap(faults.Injector, ["at", "stretch"], "Injector")
-    for name in ["param_digest", *PLAIN]:  # functions trainer.py imported by name: clocked where it calls them
+    for name in ["param_digest", *PLAIN]:  # functions trainer/step.py imported by name: clocked where it calls them
         setattr(trainer, name, _clocked(PLAIN.get(name, name), getattr(trainer, name)))
     _wrap(data.DataSource, ["microbatch"], "plain.data")
     _wrap(fsdp.FSDPModule, ["set_requires_gradient_sync"], "plain.fsdp")

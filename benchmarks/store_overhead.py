@@ -1,7 +1,7 @@
 """Failure-free step time with coordination state in etcd over the embedded TCPStore (issue 26).
 
 What it measures: what moving the store from the coordinator's TCPStore to a 3-member etcd cluster
-(`--coord.store=etcd://...`, etcdstore.py: one HTTP request through etcd's JSON gateway per store call,
+(`--coord.store=etcd://...`, store/etcd.py: one HTTP request through etcd's JSON gateway per store call,
 a Raft commit per write) costs a failure-free step: the step's store traffic (publishing `done`, the
 compare-and-set of the decision and waiting for it, the step record, heartbeats meanwhile) goes to etcd.
 

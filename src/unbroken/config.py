@@ -73,12 +73,12 @@ class RunConfig:
     threads: int = 1  # torch threads per replica, identical on all (exact mode needs that)
     faults: str = ""  # see faultspec.py
     # "speed": the detector's speed estimates weight the quotas; "equal": never; "drop": a group declared
-    # Slow is parked for the rest of the run (no microbatches; ResiHP's drop baseline: replanning.py)
+    # Slow is parked for the rest of the run (no microbatches; ResiHP's drop baseline: coordinator/replan.py)
     quotas: str = "speed"
     recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
     # commit pipelining: the optimizer steps and the next step computes before the commit decision
     # is read; undone on retry (runtime/trainer/speculation.py). "auto": states up to 8 MiB in host memory
-    # (64 MiB on an accelerator), and not with snapshots or checkpoints (trainer.py); "on": any size
+    # (64 MiB on an accelerator), and not with snapshots or checkpoints (trainer/step.py); "on": any size
     step_ahead: str = "auto"  # "auto" | "on" | "off"
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich

@@ -83,7 +83,7 @@ def test_three_stages_sharded_with_fsdp2_stay_within_float32_tolerance(tmp_path_
 def test_a_lost_middle_stage_s_two_survivors_re_form_a_two_stage_pipeline_bitwise(tmp_path, three_stages):
     """The middle stage of group 1 is SIGKILLed in step 2's compute; its two survivors (stages 0 and 2)
     both claim, and the scheduler re-forms them into a pipeline of 2 stages that merge whole stages of the
-    full plan (reform.py): one holds two of the three stages' shard indices, the other the third. Each
+    full plan (trainer/replan_reform.py): one holds two of the three stages' shard indices, the other the third. Each
     heals its indices from the matching ranks of group 0, the two run their quotas through a new process
     group among them, and every step's digest is the failure-free 3-stage run's."""
     replan = [*STAGES, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1",

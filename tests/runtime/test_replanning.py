@@ -209,7 +209,7 @@ def test_fsdp2_pipelines_re_form_one_rank_or_one_tp_team_a_stage(tmp_path):
     """2 stages x 2 FSDP2 shards (4 ranks), rank 3 lost, ranks 0-2 claimed: two survivors re-form the two
     stages, one rank each (each holding both shards of its stage: ~1/2 of the group), executed and bitwise
     (the FSDP2 stages' tied-weight sum kept in float64: pipeline.Stages(apart=True)), nothing refused (a
-    shrink has no FSDP2: scheduling.py; `reformable` would refuse one: the test below). 2 x 2 x TP 2 (8 ranks),
+    shrink has no FSDP2: policy/replan_scheduler.py; `reformable` would refuse one: the test below). 2 x 2 x TP 2 (8 ranks),
     rank 5 lost: the scheduler's choice, two whole TP teams one a stage (each rank holding both FSDP2
     shards of its TP index), executed, bitwise (the TP degree kept)."""
     log = EventLog(tmp_path / "events.jsonl")

@@ -264,7 +264,7 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
     torchrun agent, with a restart left (`--run.restarts=1`), starts it again in place, as torchrun
     does on a cluster. That agent's new rendezvous round makes the survivor's agent restart the
     survivor too: the two ranks come back as attempts 1 and 0 of their agents, agree on one admission
-    request (worker.agree), and the new rank 0 tells the coordinator that the group's old processes
+    request (admission.agree), and the new rank 0 tells the coordinator that the group's old processes
     are gone (torchrun stopped them), so nobody waits out a stand-in's start-up heartbeat allowance.
     A donor's heal to the stand-in that torchrun stopped mid-heal is given up when the coordinator
     declares it gone or a sibling donor rank gave up (healing.Forming.get). The group then re-forms at

@@ -7,7 +7,7 @@ and its Adam moments) from group 0's matching ranks, computes each shard's rows 
 turn, and reduces each shard index with group 0's rank of that index: every step's digest is the
 failure-free run's, dropout on. A replacement for the lost host then grows the group back to its two
 shards, still on the plain one-process loop's trajectory. A group of 2 stages x 2 FSDP2 shards that
-loses a rank of its second stage re-forms a pipeline of one rank a stage (reform.py), each rank holding
+loses a rank of its second stage re-forms a pipeline of one rank a stage (trainer/replan_reform.py), each rank holding
 both shards of its stage, bitwise; a group of all three degrees (2 stages x 2 FSDP2 shards x TP 2)
 re-forms a pipeline of two TP teams, each rank holding both shards of its TP index's part of its stage,
 bitwise.
@@ -84,7 +84,7 @@ THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "12", "--exact",
 def test_a_3d_group_re_forms_a_pipeline_of_tp_teams_bitwise(tmp_path, tmp_path_factory):
     """2 groups of 8 ranks, 2 stages x 2 FSDP2 shards x TP 2 (rank = (stage x 2 + shard) x 2 + TP index):
     rank 5 (stage 1, shard 0, TP index 1) of group 1 dies with its host at step 2. Two whole TP teams of
-    survivors re-form a pipeline, one team a stage (reform.py; the other survivors leave): TP rank t of a
+    survivors re-form a pipeline, one team a stage (trainer/replan_reform.py; the other survivors leave): TP rank t of a
     team holds both FSDP2 shard indices of its stage's TP index t (FSDP2's rows of its local TP tensors),
     heals each from group 0's matching rank, computes each shard's rows of every microbatch in turn
     through TP over its team, and reduces each index with group 0's rank of it. Every step's digest is

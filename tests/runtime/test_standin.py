@@ -69,7 +69,7 @@ def test_fsdp2_shards_rows_are_torch_chunk_s_and_each_share_s_loss_goes_to_its_s
 
 def _local_shards(rank: int, world: int, init: str, pp: int, tp: int, out: str) -> None:
     """One rank of a real group (gloo): the seeded model parallelized as the worker does it, its local
-    tensors (`gradients.local`, in `unique_parameters` order) saved for the parent to compare."""
+    tensors (`accumulator.local`, in `unique_parameters` order) saved for the parent to compare."""
     import torch.distributed as dist
 
     from unbroken.runtime.parallel.accumulator import local, unique_parameters
@@ -152,7 +152,7 @@ def test_a_stage_that_merges_full_stages_holds_their_names_and_only_their_shard_
 
 
 def test_a_survivor_s_stale_parameters_name_what_still_holds_them():
-    """`released` (worker.py) counts the parameters alive after a survivor let its stage go, and where
+    """`released` (trainer/lifecycle.py) counts the parameters alive after a survivor let its stage go, and where
     there are some, names a chain of what holds one: here a thread's target. (Counted against what this
     test process held before: other tests' modules may live on in it.)"""
     import threading

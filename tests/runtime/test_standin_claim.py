@@ -1,4 +1,4 @@
-"""Of a group's survivors, one claims to stand in for the group it belonged to (coordination.claim_standin):
+"""Of a group's survivors, one claims to stand in for the group it belonged to (membership.claim_standin):
 found by a run where a rank broke 30 s late (stuck in its group's first rendezvous, EADDRINUSE at its
 peer) while its peer had long since shrunk and finished; it claimed for the stand-in's incarnation, won,
 and waited for an admission the finished run never gave until the launcher's run timeout (150 s)."""
@@ -16,7 +16,7 @@ def test_a_survivor_claims_for_its_own_incarnation_not_the_group_s_newest():
     assert first.claim_standin()  # rank 1 lost: rank 0 goes on as the group ...
     store.set(keys.joined(1), "3")  # ... admitted shrunk in epoch 3
     standin = Coordination(store, 1, rank=0)
-    standin.incarnation = "3"  # as worker.join sets it on admission
+    standin.incarnation = "3"  # as admission.join sets it on admission
     assert not late.claim_standin()  # the late survivor of the first incarnation leaves
     assert standin.claim_standin()  # the stand-in's own incarnation, were it to break: its claim is new
 
@@ -47,5 +47,5 @@ def test_a_late_survivor_does_not_report_the_re_formed_group_broken():
     store.set(keys.joined(1), "2")  # the survivors' plan admitted in epoch 2
     assert late.superseded()
     standin = Coordination(store, 1, rank=0)
-    standin.incarnation = "2"  # as worker.join sets it on admission
+    standin.incarnation = "2"  # as admission.join sets it on admission
     assert not standin.superseded()

@@ -64,11 +64,9 @@ class DetectorConfig:
     # A member that joins a running fleet (restarted, replaced or re-formed: its track is new after the
     # run's first step) warms up as the fleet did: its first `join_skip` steps are neither scored nor
     # taught to the predictor, and its first `warmup_steps` add evidence above `warmup_drift` only.
-    # Measured (a 2-stage x TP 2 group grown back under torchrun, 4 fresh processes): its first step's
-    # microbatches took 48-65 ms against its peer's 8-10 (x 6-8: first kernels, allocator, the new
-    # epoch's groups), the second 1.2-1.5x, the third 1.1-1.3x; the first alone adds the maximum
-    # evidence, and with the second it was declared Slow (speed 0.33) and lost half its quota to the run's
-    # end (CI-like run at 198abcd).
+    # A group grown back under torchrun runs its first step 6-8x slow (first kernels, allocator, the new
+    # epoch's groups) and its next two 1.1-1.5x: judged like the others, it would be declared Slow and
+    # lose its quota for good.
     join_skip: int = 1
 
 

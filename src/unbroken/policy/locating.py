@@ -3,7 +3,7 @@
 Owns: `rank_speeds` (each rank's speed relative to the same rank of the other groups, over recent committed
 steps) and `slow_ranks` (those the scheduler is told are slow). Does not own: declaring a group Slow (the
 detector, detection.py, which reads each group's slowest rank: `MicrobatchTiming.seconds`), or what is
-done about it (scheduling.py).
+done about it (policy/replan_scheduler.py).
 
 Why against the same rank of the peer groups: the ranks of one group do different work (a pipeline's
 first stage holds the embedding, its last the head; an FSDP rank's share of a microbatch is its own rows),
@@ -58,8 +58,8 @@ def rank_speeds(group: int, steps: Steps) -> dict[int, float]:
 BOUNDING = 0.5  # a rank below SLOW_BELOW is located only where its excess time (1/speed - 1) is at least this
 # share of its group's slowest rank's: the ranks that bound the group's speed. Why: a slow rank's siblings
 # take part of its slowness whenever they share something with it. On 2 shared CPU cores the spinning rank
-# slows its sibling's kernels (an HSDP sibling read 0.698 beside a 0.258 rank, CI at 87d01b2: both located,
-# excess 0.43 against 2.88; TP siblings 1.10-1.41x slow beside 2.4-3.4x); on a GPU a rank waiting inside a
+# slows its sibling's kernels (an HSDP sibling can read 0.7 beside a 0.26 rank: both
+# below SLOW_BELOW, excess 0.43 against 2.88; TP siblings 1.10-1.41x slow beside 2.4-3.4x); on a GPU a rank waiting inside a
 # group collective's kernel for a slow peer counts that wait as device time. Evicting the bounding rank
 # leaves the group at its next rank's speed, which the detector judges afresh; evicting a sibling for a
 # share of its peer's slowness would shrink the group around a healthy device.

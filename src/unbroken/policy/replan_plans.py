@@ -4,7 +4,7 @@ Owns: the frozen `Plan` value (checked when built: every layer in exactly one st
 stage's team of `tp` x `shard` distinct ranks), the group's full plan from its topology (`full_plan`), the
 teams a set of surviving ranks can form (`teams`), and the layer partition that balances stages of
 unequal speed (`partition`). Does not own: what a plan costs (stepcost.py) or which plan to take
-(scheduling.py). Pure: plain ints and floats, the standard library only.
+(policy/replan_scheduler.py). Pure: plain ints and floats, the standard library only.
 
 Rank layout is the topology's (TP innermost): the full plan's stage k is ranks k*t .. k*t + t-1 with
 t = tp x shard (FSDP2 shards of TP teams), one host's GPUs for the usual TP 8 on 8-GPU hosts. A smaller

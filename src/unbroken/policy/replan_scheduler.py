@@ -11,7 +11,7 @@ runtime logs as a `group_plan` event and the simulator applies. Candidates:
   shrink       fewer ranks: fewer pipeline stages (layers re-partitioned), a smaller TP degree and/or
                no FSDP2, missing shards pulled from the matching ranks of a live peer group
   grow         more ranks, up to the full plan, when lost ranks are back
-Does not own: the cost model (stepcost.py), plan shapes (plans.py), detecting faults, moving state.
+Does not own: the cost model (stepcost.py), plan shapes (policy/replan_plans.py), detecting faults, moving state.
 
 `restrict` is the runtime's view of a decision: the option it applies among those it can execute, beside
 the choice and the reasons the others were not executable (runtime/coordinator/replan.py lists what it

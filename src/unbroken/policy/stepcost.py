@@ -3,7 +3,7 @@
 Owns: the stated constants (`Hardware`, `ModelShape`), the step's work (`Work`, calibrated from the
 predictor's per-microbatch time), a stage's time per microbatch, a group's pipelined time for its quota,
 the whole step's time under everyone's plans (quotas from `workload`), and the state a plan change moves.
-Does not own: choosing a plan (scheduling.py), the plan's shape (plans.py), or measuring anything.
+Does not own: choosing a plan (policy/replan_scheduler.py), the plan's shape (policy/replan_plans.py), or measuring anything.
 
 The model, per microbatch of `tokens` tokens, on stage k of a plan with TP degree t and FSDP2 degree f:
   compute    n_k / L * device_seconds / (t f) / speed_k     (the team's slowest rank decides: it holds
@@ -165,7 +165,7 @@ def step_seconds(plans: Mapping[int, Plan], speeds: Mapping[int, Mapping[int, fl
 
 def _units(full: Plan) -> int:
     """The parts a layer's state is counted in: 1/(tp x shard) of a layer, the full plan's smallest
-    holding (every plan's tp divides full.tp, and a smaller plan never shards: plans.py)."""
+    holding (every plan's tp divides full.tp, and a smaller plan never shards: policy/replan_plans.py)."""
     return full.tp * full.shard
 
 

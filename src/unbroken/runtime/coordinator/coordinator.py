@@ -8,7 +8,7 @@ serves through runtime/coordinator/metrics.py, which reads the event log, never 
 
 Run as `python -m unbroken.runtime.coordinator.coordinator --replicas R --run-dir DIR [...]`; it prints
 `UNBROKEN_STORE=host:port` on its first stdout line, then serves until the key `shutdown` appears
-(the launcher wakes its loop after writing it, as after an exit: epochwatch.wake).
+(the launcher wakes its loop after writing it, as after an exit: watch.wake).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class Coordinator:
                  beat_every: float = 0.1, group_size: int = 1, shape: GroupShape | None = None):
         self.store, self.log = store, log
         self.ranks = range(group_size)  # every rank of a member group beats; one silent rank kills the group
-        # shape (the groups' plan and model): a group turning Slow or Healthy is re-planned (replanning.py)
+        # shape (the groups' plan and model): a group turning Slow or Healthy is re-planned (coordinator/replan.py)
         self.slowness = SlownessMonitor(store, log, quotas, planner_for(shape, replicas, log, quotas))
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
@@ -138,7 +138,7 @@ class Coordinator:
         """Groups that asked to join (`join/{g}`: restarted by torchrun, or new on a spare host) and are
         not members: a new epoch with them (policy.membership.admit). Their old incarnation's marks go
         (dead, exit, heartbeats), so they beat afresh; they train from the first step planned in the
-        new epoch, healed by a donor (trainer.py). One check per non-member a beat round."""
+        new epoch, healed by a donor (trainer/step.py). One check per non-member a beat round."""
         requests = {}
         for g in range(self.replicas):
             if g not in self.membership.members and self.store.check([keys.join(g)]):
@@ -169,7 +169,7 @@ class Coordinator:
 
     def _reform(self) -> None:
         """A member whose epoch's group broke while nobody died asked for a fresh one (`reform/{e}`,
-        coordination.request_reform): the same members in a new epoch."""
+        membership.request_reform): the same members in a new epoch."""
         key = keys.reform(self.membership.epoch)
         if self.store.check([key]):
             new = self.membership.reformed()
@@ -228,7 +228,7 @@ def _loop(store: TCPStore, address: str, make: Callable[[Store], Coordinator], p
         return make(PrefixStore(keys.generation_prefix(generation), store))
 
     # The launcher wakes this loop after it reports an exit, starts a generation or ends the run
-    # (epochwatch.wake); otherwise it runs a liveness round every `poll_s`.
+    # (watch.wake); otherwise it runs a liveness round every `poll_s`.
     wakes = WakeWatch(client(), reconnect=client)
     generation = int(read(store, keys.generation()) or 0)  # not 0 for a standby taking over after a restart
     coord, alive, rounds, seen = fresh(generation), True, 0, wakes.current

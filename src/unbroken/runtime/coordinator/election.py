@@ -3,7 +3,7 @@
 Owns: `Leadership` (acquire: block until this process holds `keys.leader()` under a lease of its own;
 keep the lease alive from a thread; end the process the moment the lease is lost), and `lead` (that,
 plus fencing every write of the leader's store client). Does not own: what a
-leader does (coordinator.py), the store (etcdstore.py), or any consensus: the key is created by one etcd
+leader does (coordinator.py), the store (store/etcd.py), or any consensus: the key is created by one etcd
 transaction ("create if absent", attached to the lease), and etcd deletes it when the lease's TTL passes
 without a keep-alive, so a SIGKILLed, hung or partitioned leader loses it after at most the TTL.
 

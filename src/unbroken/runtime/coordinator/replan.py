@@ -104,8 +104,8 @@ MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measu
 QUOTAS = ("speed", "equal", "drop")  # config run.quotas: what a Slow group's quota becomes
 LOCATE_STEPS = 4  # committed steps whose per-rank times locate a Slow group's slow rank (the detector's
 # evidence for a verdict spans about as many steps), of those since the group left Healthy: a step before
-# the episode dilutes it, and a warm-up step outweighs several (CI at d74a2a9: a TP rank spinning 3x from
-# step 2, the group Slow at step 3, read 0.92 over steps 0-3, its peer's step 0 at 5x; 0.35 over 2-3)
+# the episode dilutes it, and a warm-up step outweighs several (a TP rank 3x slow from step 2 reads 0.92
+# over steps 0-3, where its peer's warm-up step 0 ran 5x, and 0.35 over steps 2-3)
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class GroupPlanner:
                            if w < 1.0 and g not in self.shrunk and g not in self.parked}
 
     def measured(self, group: int, speed: float | None) -> float | None:
-        """A shrunk group's measured speed relative to its peers (`group_plan_measured`, replancost.py)
+        """A shrunk group's measured speed relative to its peers (`group_plan_measured`, coordinator/replan_measure.py)
         becomes its quota weight under run.quotas=speed, in place of the cost model's prediction: its
         quota follows its new speed. Returns the weight set, or None where nothing changes (other quota
         settings; a group not running shrunk, or reweighted or parked by the detector since). Clamped to
@@ -226,7 +226,7 @@ class GroupPlanner:
         restricted decision (its `applied.kind` is "shrink" or "drop"), or None when the cost model
         cannot be set up (logged: the group is then dropped). Call once per request, after its old
         incarnation was declared dead (`forget`), with the members that stay. `alive`: every survivor
-        that claimed (reform.agree); the plan applied names the ones that go on (its teams)."""
+        that claimed (replan_reform.agree); the plan applied names the ones that go on (its teams)."""
         setting, source, seconds = self._setting(self.timings, predictor)
         if setting is None:
             self.log.emit("group_plan_skipped", step=step, replica=group, why=source)

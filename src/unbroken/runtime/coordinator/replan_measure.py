@@ -4,7 +4,7 @@ the `group_plan` decision predicted. (A dropped group computes nothing: nothing 
 
 Owns: the groups awaiting measurement (`Pending`: the applied option and when it was decided), folding
 each committed step's timings into them (`Measurer.observe`), and the event's fields (`fields`). Does
-not own: the decision (replanning.py), or reading the store (slowness.py reads the steps' timings and
+not own: the decision (coordinator/replan.py), or reading the store (slowness.py reads the steps' timings and
 the joiner ranks' heal reports, `keys.healed`).
 
 What is measured, and what the prediction beside it counts:

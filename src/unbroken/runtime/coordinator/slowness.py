@@ -3,7 +3,7 @@
 Owns: reading each committed step's per-microbatch timings from the store (members publish them with
 their done record), feeding `policy.detection.Detector`, logging its verdict and regime changes, and
 publishing its speeds as the `weights` key that the next step's plan takes (when quotas follow speed).
-A group entering or leaving Slow is re-planned by `planner` (replanning.py: the scheduler's decision,
+A group entering or leaving Slow is re-planned by `planner` (coordinator/replan.py: the scheduler's decision,
 of which this runtime executes keep or reweight); the weights published are then the speeds of the groups
 whose applied option is reweight. Does not own: the detection logic (policy/detection.py) or slowness injection (faults.py): injected
 slowness reaches this module only as longer measured times, never as a flag.
@@ -63,7 +63,7 @@ class SlownessMonitor:
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
         self.replayed = -1  # steps up to here are replayed (catch_up): their events were logged before
-        self.measurer = Measurer()  # re-plans applied (not drops), until measured (replancost.py)
+        self.measurer = Measurer()  # re-plans applied (not drops), until measured (coordinator/replan_measure.py)
         self.commit_epoch = -1  # the epoch the step `_timings` last read committed in
 
     def catch_up(self) -> None:

@@ -176,9 +176,8 @@ def _chunks(params: list[nn.Parameter]):
 def param_digest(params: list[nn.Parameter]) -> str:
     """XXH3-128 (hex) of all float32 parameters, concatenated in the fixed order of `unique_parameters`:
     the step record's digest (of a shard, in a group), each member's `applied` one, a heal's and a
-    restore's check. Not sha256 (until 2026-11-29): that hashed ~2 GB/s here, 3.2 ms a step for a
-    6.5 MB shard, on 3 of 4 ranks of a 2 x 2 run; XXH3 takes 0.16 ms. Errors it guards against are
-    bit flips and wrong state, not an adversary."""
+    restore's check. Not sha256: that hashes ~2 GB/s on one core, 3.2 ms a step for a 6.5 MB shard
+    where XXH3 takes 0.16 ms. Errors it guards against are bit flips and wrong state, not an adversary."""
     h = xxhash.xxh3_128()
     for chunk in _chunks(params):
         h.update(chunk)

@@ -3,7 +3,7 @@
 Owns: `parallelize(model, topology, group, exact, ...)`, called once by the worker on the model it built,
 before the optimizer is made: the trainer, persistence and healing see only what it returns and never
 assume they hold the whole model. Does not own: building the model (the user's factory), the replica
-group's own process group (worker.py makes it from torchrun's environment: `intra_group`), the
+group's own process group (trainer/lifecycle.py makes it from torchrun's environment: `intra_group`), the
 cross-group collectives (collectives.py) or the pipeline machinery (pipeline.py).
 
 The topology names the degrees; this module applies them, as torchtitan's `parallelize` does.
@@ -91,8 +91,7 @@ def intra_group(group_size: int, timeout_s: float, env: dict[str, str] | None = 
 def unshared_store(env: dict[str, str], timeout: datetime.timedelta, relay: Store, me: int) -> TCPStore:
     """The store of group `me`'s rendezvous round where its agent shares none: rank 0 serves it at torchrun's
     MASTER_PORT or, where another process took that port since the agent found it free (torchrun's
-    get_free_port closes its probe socket: CI at 11e26aa, EADDRINUSE, and the group died before its first
-    step), at a port the OS gives it; it says which port in `relay` and the other ranks connect there.
+    get_free_port closes its probe socket: EADDRINUSE, and the group would die before its first step), at a port the OS gives it; it says which port in `relay` and the other ranks connect there.
     Call once per process; raises DistNetworkError if no store forms within `timeout`."""
     key = keys.group_store_port(me, env.get("TORCHELASTIC_RUN_ID", ""), f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}")
     if env["RANK"] == "0":
@@ -155,7 +154,7 @@ def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, d
                     ) -> tuple[nn.Module, ProcessGroup]:
     """(`model` split over the "tp" dimension of `topology`'s mesh on `group`, the process group its
     pipeline runs over: the "pp" dimension's, or `group` itself without stages). For a re-formed TP team
-    (reform.build), on the whole model before its stand-in takes the parameters and the pipeline split
+    (replan_reform.build), on the whole model before its stand-in takes the parameters and the pipeline split
     prunes them. Call once, on every rank of `group` together (the mesh's sub-groups are collective)."""
     mesh = _mesh(topology, group, device)
     return _tensor_parallel(model, mesh["tp"], topology.tp), (mesh.get_group("pp") if topology.pp > 1 else group)
@@ -252,7 +251,7 @@ def release_agent(replan: bool, evicted: bool = False) -> None:
     survivors' agents closed it. Killed, the agent only stops its keep-alives, as a lost host's does, and
     the group can re-form with replacements. Call just before this rank exits for good (a survivor that
     leaves, a fenced rank); a no-op elsewhere (one agent per group, restarts left, no torchrun).
-    `evicted`: this rank was fenced as the slow rank its group shrinks around (replanning.evictions); its
+    `evicted`: this rank was fenced as the slow rank its group shrinks around (replan.evictions); its
     agent ends even with restarts left, since a restart in place would bring the group back on the same
     slow device, to be found slow and evicted again, once per restart: a replacement host re-forms it."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -262,13 +261,13 @@ def release_agent(replan: bool, evicted: bool = False) -> None:
 
 
 def outlive_agent_restart(replan: bool, wait_s: float = 3.0) -> None:
-    """A rank of a re-formed group (reform.py) whose group broke, before it exits 4: give its own torchrun
+    """A rank of a re-formed group (trainer/replan_reform.py) whose group broke, before it exits 4: give its own torchrun
     agent `wait_s` s to stop it first, then end that agent (release_agent). Why: a re-formed group breaks
     mostly because a replacement host joined the rendezvous to grow it back, and each agent then stops its
     worker for the new round (within its 0.1 s monitor interval); a peer stopped a moment earlier breaks
     this rank's group first. Exiting at once is a failed worker: its agent, no restarts left, ends and
-    closes the rendezvous, and every replacement fails to join (CI at 65f2418: each of a 4-rank group's
-    slots replaced 4 times, the group never back). Stopped by its agent, this process ends here (SIGTERM's
+    closes the rendezvous, and every replacement fails to join (each slot of a 4-rank group is replaced
+    again and again, the group never back). Stopped by its agent, this process ends here (SIGTERM's
     default action); not stopped (a peer really lost), its agent ends without closing the rendezvous, and
     the launcher replaces it. A no-op outside a torchrun agent of its own (`replan`)."""
     if replan and "TORCHELASTIC_RUN_ID" in os.environ:

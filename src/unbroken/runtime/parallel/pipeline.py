@@ -5,7 +5,7 @@ Owns: `split` (prune a model to one stage's part, parameter names kept, as torch
 does) and `Stages` (this rank's `PipelineStage` and schedule over the group's own process group; each
 microbatch's parameter gradients handed to a sink one by one; the tied embedding/head weight, held by the
 first and the last stage, summed per microbatch across them). Does not own: which microbatches (policy),
-the accumulator they go into (gradients.py, the trainer's), the cross-group reduction (rank j of every
+the accumulator they go into (parallel/accumulator.py, the trainer's), the cross-group reduction (rank j of every
 group holds stage j and all-reduces its gradients with the others over shard index j: collectives.py).
 
 Why per-microbatch gradients go to a sink (a post-accumulate-grad hook on each parameter takes the
@@ -129,7 +129,7 @@ class Stages:
         `took_shard` once a batch, as the reduce-scatter leaves them (parallelize.reduced_shards), not
         one microbatch at a time; `apart`: hand the sink each stage's float32 part of a tied weight's
         gradient, not their float32 sum (a pipeline re-formed from a group whose full plan had FSDP2 inside
-        its stages, reform.py: that plan added the parts in float64, `_sum_tied_shards`)."""
+        its stages, trainer/replan_reform.py: that plan added the parts in float64, `_sum_tied_shards`)."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group

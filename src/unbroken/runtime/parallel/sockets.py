@@ -2,7 +2,7 @@
 
 Owns: recording which sockets the group's gloo process groups opened (`recorded`, around their creation:
 the default group, its mesh's sub-groups, a re-formed group's) and shutting them (`shut_recorded`). Does
-not own the groups themselves (parallelize.py, reform.py) nor deciding when a group is broken (worker.py).
+not own the groups themselves (parallelize.py, trainer/replan_reform.py) nor deciding when a group is broken (trainer/lifecycle.py).
 
 Why it exists: a rank blocked in a receive from a peer that is alive but gave up on the group (stage 0's
 rank, waiting on the activation gradient of stage 1's survivor) wakes only when that peer's socket

@@ -9,7 +9,7 @@ torch.chunk's along dim 0, as `fully_shard` cuts a rank's local tensor); the acc
 each microbatch's gradient under every shard index holding a part of it (`ShardedAccumulator`); the state a
 shard index heals with (`StandIn.heal_tensors`); the forward hook that re-seeds a microbatch's dropout at
 each stage boundary, as a pipeline's stages each seed it. Does not own: deciding to shrink
-(policy/replan_scheduler.py, asked by the coordinator: replanning.py), the step (trainer.py), or the transfer
+(policy/replan_scheduler.py, asked by the coordinator: coordinator/replan.py), the step (trainer/step.py), or the transfer
 (persist/healing.py, called once per shard index).
 
 Why one rank can stand in bitwise for a pipeline (`--exact`): a microbatch's gradient of each parameter is
@@ -23,7 +23,7 @@ kernels and dropout seed), and each shard index sums in float64 the float32 grad
 float64 reduce-scatter summed (float32 addends, exact in float64 in any order). Not for one rank holding
 a pipeline of FSDP2 stages: there the stages add the tied weight's two uses per batch in float64
 (pipeline._sum_tied_shards), here autograd adds them per microbatch in float32 (a re-formed pipeline of
-several ranks hands the stages' parts over apart instead, and is bitwise: reform.py). For tensor parallelism it
+several ranks hands the stages' parts over apart instead, and is bitwise: trainer/replan_reform.py). For tensor parallelism it
 cannot: the whole model's matmuls add over all heads and units at once where TP ranks add partial sums,
 so a shrunk TP group is within float32 tolerance of the TP trajectory, not on it (and with dropout > 0
 its masks differ: one stream over all heads here, one per rank's heads there).
@@ -207,7 +207,7 @@ class StandIn:
         group re-formed into fewer pipeline stages: the indices of the full stages its stage merged);
         every index when None. `model` is the whole model, split (pipeline.split) after this, if at all.
         `tensor_parallel`: `model` is already split over a TP team of `tp` ranks (a re-formed TP team,
-        reform.build), so shard index (s x shards + f) x tp + t, held by TP rank t only, is FSDP2 shard
+        replan_reform.build), so shard index (s x shards + f) x tp + t, held by TP rank t only, is FSDP2 shard
         f's rows (torch.chunk's, as fully_shard cuts them) of stage s's parameters' local tensors: their
         DTensors' local shards are rank t's slices (all of them without FSDP2)."""
         if pp * tp * shards == 1:

@@ -1,7 +1,7 @@
 """The snapshot control plane on the coordinator's TCPStore, and the launcher's calls.
 
-Owns: store key names, the agents' command queue, agent topology records, and the functions a
-launcher calls: `start_agent`, `stop_agent`, `request_rebuild`, `remove_run`. Does not own the bytes
+Owns: the agents' command queue and agent topology records on the store (their key names are
+store/keys.py's `SnapshotKeys`), and the functions a launcher calls: `start_agent`, `stop_agent`, `request_rebuild`, `remove_run`. Does not own the bytes
 (they move through /dev/shm files and gloo groups, never through the store).
 
 Keys live under `unbroken/snap/<run_id>/`. Commands are appended by anyone (`cmd/n` counter, then

@@ -3,7 +3,7 @@
 Owns: `connect` (one client per thread: TCPStore clients are not thread-safe), the one-round-trip
 `read` of a key that may be missing, `get_written` of one not yet written, `get_json`, and the two
 verdict-time reads that the launcher and the coordinator share: `last_committed` and `finished_among`.
-Does not own: key names (keys.py) or a member's protocol on the store (coordination.py).
+Does not own: key names (keys.py) or a member's protocol on the store (trainer/membership.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _MISSING = "\x00missing"
 
 def connect(address: str | None = None, timeout_s: float = 60.0) -> Store:
     """A client of the run's store: the coordinator's TCPStore at `host:port`, or an etcd cluster at
-    `etcd://h1:2379,...[/namespace]` (etcdstore.py); default: env UNBROKEN_STORE. Raises RuntimeError
+    `etcd://h1:2379,...[/namespace]` (store/etcd.py); default: env UNBROKEN_STORE. Raises RuntimeError
     without an address, and torch's DistNetworkError when nothing answers in `timeout_s`."""
     address = address or os.environ.get("UNBROKEN_STORE")
     if not address:

@@ -3,8 +3,8 @@
 Owns: the names. Each function returns one key (or a key prefix, for `PrefixStore`); ids are replica
 group ids (`group`), steps (`step`, from 0) and membership epochs (`epoch`). No other module spells a
 key string (tests/test_architecture.py checks it), so the layout below is the whole protocol on the
-store. Does not own: what is written under a key or who reads it (coordination.py, coordinator.py,
-the snapshot package's control.py).
+store. Does not own: what is written under a key or who reads it (trainer/membership.py, coordinator/coordinator.py,
+snapshot/control.py).
 
 Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart starts generation N + 1):
   epoch                 current membership epoch (int)           coordinator
@@ -52,7 +52,7 @@ Unprefixed (they outlive generations):
   wakes, wake/{n}       the coordinator's wake-ups                launcher
   fired/{i}             fault i of the fault spec fired once      the replica that fired it
   unbroken/snap/{run}/...   the snapshot agents' control plane (`SnapshotKeys`)
-Not a key of the protocol: an etcd store keeps one add token per client (`\x00adds/...`, etcdstore.py).
+Not a key of the protocol: an etcd store keeps one add token per client (`\x00adds/...`, store/etcd.py).
 In torchrun's own agent store (one per replica group), not the coordinator's:
   unbroken/attempt{n}/...   the group's process group rendezvous of restart attempt n
 """
@@ -203,7 +203,7 @@ def joined(group: int) -> str:
 
 def standin(group: int, incarnation: str) -> str:
     """Counter: the survivors of `group`'s incarnation (its last admission epoch, or "start") that claimed
-    to go on; the first claim (1) asks the coordinator for all of them (reform.agree)."""
+    to go on; the first claim (1) asks the coordinator for all of them (replan_reform.agree)."""
     return f"standin/{group}/{incarnation}"
 
 
@@ -224,7 +224,7 @@ def heal_failed(group: int, epoch: int) -> str:
 
 def healed(group: int, epoch: int, rank: int) -> str:
     """A joiner rank's report once every heal of its admission in `epoch` is done: {"bytes", "t" (its
-    time.time())}, for the coordinator's measured re-plan cost (replancost.py)."""
+    time.time())}, for the coordinator's measured re-plan cost (coordinator/replan_measure.py)."""
     return f"heal/{group}/{epoch}/done/{rank}"
 
 

@@ -13,9 +13,9 @@ counter reaches `current + 1` and, when it moves, wakes whoever waits in `wait_u
   unless woken, where it read an exit count every 20 ms before.
 And one watch of keys that are not counters: `DecisionWatch`, the commit/retry decision of each (step,
 epoch) a member waits for, pushed to it the moment the proposer compare-and-sets it.
-Does not own: membership itself (coordinator.py) or what a member does on a change (policy.recovery).
+Does not own: membership itself (coordinator/coordinator.py) or what a member does on a change (policy.recovery).
 
-Why blocking waits rather than reading `epoch` every 10 ms (an earlier version): the reads cost 100
+Why blocking waits rather than reading `epoch` every 10 ms: such reads cost 100
 store round trips a second per member, each a wake-up of the member's thread and of the store's server
 thread; with 4 members on 2 cores, per-thread CPU times from /proc put that near 3% of the machine,
 all of it taken from the training. The wait costs nothing until the counter moves and wakes at once.

@@ -91,7 +91,7 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     """Rejoin a running job: ask for admission (rank 0), wait for it, beat again, then take the state after
     step s from rank j of the donor group that policy.membership chose. Returns (s + 1, the plan of s + 1).
     `admitted`: the epoch that admitted this rank's shrunk group, whose survivors asked before they built
-    (reform.agree); it takes each shard index it holds from the donor's ranks, one heal each. Call once, after `build`, before
+    (replan_reform.agree); it takes each shard index it holds from the donor's ranks, one heal each. Call once, after `build`, before
     training. The admission waits for the old incarnation to be declared dead (a heartbeat timeout, or
     at once after a `leave`) and for a step boundary: up to the start-up timeout."""
     # The optimizer's state tensors to load into, before asking: its one step imports torch._dynamo
@@ -99,7 +99,7 @@ def join(cfg: Config, who: Identity, coord: Coordination, heartbeat: Heartbeat |
     # the admission on a shared host, the window the rejoin's stall is measured over (benchmarks/rejoin.py).
     materialize(parts.model, parts.optimizer)
     wait, timeout = cfg.coord.startup_timeout, cfg.coord.collective_timeout
-    if admitted is None:  # a shrunk group's survivors asked and were admitted before they built (reform.agree)
+    if admitted is None:  # a shrunk group's survivors asked and were admitted before they built (replan_reform.agree)
         if who.rank == 0:
             coord.ask_to_join(nonce, restart)
         admitted = coord.admitted(nonce, wait)

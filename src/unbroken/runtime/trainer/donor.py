@@ -4,7 +4,7 @@ Owns: at a step boundary, sending this rank's state (each shard index it holds) 
 the same index, for every group the next step's plan admits and the policy gives to us
 (policy.membership.donor); and forming those heal groups ahead of the boundary, as soon as an epoch
 admits the joiner. Does not own: the transfer's format and the joiner's side (healing.py), who donates
-(policy), or when the boundary is (trainer.py: `prepare` when it sees the epoch move, `heal` after
+(policy), or when the boundary is (trainer/step.py: `prepare` when it sees the epoch move, `heal` after
 applying a step).
 
 Why form ahead: the donor holds its next step up by the heal, and the two-rank gloo group's rendezvous

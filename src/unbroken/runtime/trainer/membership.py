@@ -1,10 +1,10 @@
-"""The coordinator's store as members see it: keys, plans, done counts, compare-and-set decisions.
+"""The coordinator's store as a member (a trainer rank) sees it: plans, done counts, decisions.
 
-Owns: the key layout of the TCPStore and every read/write a member makes on it. One decision per step and
-epoch (`decision/{s}/{e}`) is a compare_set, so racing proposals resolve to one value that all follow.
-Does not own: liveness verdicts and epoch changes (coordinator.py), or what a member does next (policy).
-
-Key names and the layout: keys.py.
+Owns: every read and write a member makes on the store (`Coordination`): proposals and agreed plans,
+publishing done records and counts, the one compare-and-set decision per step and epoch
+(`decision/{s}/{e}`: racing proposals resolve to one value that all follow), waits for a decision or a new
+epoch, leaving, admission and heal offers, stand-in claims. Does not own: the key names (store/keys.py),
+liveness verdicts and epoch changes (coordinator/coordinator.py), or what a member does next (policy).
 """
 from __future__ import annotations
 
@@ -157,8 +157,8 @@ class Coordination:
         member's `publish`. The group's other ranks computed the same microbatches: rank 0 writes the
         record. Where the group's `ranks` > 1 ranks each time their own part, rank j > 0 writes its own
         device seconds beside it (the coordinator takes the slowest rank's: slowness.group_timings);
-        they used to go to rank 0 by an all-reduce inside the group, a blocking collective after the
-        compute that cost ~5% of a 2 x 2 HSDP step on 2 cores (benchmarks/hsdp_overhead.py)."""
+        not an all-reduce inside the group to rank 0: that is a blocking collective after the compute,
+        ~5% of a 2 x 2 HSDP step on 2 cores (benchmarks/hsdp_overhead.py)."""
         if self.rank == 0:
             doc = {"held": list(held), "timings": timings, **({"ranks": ranks} if ranks > 1 else {})}
             self.store.set(keys.done(step, epoch, self.me), json.dumps(doc))
@@ -276,7 +276,7 @@ class Coordination:
         self.store.set(keys.reform(epoch), json.dumps({"replica": self.me, "reason": reason}))
 
     def post_shard(self, step: int, digest: str, loss: float, rank: int | None = None) -> None:
-        """Rank j > 0 of a group: the digest (gradients.param_digest) of its shard of the parameters after `step` and its share of
+        """Rank j > 0 of a group: the digest (accumulator.param_digest) of its shard of the parameters after `step` and its share of
         the step's loss (its shard's loss slot, reduced across groups), for the group's record. `rank`:
         the shard index posted for, when a shrunk group's one rank holds several (default: this rank's)."""
         self.store.set(keys.shard_digest(step, self.me, self.rank if rank is None else rank),
@@ -294,7 +294,7 @@ class Coordination:
     def ask_to_join(self, nonce: str, restart: int, alive: list[int] | None = None) -> None:
         """A restarted or new group's rank 0: ask the coordinator for admission (`admitted` says when).
         `alive`: the survivors of a group that lost ranks, asking to go on shrunk (every one that claimed:
-        reform.agree; the coordinator's scheduler may refuse: `admitted` then returns -1)."""
+        replan_reform.agree; the coordinator's scheduler may refuse: `admitted` then returns -1)."""
         request = {"nonce": nonce, "restart": restart, **({"alive": alive} if alive is not None else {})}
         self.store.set(keys.join(self.me), json.dumps(request))
 
@@ -306,7 +306,7 @@ class Coordination:
 
     def claim_standin(self) -> bool:
         """Claim to go on for this group's incarnation (`incarnation`) after it lost a rank; True for the
-        first claim, whose survivor asks the coordinator for every survivor that claimed (reform.agree:
+        first claim, whose survivor asks the coordinator for every survivor that claimed (replan_reform.agree:
         the plan chosen names the ones that go on). Call once, after the group broke. A rank that broke
         late (stuck 30 s in its group's first rendezvous, its peer long since shrunk) claims for the
         incarnation it belonged to, after that request: no plan names it, and it leaves."""
@@ -315,7 +315,7 @@ class Coordination:
 
     def survivors(self, group_size: int, incarnation: str) -> list[int]:
         """The ranks of this group's `incarnation` that claimed (`claim_standin`) so far: every survivor of
-        its lost rank that noticed. G round trips; the first to claim reads them (reform.agree)."""
+        its lost rank that noticed. G round trips; the first to claim reads them (replan_reform.agree)."""
         return [j for j in range(group_size) if self.store.check([keys.survivor(self.me, incarnation, j)])]
 
     def superseded(self) -> bool:
@@ -356,7 +356,7 @@ class Coordination:
 
     def report_healed(self, admitted: int, rank: int, received: int) -> None:
         """The joiner's rank `rank`: every heal of its admission in epoch `admitted` is done, `received`
-        bytes in all (the coordinator measures a re-plan's cost from it: replancost.py). Once, after them."""
+        bytes in all (the coordinator measures a re-plan's cost from it: coordinator/replan_measure.py). Once, after them."""
         self.store.set(keys.healed(self.me, admitted, rank), json.dumps({"bytes": received, "t": time.time()}))
 
     def claim_signature(self, signature: str) -> str:

@@ -5,8 +5,8 @@ Owns: the survivors' agreement (`agree`: the first survivor to claim asks the co
 every survivor that claimed; each then waits for the admission, reads the plan chosen, and takes its
 stage in it or leaves), the process group of the plan's ranks (`regroup`), and the model each rank of a
 plan of several ranks builds (`build`). Does not own: the choice (policy/replan_scheduler.py, asked by
-replanning.py, which executes only plans this module can build: `replanning.reformable`), the step
-(trainer.py), the heal (worker.join), or a plan of one rank (worker.build_standin).
+coordinator/replan.py, which executes only plans this module can build: `replan.reformable`), the step
+(trainer/step.py), the heal (admission.join), or a plan of one rank (admission.build_standin).
 
 A plan of several ranks is a pipeline whose stage k holds whole stages of the full plan (policy/
 plans.coarsen; one stage where a TP team holds them all): the cross-group reduction of shard index j
@@ -26,7 +26,7 @@ neither shards with FSDP2: each holds every FSDP2 shard's rows of its part and c
 Bitwise under --exact wherever the TP degree is kept, as one rank holding every stage is (standin.py):
 the same kernels per microbatch, the tied weight's two float32 parts summed once across the first and
 last stage (apart, in float64, after FSDP2), dropout re-seeded at every full stage's first block and
-every FSDP2 share. Another TP or FSDP2 degree is refused (replanning.reformable): its slices would not be
+every FSDP2 share. Another TP or FSDP2 degree is refused (replan.reformable): its slices would not be
 shard index j's.
 
 Why the survivors re-initialise the default process group rather than add a group beside it: torch's
@@ -64,7 +64,7 @@ class Reform:
     stages: int  # the plan's stages
     merged: tuple[range, ...]  # the full plan's stages that each of the plan's stages holds
     held: tuple[int, ...] | None  # the shard indices it holds: of its stage's full stages, every TP rank's
-    # (tp 1) or its own TP index's (a TP team re-formed); None: every one (one rank: worker.build_standin)
+    # (tp 1) or its own TP index's (a TP team re-formed); None: every one (one rank: admission.build_standin)
     tp: int = 1  # the plan's TP degree: 1, or the full plan's (each stage's team is a full stage's TP team)
     index: int = 0  # this rank's TP index in its stage's team
 
@@ -88,7 +88,7 @@ def agree(cfg: Config, coord: Coordination, who: Identity, leader: bool, restart
           wait_s: float) -> Reform | str:
     """This survivor's place in the plan the coordinator chose for its group, or why it leaves: "refused"
     (the scheduler dropped the group) or "left out" (the plan runs on other survivors). `leader`: this survivor claimed first
-    (coordination.claim_standin) and asks for every survivor that claimed within CLAIM_WAIT_S. Call
+    (membership.claim_standin) and asks for every survivor that claimed within CLAIM_WAIT_S. Call
     once per survivor, after its group broke and it released its stage; "refused" too when no admission
     comes within `wait_s` (the first survivor died before asking)."""
     request = nonce(who.group, incarnation)

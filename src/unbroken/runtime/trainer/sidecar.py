@@ -20,7 +20,7 @@ in that step, their parameters still those after the unrecorded one, and one of 
 (`recover`). After the last step, a survivor writes it once the writer is declared dead (`finish`).
 (Every member compare-and-set a claim on each step's record before: 4 of the ~26 store requests of
 a 4-replica step, and the plan's compare-and-set by every member 4 more.)
-Does not own: what a plan or a decision means (policy.recovery, coordination.py), or the step record's
+Does not own: what a plan or a decision means (policy.recovery, trainer/membership.py), or the step record's
 fields (events.py).
 
 Why: on a machine whose cores the replicas share, a member that blocks on a store round trip while its
@@ -112,7 +112,7 @@ class Sidecar:
                digests: dict[int, str]) -> None:
         """Queue the bookkeeping of committed `step`, whose record `writer` (the proposer of its
         commit) writes; `record` holds the step record's other fields, `digests` the parameters'
-        digests after the step's optimizer step (gradients.param_digest), one for each shard index
+        digests after the step's optimizer step (accumulator.param_digest), one for each shard index
         this rank holds. Raises KeyError if one is missing."""
         self.wait_records()
         self._digests = {j: digests[j] for j in self.shards}

