@@ -98,7 +98,7 @@ def main() -> None:
         base["parallel__pp"] = 1
     # reform 0.5 s: this host's order of magnitude for a shrink (rebuild + heal, ~0.1-0.3 s measured), not
     # the cost model's H100 default of 2 s, which over 20 steps of ~0.3 s would price shrink out
-    modes = {"shrink": dict(parallel__on_rank_loss="replan", parallel__reform_seconds=0.5),
+    modes = {"shrink": dict(parallel__on_rank_loss="replan", hardware__reform_seconds=0.5),
              "drop": dict(parallel__on_rank_loss="drop")}
     got = alternate(args.rounds, modes, base, "replan", measure, lambda rnd, mode, m: (
         f"round {rnd + 1} {mode:>6}: applied {m['applied']} (weight {m['weight']}), last quotas "

@@ -73,7 +73,7 @@ def main() -> None:
     # shrink: the same speed quotas where the group may shrink around its located slow rank (each rank its
     # own torchrun agent, parallel.on_rank_loss=replan); a re-form priced at what one costs here (~0.1 s)
     modes = {"reweight": {"quotas": "speed"}, "drop": {"quotas": "drop"}, "equal": {"quotas": "equal"},
-             "shrink": {"quotas": "speed", "parallel__on_rank_loss": "replan", "parallel__reform_seconds": 0.1}}
+             "shrink": {"quotas": "speed", "parallel__on_rank_loss": "replan", "hardware__reform_seconds": 0.1}}
     got = alternate(args.rounds, modes, base, "slow pp", measure, lambda rnd, mode, m: (
         f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}"
         f"{', on_rank_loss=replan' if mode == 'shrink' else ''}): scheduler chose {m['decision']} at "

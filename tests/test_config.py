@@ -2,9 +2,18 @@
 ConfigErrors naming the bad key or value, and the JSON form handed to workers."""
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import tomllib
+import typing
+from pathlib import Path
+
 import pytest
 
-from unbroken.config import Config, ConfigError, build, load, parse_overrides
+from unbroken.config import SECTIONS, Config, ConfigError, build, listing, load, parse_overrides, validate
 from unbroken.api import make_config
 from unbroken.topology import Topology, TopologyError
 
@@ -135,3 +144,105 @@ def test_make_config_validates_faults_against_the_run():
         make_config(replicas=2, steps=5, faults="kill:replica=2,step=4")
     with pytest.raises(ConfigError, match="unknown run option 'epochs'"):
         make_config(epochs=3)
+
+
+# --- discovering the keys: `unbroken config`, docs/config.md, Literal keys, [detector] and [hardware] ---
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "unbroken.cli", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def test_unbroken_config_lists_every_field_of_every_section_with_a_doc():
+    r = cli("config")
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(None, 3) for line in r.stdout.splitlines()]
+    want = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert [row[0] for row in rows] == want
+    assert set(SECTIONS) == {f.name for f in dataclasses.fields(Config)}
+    for row in rows:
+        assert len(row) == 4 and row[3].strip(), row  # key, type, default, a non-empty doc
+    run = {row[0]: row for row in rows}
+    assert run["run.recovery"][1:3] == ['"live"|"restart-memory"|"restart-disk"', '"live"']
+    assert run["run.steps"][1:3] == ["int", "20"]
+
+
+def test_unbroken_config_file_shows_the_resolved_values_with_overrides(tmp_path):
+    r = cli("config", write(tmp_path, '[run]\nsteps = 7\n[model]\nn_layer = 3\n'), "--run.steps=9",
+            "--parallel.device=cpu")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "run.steps = 9" in lines and "model.n_layer = 3" in lines and 'parallel.device = "cpu"' in lines
+    assert len(lines) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values())
+    # the output is TOML: it reads back as the same config
+    assert build(tomllib.loads(r.stdout)) == load(str(tmp_path / "run.toml"), {"run.steps": "9",
+                                                                               "parallel.device": "cpu"})
+
+
+@pytest.mark.parametrize("args, token", [
+    (["--run.recovery=sometimes"], "run.recovery='sometimes'"),
+    (["--run.bogus=1"], "run.bogus"),
+    (["/no/such/file.toml"], "/no/such/file.toml"),
+    (["--detector.min_samples=2"], "detector.min_samples=2"),
+])
+def test_unbroken_config_bad_input_is_one_line_and_exit_2(args, token):
+    r = cli("config", *args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and token in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("key", [f"{s}.{k}" for s, cls in SECTIONS.items()
+                                 for k, tp in typing.get_type_hints(cls).items()
+                                 if typing.get_origin(tp) is typing.Literal])
+def test_every_literal_key_is_checked_from_its_type(key):
+    section, name = key.split(".")
+    allowed = typing.get_args(typing.get_type_hints(SECTIONS[section])[name])
+    with pytest.raises(ConfigError) as e:
+        build({}, {key: "bogus"})
+    assert str(e.value) == f"{key}='bogus': expected one of {', '.join(map(repr, allowed))}"
+    with pytest.raises(ConfigError, match="expected one of"):  # a config built by hand is checked too
+        validate(dataclasses.replace(Config(), **{section: dataclasses.replace(getattr(Config(), section),
+                                                                                **{name: "bogus"})}))
+
+
+def test_literal_keys_include_the_enum_like_ones():
+    literal = {f"{s}.{k}" for s, cls in SECTIONS.items() for k, tp in typing.get_type_hints(cls).items()
+               if typing.get_origin(tp) is typing.Literal}
+    assert literal >= {"run.recovery", "run.step_ahead", "run.quotas", "run.launcher", "parallel.on_rank_loss",
+                       "parallel.device", "snapshot.parity"}
+
+
+def test_docs_config_md_is_generated_from_the_config():
+    assert (ROOT / "docs" / "config.md").read_text() == listing.markdown(), \
+        f"docs/config.md is stale: regenerate it with `{listing.REGENERATE}`"
+
+
+def test_train_help_names_every_section():
+    r = cli("train", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert all(f"[{s}]" in text for s in SECTIONS), text
+
+
+def test_detector_and_hardware_defaults_are_the_policy_defaults():
+    from unbroken.policy.detection import DetectorConfig
+    from unbroken.policy.stepcost import Hardware
+    from unbroken.runtime.coordinator.replan import group_shape
+    from unbroken.runtime.coordinator.slowness import detector_for
+    d = detector_for(Config().detector)
+    assert d.config == DetectorConfig()
+    p = d.predictor
+    assert (p.window, p.refit_every, p.min_samples) == (256, 64, 12)
+    assert group_shape(Config()).hardware() == Hardware() and group_shape(Config()).locate_steps == 4
+    tuned = build({}, {"detector.drift_ratio": "1.2", "hardware.pp_bytes_per_s": "1e9"})
+    assert detector_for(tuned.detector).config.drift == math.log(1.2)
+    assert group_shape(tuned).hardware().pp_bytes_per_s == 1e9
+
+
+def test_a_moved_key_is_read_under_its_old_name():
+    assert build({}, {"parallel.reform_seconds": "0.1"}).hardware.reform_seconds == 0.1
+    assert build({"parallel": {"reform_seconds": 0.5}}).hardware.reform_seconds == 0.5  # an old run's config.json

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     real_runs.add_parser(sub).set_defaults(run=lambda args, rest: real_runs.run(args))
     args, rest = ap.parse_known_args(argv)
     try:
-        if rest and not getattr(args, "overrides", False):  # only train and coordinator take --a.b=value
+        if rest and not getattr(args, "overrides", False):  # only train, resume, config, coordinator take --a.b=value
             raise ConfigError(f"unrecognized argument {rest[0]!r}")
         return args.run(args, rest)
     except ConfigError as e:

@@ -1,8 +1,8 @@
 """What each `unbroken` subcommand does, given parsed arguments. Terminal output goes through rich.
 
-Owns: train, resume, demo, compare, audit, report, status, coordinator and worker as user-facing commands, each
-a parser and a run (`add_parsers`), with their exit codes (0 ok, 1 run failed or runs differ, 2 bad
-input). Does not own: the top-level parser (cli.py) or any training logic.
+Owns: train, resume, config, demo, compare, audit, report, status, coordinator and worker as user-facing
+commands, each a parser and a run (`add_parsers`), with their exit codes (0 ok, 1 run failed or runs
+differ, 2 bad input). Does not own: the top-level parser (cli.py) or any training logic.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from unbroken.observe import plot as runplot
 from unbroken.observe import report as runreport
 from unbroken.observe import runs as report
 from unbroken.api import check_host, make_config
-from unbroken.config import ConfigError, load, parse_overrides
+from unbroken.config import SECTIONS, ConfigError, load, parse_overrides
 from unbroken.observe.status import wide_console
 from unbroken.events import read_events
 
@@ -178,13 +178,31 @@ def demo(out: Path, steps: int, replicas: int) -> int:
     return 0 if cmp.identical == cmp.total else 1
 
 
+def config(args: argparse.Namespace, rest: list[str]) -> int:
+    """`unbroken config`: every key, one a line (`section.key  type  default  doc`); with a FILE.toml or
+    overrides, the values that config resolves to instead, as TOML dotted keys; `--markdown`: docs/config.md."""
+    from unbroken.config import listing
+    overrides = parse_overrides(rest)
+    if args.markdown:
+        if args.file or overrides:
+            raise ConfigError("--markdown lists the keys: it takes no FILE or --section.key=value")
+        print(listing.markdown(), end="")
+    elif args.file or overrides:
+        print("\n".join(listing.resolved(load(args.file, overrides))))
+    else:
+        print("\n".join(listing.listing()))
+    return 0
+
+
 def add_parsers(sub) -> None:
-    """Register train, demo, compare, audit, report, status, coordinator and worker on the top-level
+    """Register train, resume, config, demo, compare, audit, report, status, coordinator and worker on the top-level
     parser's subparsers; each parser's `run(args, rest)` returns the exit code."""
-    overrides = "Any config key can be set with --section.key=value, e.g. --model.n_layer=4."
+    overrides = ("Any config key can be set with --section.key=value, e.g. --model.n_layer=4; `unbroken config` "
+                 "lists every key with its type, default and meaning.")
+    tables = f"TOML file with {', '.join(f'[{name}]' for name in SECTIONS)} tables"
     t = sub.add_parser("train", help="train with fault tolerance; writes OUT/events.jsonl and summary.json",
                        epilog=overrides)
-    t.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
+    t.add_argument("--config", help=tables)
     t.add_argument("--replicas", type=int)
     t.add_argument("--steps", type=int)
     t.add_argument("--microbatches", type=int)
@@ -194,6 +212,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--data", help="text file or uint16 .bin token file (default: Python's stdlib source)")
     t.add_argument("--out", help="run directory (default runs/latest)")
     t.set_defaults(run=train, overrides=True)
+    cf = sub.add_parser("config", help="every config key with its type, default and meaning; or the values a "
+                                       "config resolves to", epilog="With FILE.toml and/or --section.key=value: "
+                                       "the resolved value of every key, as TOML.")
+    cf.add_argument("file", nargs="?", metavar="FILE.toml", help="a config file to resolve")
+    cf.add_argument("--markdown", action="store_true", help="the key list as Markdown (docs/config.md)")
+    cf.set_defaults(run=config, overrides=True)
     rs = sub.add_parser("resume", help="continue a run that ended early, in its directory, from memory or disk",
                         epilog="Only --coord.*, --metrics.*, --run.progress, --run.run_timeout and "
                                "--run.threads may be overridden: the rest is the run's.")
@@ -225,7 +249,7 @@ def add_parsers(sub) -> None:
     st.set_defaults(run=status)
     k = sub.add_parser("coordinator", help="serve a run's coordinator for torchrun jobs (README: On a cluster)",
                        epilog=overrides)
-    k.add_argument("--config", help="TOML file with [run], [model], [data], [optim], [coord] tables")
+    k.add_argument("--config", help=tables)
     k.add_argument("--out", required=True, help="run directory (shared by the workers' hosts)")
     k.add_argument("--host", help="address to bind: the cluster's private interface (default 127.0.0.1; "
                                   "not with --coord.store)")

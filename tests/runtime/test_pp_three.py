@@ -86,7 +86,7 @@ def test_a_lost_middle_stage_s_two_survivors_re_form_a_two_stage_pipeline_bitwis
     full plan (trainer/replan_reform.py): one holds two of the three stages' shard indices, the other the third. Each
     heals its indices from the matching ranks of group 0, the two run their quotas through a new process
     group among them, and every step's digest is the failure-free 3-stage run's."""
-    replan = [*STAGES, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1",
+    replan = [*STAGES, "--parallel.on_rank_loss=replan", "--hardware.reform_seconds=0.1",
               "--coord.progress_timeout=120"]  # HOLD sleeps: no test here is about a hang
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=2,phase=compute; {HOLD}", base=replan)
     fault = one(events, "fault", kind="kill", replica=1, rank=1)

@@ -37,7 +37,7 @@ PIPELINE = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--
             "--coord.run_timeout=150", "--coord.progress_timeout=120"]
 # reform 0.1 s: what a shrink here costs (rebuild and heal, ~0.1 s measured on CPU gloo); the cost model's
 # default 2 s (an H100 cluster's re-form) would not pay off over the few steps left in an 8-step test
-REPLAN = [*PIPELINE, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+REPLAN = [*PIPELINE, "--parallel.on_rank_loss=replan", "--hardware.reform_seconds=0.1"]
 # Group 0 sleeps through 10x its compute in steps 4-11 (wall time only: the detector, the scheduler's
 # timings and the arithmetic never see it), so the survivor's rebuild and heal land with shrunk steps
 # left however loaded the host (tests run on 2 workers): ~4 s of wall clock, no CPU.
@@ -174,7 +174,7 @@ def test_a_rank_lost_before_any_step_committed_drops_its_group(tmp_path, pipelin
 GROW = ["--replicas", "2", "--parallel.group_size=2", "--parallel.pp=2", "--steps", "32", "--microbatches", "4",
         "--exact", "--run.progress=false", "--coord.heartbeat_timeout=2.5", "--coord.heartbeat_interval=0.1",
         "--coord.run_timeout=150", "--coord.progress_timeout=120", "--model.dropout=0", "--parallel.on_rank_loss=replan",
-        "--parallel.reform_seconds=0.1", "--parallel.replace_after=6"]
+        "--hardware.reform_seconds=0.1", "--parallel.replace_after=6"]
 # Group 0's first stage sleeps 20x its compute from step 4 on (how=sleep: wall time only, which the
 # detector does not read and the arithmetic never sees), so that steps take ~0.5 s of wall clock but
 # little CPU: the replacement's agent (started 6 s after the loss: under 2 test workers' load, at 0.2 s
@@ -290,7 +290,7 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
 TENSOR = ["--replicas", "2", "--parallel.group_size=2", "--parallel.tp=2", "--steps", "16", "--microbatches", "4",
           "--exact", "--run.progress=false", "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1",
           "--coord.run_timeout=150", "--coord.progress_timeout=120", "--model.dropout=0", "--parallel.on_rank_loss=replan",
-          "--parallel.reform_seconds=0.1"]
+          "--hardware.reform_seconds=0.1"]
 
 
 @pytest.mark.parametrize("phase,rank", [("compute", 1), ("allreduce", 0), ("commit", 1)])
@@ -424,7 +424,7 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
         elif e["event"] == "applied":
             applied[e["step"], e["epoch"]] = min(applied.get((e["step"], e["epoch"]), e["t"]), e["t"])
     assert not [k for k, t in applied.items() if t < reduced.get(k, 0.0)], (applied, reduced)
-    # The survivors' first claimant asks for a plan once all claimed, or after 3 s (reform.CLAIM_WAIT_S):
+    # The survivors' first claimant asks for a plan once all claimed, or after 3 s (config parallel.claim_wait):
     # that was every time while stage 0's rank 0 stayed blocked in the pipeline on rank 2's socket, before
     # survivors shut their group's sockets (sockets.py; since, all 3 claim within 1 s and stage 0's TP team
     # re-forms, bitwise). A replacement's agent joining the rendezvous before the plan restarts them into

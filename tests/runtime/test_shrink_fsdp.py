@@ -27,7 +27,7 @@ from unbroken.events import read_events, steps
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 HSDP = [a for a in PIPELINE if a != "--parallel.pp=2"]  # group_size 2, pp 1, tp 1: 2 FSDP2 shards a group
-REPLAN = [*HSDP, "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+REPLAN = [*HSDP, "--parallel.on_rank_loss=replan", "--hardware.reform_seconds=0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_a_replaced_host_grows_the_shrunk_fsdp2_group_back_to_its_two_shards(tmp
 THREE_D = ["--replicas", "2", "--steps", "8", "--microbatches", "12", "--exact", "--run.progress=false",
            "--coord.heartbeat_timeout=4.0", "--coord.heartbeat_interval=0.2", "--coord.run_timeout=270",
            "--coord.progress_timeout=200", "--model.dropout=0", "--parallel.group_size=8", "--parallel.pp=2",
-           "--parallel.tp=2", "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+           "--parallel.tp=2", "--parallel.on_rank_loss=replan", "--hardware.reform_seconds=0.1"]
 
 
 @pytest.mark.timeout(420)
@@ -124,7 +124,7 @@ def test_a_3d_group_re_forms_a_pipeline_of_tp_teams_bitwise(tmp_path, tmp_path_f
 
 # 2 groups of 4 ranks: 2 stages x 2 FSDP2 shards (rank = stage x 2 + shard)
 PP_FSDP = [*[a if a != "--parallel.group_size=2" else "--parallel.group_size=4" for a in PIPELINE],
-           "--parallel.on_rank_loss=replan", "--parallel.reform_seconds=0.1"]
+           "--parallel.on_rank_loss=replan", "--hardware.reform_seconds=0.1"]
 
 
 @pytest.mark.alone  # as test_shrink.py's: the heal must land with shrunk steps left

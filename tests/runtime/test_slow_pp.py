@@ -151,7 +151,7 @@ def test_under_replan_the_group_shrinks_around_its_located_slow_rank_and_the_tra
     out = tmp_path / "evict"
     run = [*RUN[:-1], RUN[-1] + "; slow:replica=0,from=6,to=14,factor=10,how=sleep"]
     r = unbroken("train", *run, "--run.quotas=speed", "--parallel.on_rank_loss=replan", "--run.restarts=1",
-                 "--parallel.reform_seconds=0.01", "--out", str(out), timeout=200)
+                 "--hardware.reform_seconds=0.01", "--out", str(out), timeout=200)
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
     slow, lost = plan_events(events, 1)[:2]

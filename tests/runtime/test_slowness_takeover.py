@@ -1,7 +1,7 @@
 """A coordinator that takes over (etcd standby) rebuilds its fail-slow detector from the store's recent steps.
 
 Replaying every committed step from 0 would cost a month-long job millions of store reads at the moment
-it has no leader; catch_up() replays the last REPLAY_STEPS, logs none of their events again, and then the
+it has no leader; catch_up() replays the last detector.replay_steps, logs none of their events again, and then the
 detector judges new steps as before: a replica 2x slow in the replayed window is still found slow.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from torch.distributed import HashStore
 
 from unbroken.events import EventLog, read_events
 from unbroken.runtime.store import keys
-from unbroken.runtime.coordinator.slowness import REPLAY_STEPS, SlownessMonitor
+from unbroken.config import DetectorSection
+from unbroken.runtime.coordinator.slowness import SlownessMonitor
 
 
 def committed(store, step: int, slow: float = 1.0) -> None:
@@ -44,7 +45,7 @@ def test_a_takeover_replays_only_the_recent_steps_and_still_sees_a_slow_replica(
     monitor = Counting(store, log, quotas="speed")
     monitor.catch_up()
     monitor.poll(0)
-    assert monitor.read_steps == list(range(300 - REPLAY_STEPS, 300))  # not from step 0
+    assert monitor.read_steps == list(range(300 - DetectorSection().replay_steps, 300))  # not from step 0
     assert not (tmp_path / "events.jsonl").exists() or read_events(tmp_path) == []  # replayed: not logged again
     for s in range(300, 304):  # new steps: judged and logged as before
         committed(store, s, slow=2.0)

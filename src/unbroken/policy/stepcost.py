@@ -32,7 +32,8 @@ from unbroken.policy.replan_plans import Plan
 
 @dataclass(frozen=True)
 class Hardware:
-    """Link speeds, memory and re-form time. Defaults are for H100 hosts; all are chosen, not measured."""
+    """Link speeds, memory and re-form time. Defaults are for H100 hosts; all are chosen, not measured
+    (a run's come from its config [hardware], whose defaults are these)."""
     tp_bytes_per_s: float = 150e9  # per-GPU bus bandwidth of a TP all-reduce in a host (NVLink 4's 450 GB/s
     # per direction, a third of it achieved by small all-reduces)
     pp_bytes_per_s: float = 25e9  # one GPU's share of the inter-host fabric (a 200 Gb/s NIC per GPU)

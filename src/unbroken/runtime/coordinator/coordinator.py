@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from unbroken.config import DetectorSection
 from unbroken.events import EventLog
 from unbroken.policy.membership import Beat, Membership, excuse, stale
 from unbroken.runtime.store import keys
@@ -39,11 +40,13 @@ FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/
 class Coordinator:
     def __init__(self, store: TCPStore, replicas: int, log: EventLog, heartbeat_timeout: float,
                  progress_timeout: float, startup_timeout: float, quotas: str = "speed",
-                 beat_every: float = 0.1, group_size: int = 1, shape: GroupShape | None = None):
+                 beat_every: float = 0.1, group_size: int = 1, shape: GroupShape | None = None,
+                 detector: DetectorSection | None = None):
         self.store, self.log = store, log
         self.ranks = range(group_size)  # every rank of a member group beats; one silent rank kills the group
-        # shape (the groups' plan and model): a group turning Slow or Healthy is re-planned (coordinator/replan.py)
-        self.slowness = SlownessMonitor(store, log, quotas, planner_for(shape, replicas, log, quotas))
+        # shape (the groups' plan and model): a group turning Slow or Healthy is re-planned (replan.py);
+        # detector: config [detector], the fail-slow detector's thresholds (None: its defaults)
+        self.slowness = SlownessMonitor(store, log, quotas, planner_for(shape, replicas, log, quotas), detector)
         self.hb_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.startup_timeout = startup_timeout
         self.membership = Membership.initial(replicas)
@@ -267,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress-timeout", type=float, default=20.0)
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--quotas", choices=QUOTAS, default="speed")
-    ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS,REFORM_S of every group: re-plan "
-                    "groups turning Slow with the scheduler (empty: quotas follow speed without it)")
+    ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS,REFORM_S,EVICT,TP_BPS,PP_BPS,"
+                    "PEER_BPS,STATE_BUDGET,LOCATE_STEPS (replan.GroupShape) of every group: re-plan groups turning "
+                    "Slow with the scheduler (empty: quotas follow speed without it)")
+    ap.add_argument("--detector", default="", help="config [detector] as JSON (empty: the detector's defaults)")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     ap.add_argument("--metrics-host", default="127.0.0.1")
@@ -280,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve on this socket, bound to --port and listening (the launcher holds the port)")
     a = ap.parse_args(argv)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-    shape = GroupShape(a.group_size, *(float(v) if "." in v else int(v) for v in a.plan.split(","))) \
+    shape = GroupShape(a.group_size, *(int(v) if v.lstrip("-").isdigit() else float(v) for v in a.plan.split(","))) \
         if a.plan else None
+    detector = DetectorSection(**json.loads(a.detector)) if a.detector else None
     if a.store:  # several coordinators may serve the run: the one holding the lease leads, the rest wait
         store, address = connect(a.store), a.store
         from unbroken.runtime.coordinator.election import lead
@@ -304,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     return serve(store, address, a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
                                        a.startup_timeout, quotas=a.quotas, beat_every=a.poll,
-                                       group_size=a.group_size, shape=shape),
+                                       group_size=a.group_size, shape=shape, detector=detector),
                  a.poll, exporter=exporter)
 
 

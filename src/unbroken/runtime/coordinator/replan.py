@@ -32,7 +32,7 @@ said so in each event:
 The runtime's detector times whole groups (each microbatch at the group's slowest rank: slowness.group_timings);
 the done records also carry each rank's own device seconds, and `policy.locating` compares rank j of the
 Slow group with rank j of its peers over the committed steps of the group's episode (since it left
-Healthy; at most the last LOCATE_STEPS): the decision is given the
+Healthy; at most the last config detector.locate_steps): the decision is given the
 slowest rank located at the group's measured speed (any other located rank in proportion, the rest
 healthy), or, where none is located (a stand-in, no peer with per-rank times), every rank of the group at
 the group's measured speed.
@@ -102,12 +102,6 @@ EQUAL = "run.quotas=equal: quotas never follow speed"  # why reweight is refused
 DROP = "run.quotas=drop: a group declared Slow is parked (ResiHP's drop baseline)"  # why the others are refused
 MEASURED_MIN, MEASURED_MAX = 0.1, 4.0  # the quota weight a shrunk group's measured speed may take (`measured`)
 QUOTAS = ("speed", "equal", "drop")  # config run.quotas: what a Slow group's quota becomes
-LOCATE_STEPS = 4  # committed steps whose per-rank times locate a Slow group's slow rank (the detector's
-# evidence for a verdict spans about as many steps), of those since the group left Healthy: a step before
-# the episode dilutes it, and a warm-up step outweighs several (a TP rank 3x slow from step 2 reads 0.92
-# over steps 0-3, where its peer's warm-up step 0 ran 5x, and 0.35 over steps 2-3)
-
-
 @dataclass(frozen=True)
 class GroupShape:
     """What the coordinator knows of every replica group's plan and model, from the run's config."""
@@ -118,15 +112,31 @@ class GroupShape:
     width: int  # model.n_embd: a block holds ~12 width^2 parameters
     microbatches: int  # M, per step
     steps: int  # the run's steps: the horizon a slow episode's plan is spread over (its end is unknown)
-    reform_seconds: float = 2.0  # config parallel.reform_seconds: the cost model's one-off re-form time
+    reform_seconds: float = 2.0  # config hardware.reform_seconds: the cost model's one-off re-form time
     evict: int = 0  # 1: a group may shrink around a located slow rank (parallel.on_rank_loss=replan)
+    # the rest of config [hardware]: the cost model's link speeds and state budget (stepcost.Hardware)
+    tp_bytes_per_s: float = stepcost.Hardware.tp_bytes_per_s
+    pp_bytes_per_s: float = stepcost.Hardware.pp_bytes_per_s
+    peer_bytes_per_s: float = stepcost.Hardware.peer_bytes_per_s
+    state_budget_bytes: float = stepcost.Hardware.state_budget_bytes
+    # config detector.locate_steps: committed steps whose per-rank times locate a Slow group's slow rank
+    # (the detector's evidence for a verdict spans about as many steps), of those since the group left
+    # Healthy: a step before the episode dilutes it, and a warm-up step outweighs several
+    locate_steps: int = 4
+
+    def hardware(self) -> stepcost.Hardware:
+        return stepcost.Hardware(tp_bytes_per_s=self.tp_bytes_per_s, pp_bytes_per_s=self.pp_bytes_per_s,
+                                 peer_bytes_per_s=self.peer_bytes_per_s,
+                                 state_budget_bytes=self.state_budget_bytes, reform_seconds=self.reform_seconds)
 
 
 def group_shape(cfg: Config) -> GroupShape:
     """The run's groups as the coordinator needs them (launch.py passes its fields as --plan)."""
-    p = cfg.parallel
+    p, h = cfg.parallel, cfg.hardware
     return GroupShape(p.group_size, p.tp, p.pp, cfg.model.n_layer, cfg.model.n_embd, cfg.run.microbatches,
-                      cfg.run.steps, float(p.reform_seconds), int(p.on_rank_loss == "replan"))
+                      cfg.run.steps, float(h.reform_seconds), int(p.on_rank_loss == "replan"),
+                      float(h.tp_bytes_per_s), float(h.pp_bytes_per_s), float(h.peer_bytes_per_s),
+                      float(h.state_budget_bytes), cfg.detector.locate_steps)
 
 
 def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, quotas: str) -> GroupPlanner | None:
@@ -156,7 +166,7 @@ class GroupPlanner:
         self.was_shrunk: dict[int, Plan] = {}  # shrunk groups since declared dead (their ranks may be back)
         self.evicting: dict[int, str] = {}  # group -> why its located slow rank leaves (`evictions`)
         self.timings: Mapping[int, Sequence[MicrobatchTiming]] = {}  # the last committed step's
-        self.recent: deque[tuple[int, Mapping[int, Sequence[MicrobatchTiming]]]] = deque(maxlen=LOCATE_STEPS)
+        self.recent: deque[tuple[int, Mapping[int, Sequence[MicrobatchTiming]]]] = deque(maxlen=shape.locate_steps)
         self.observed = 0  # committed steps observed: the index `recent` pairs each step's timings with
         self.episode: dict[int, int] = {}  # group -> index of the step it left Healthy in (while not Healthy)
 
@@ -180,7 +190,7 @@ class GroupPlanner:
                            if w < 1.0 and g not in self.shrunk and g not in self.parked}
 
     def measured(self, group: int, speed: float | None) -> float | None:
-        """A shrunk group's measured speed relative to its peers (`group_plan_measured`, coordinator/replan_measure.py)
+        """A shrunk group's measured speed relative to its peers (`group_plan_measured`, replan_measure.py)
         becomes its quota weight under run.quotas=speed, in place of the cost model's prediction: its
         quota follows its new speed. Returns the weight set, or None where nothing changes (other quota
         settings; a group not running shrunk, or reweighted or parked by the detector since). Clamped to
@@ -226,7 +236,7 @@ class GroupPlanner:
         restricted decision (its `applied.kind` is "shrink" or "drop"), or None when the cost model
         cannot be set up (logged: the group is then dropped). Call once per request, after its old
         incarnation was declared dead (`forget`), with the members that stay. `alive`: every survivor
-        that claimed (replan_reform.agree); the plan applied names the ones that go on (its teams)."""
+        that claimed (reform.agree); the plan applied names the ones that go on (its teams)."""
         setting, source, seconds = self._setting(self.timings, predictor)
         if setting is None:
             self.log.emit("group_plan_skipped", step=step, replica=group, why=source)
@@ -379,11 +389,11 @@ class GroupPlanner:
             seconds, source = statistics.median(m.seconds for m in mbs), "measured median"
         w = self.shape.width
         # fp32 weights, gradient and two Adam moments: 16 B per parameter, of which FSDP2 gathers the 4 B
-        # weight; the activation a stage boundary sends is width float32s per token. Hardware: stepcost's
-        # stated H100 defaults, not this machine's, but for the re-form time (config): a shrink's state
-        # pull and the state budget that decides whether a stand-in fits are an H100 cluster's.
+        # weight; the activation a stage boundary sends is width float32s per token. Hardware: config
+        # [hardware], stated H100 figures by default, not this machine's: a shrink's state pull and the
+        # state budget that decides whether a stand-in fits are an H100 cluster's.
         model = stepcost.ModelShape(self.shape.layers, 12 * w * w * 16.0, 4.0 * w, 12 * w * w * 4.0)
-        hardware = stepcost.Hardware(reform_seconds=self.shape.reform_seconds)
+        hardware = self.shape.hardware()
         try:
             return stepcost.calibrate(seconds, self.full, model, hardware, max(1, round(tokens)),
                                       self.shape.microbatches), source, seconds

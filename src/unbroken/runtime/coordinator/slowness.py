@@ -11,13 +11,15 @@ slowness reaches this module only as longer measured times, never as a flag.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from torch.distributed import TCPStore
 
+from unbroken.config import DetectorSection
 from unbroken.events import EventLog
-from unbroken.policy.detection import Detector, RegimeChange, VerdictChange
-from unbroken.policy.predictor import MicrobatchTiming
+from unbroken.policy.detection import Detector, DetectorConfig, RegimeChange, VerdictChange
+from unbroken.policy.predictor import MicrobatchTiming, Predictor
 from unbroken.policy.workload import worth_replanning
 from unbroken.runtime.store import keys
 from unbroken.runtime.store.watch import publish_weights
@@ -27,9 +29,19 @@ from unbroken.runtime.coordinator.replan import GroupPlanner
 from unbroken.runtime.store.client import read
 
 
-# steps a taking-over coordinator replays into its detector: the predictor's window (256 microbatch
-# timings) and the speed window (8 steps) fill from them; older CUSUM evidence is forgotten
-REPLAY_STEPS = 64
+def detector_for(settings: DetectorSection | None = None) -> Detector:
+    """The fail-slow detector under config [detector] (None: its defaults, the policy's own): the slowdown
+    ratios there are the detector's log-unit thresholds here."""
+    if settings is None:
+        return Detector()
+    d = settings
+    return Detector(DetectorConfig(
+        drift=math.log(d.drift_ratio), suspect_at=d.suspect_at, slow_at=d.slow_at, max_increment=d.max_increment,
+        recover_below=math.log(d.recover_below_ratio), recover_steps=d.recover_steps,
+        regime_move=math.log(d.regime_move_ratio), regime_quorum=d.regime_quorum, min_fleet=d.min_fleet,
+        speed_window=d.speed_window, min_speed=d.min_speed, warmup_steps=d.warmup_steps,
+        warmup_drift=math.log(d.warmup_drift_ratio), join_skip=d.join_skip),
+        Predictor(d.predictor_window, d.refit_every, d.min_samples))
 
 
 def group_timings(done: dict, ranks: list[dict]) -> list[MicrobatchTiming]:
@@ -53,12 +65,16 @@ class SlownessMonitor:
     """Call `poll(epoch)` every beat round of the coordinator (a round trip, plus two for each step
     committed since); `forget(r)` when a member is declared dead."""
 
-    def __init__(self, store: TCPStore, log: EventLog, quotas: str, planner: GroupPlanner | None = None):
+    def __init__(self, store: TCPStore, log: EventLog, quotas: str, planner: GroupPlanner | None = None,
+                 settings: DetectorSection | None = None):
         """`quotas` is config run.quotas: "speed" publishes weights that follow speed, "drop" (with a
-        planner) those that park a Slow group, "equal" none."""
+        planner) those that park a Slow group, "equal" none. `settings`: config [detector] (None: defaults)."""
         self.store, self.log, self.planner = store, log, planner
         self.publishes = quotas == "speed" or (quotas == "drop" and planner is not None)
-        self.detector = Detector()
+        self.detector = detector_for(settings)
+        # steps a taking-over coordinator replays into its detector: the predictor's window and the speed
+        # window fill from them; older CUSUM evidence is forgotten
+        self.replay_steps = (settings or DetectorSection()).replay_steps
         self.next_step = 0
         self.published: dict[int, float] = {}  # the weights last written ({} = equal)
         self.members: dict[int, list[int]] = {}  # epoch -> its member list, as read once
@@ -67,11 +83,11 @@ class SlownessMonitor:
         self.commit_epoch = -1  # the epoch the step `_timings` last read committed in
 
     def catch_up(self) -> None:
-        """For a coordinator taking over (etcd standby): rebuild the detector from the last REPLAY_STEPS
+        """For a coordinator taking over (etcd standby): rebuild the detector from the last `replay_steps`
         committed steps' timings in the store, not from step 0 (a month of steps would be millions of
         reads), logging nothing and publishing no weights for them (the leader before did)."""
         last = int(read(self.store, keys.last_commit()) or -1)
-        self.next_step, self.replayed = max(0, last - REPLAY_STEPS + 1), last
+        self.next_step, self.replayed = max(0, last - self.replay_steps + 1), last
         self.published = {int(k): v for k, v in json.loads(read(self.store, keys.weights()) or b"{}").items()}
         if self.planner is not None:
             self.planner.resume(self.published, plans_from(read(self.store, keys.shrunk())))

@@ -179,7 +179,7 @@ def _serve(cfg: Config, store: Store, address: str, log: EventLog, out: Path) ->
                  lambda s: Coordinator(s, r.replicas, log, c.heartbeat_timeout, c.progress_timeout,
                                        c.startup_timeout, quotas=r.quotas,
                                        beat_every=c.heartbeat_interval, group_size=cfg.parallel.group_size,
-                                       shape=group_shape(cfg)),
+                                       shape=group_shape(cfg), detector=cfg.detector),
                  c.heartbeat_interval, until_finished=True,
                  exporter=Exporter(out, store, m.port, m.host, m.tensorboard,
                                    str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else ""))

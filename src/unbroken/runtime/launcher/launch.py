@@ -45,7 +45,6 @@ from unbroken.runtime.store.client import preflight as store_preflight
 from unbroken.runtime.store.watch import wake
 from unbroken.runtime.coordinator.metrics import preflight
 
-MAX_RESTARTS = 20
 # Records the watch neither acts on nor shows: most of the log (a few per replica and step), so they
 # are skipped unparsed (every record starts with its kind, events.py).
 _UNREAD = tuple(f'{{"event":"{kind}"'.encode() for kind in ("compute", "reduce", "applied"))
@@ -129,8 +128,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                 raise _CoordinatorLost(error)
             if outcome != "restart":
                 break
-            if generation >= MAX_RESTARTS:
-                error = f"gave up after {MAX_RESTARTS} restarts ({error})"
+            if generation >= cfg.run.max_job_restarts:
+                error = f"gave up after {cfg.run.max_job_restarts} restarts ({error})"
                 break
             source = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
             generation += 1

@@ -8,11 +8,12 @@ killing them (processes.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
-from dataclasses import astuple
+from dataclasses import asdict, astuple
 from pathlib import Path
 
 from unbroken.config import Config
@@ -58,6 +59,7 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socke
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
            "--plan", ",".join(map(str, astuple(group_shape(cfg))[1:])),  # all but group_size, passed above
+           "--detector", json.dumps(asdict(cfg.detector)),
            "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
            "--tensorboard", cfg.metrics.tensorboard,

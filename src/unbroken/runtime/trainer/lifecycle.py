@@ -52,7 +52,8 @@ from unbroken.runtime.trainer.stepwork import Parts
 from unbroken.topology import Identity, TopologyError
 
 # A survivor waits this long for its sidecar's running job (a store round trip and a digest, ms) before
-# it drops its stage; a longer one (rank 0's wait for a dead rank's shard digest) is left, and said
+# it drops its stage; a longer one (rank 0's wait for a dead rank's shard digest) is left, and said.
+# Not a config key: a bound far above what the job takes, and nothing a run's setting would change.
 SIDECAR_CLOSE_S = 2.0
 
 

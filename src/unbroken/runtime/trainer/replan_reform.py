@@ -53,8 +53,6 @@ from unbroken.runtime.store.client import read
 from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Identity, Topology
 
-CLAIM_WAIT_S = 3.0  # how long the first survivor waits for the others to claim before it asks
-
 
 @dataclass(frozen=True)
 class Reform:
@@ -88,12 +86,12 @@ def agree(cfg: Config, coord: Coordination, who: Identity, leader: bool, restart
           wait_s: float) -> Reform | str:
     """This survivor's place in the plan the coordinator chose for its group, or why it leaves: "refused"
     (the scheduler dropped the group) or "left out" (the plan runs on other survivors). `leader`: this survivor claimed first
-    (membership.claim_standin) and asks for every survivor that claimed within CLAIM_WAIT_S. Call
+    (membership.claim_standin) and asks for every survivor that claimed within config parallel.claim_wait s. Call
     once per survivor, after its group broke and it released its stage; "refused" too when no admission
     comes within `wait_s` (the first survivor died before asking)."""
     request = nonce(who.group, incarnation)
     if leader:
-        deadline = time.monotonic() + CLAIM_WAIT_S
+        deadline = time.monotonic() + cfg.parallel.claim_wait
         survivors = coord.survivors(who.group_size, incarnation)
         while len(survivors) < who.group_size - 1 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -44,6 +44,8 @@ from unbroken.runtime.trainer.stepwork import StepWork
 
 MAX_BYTES = 64 << 20  # parameters + optimizer state on an accelerator
 CPU_MAX_BYTES = 8 << 20  # in host memory: ~0.6 ms to copy with one thread
+# Neither is a config key: they define run.step_ahead="auto" (a copy well under the wait it hides, on
+# either device); a run that wants another size says "on" or "off".
 
 
 def limit(mode: str, device: torch.device | str = "cpu") -> int:

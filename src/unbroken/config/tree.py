@@ -1,12 +1,16 @@
-"""One config tree: nested frozen dataclasses, loaded from a TOML file, then `--a.b=value` overrides.
+"""The config tree: the root `Config`, read from a TOML file and `--a.b=value` overrides, and checked.
 
-Owns: every tunable of a run, its default, its validation (one-line ConfigError naming the bad key), and
-the JSON form handed to worker processes. Does not own: what the values do.
+Owns: the precedence (defaults < file < overrides), the coercion of CLI strings, the check every
+`Literal[...]` key gets from its type (one line naming the key, the bad value and the allowed values),
+the checks across keys (restart-memory needs snapshots, the degrees inside a group), the directories a
+run writes (`check_paths`), and the JSON form handed to workers. Does not own: the sections' keys, types,
+defaults and docs (schema.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 import types
 import typing
@@ -15,137 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from unbroken import storeurl
+from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
+                                    HardwareSection, MetricsConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                    RunConfig, SnapshotConfig, literal_problem)
 from unbroken.topology import Topology
-
-
-class ConfigError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    n_layer: int = 2  # transformer blocks
-    n_head: int = 4
-    n_embd: int = 64  # width; parameters grow with n_layer * 12 * n_embd**2
-    block_size: int = 64  # longest sequence the model takes, tokens
-    vocab_size: int = 256  # byte-level
-    dropout: float = 0.1  # seeded per microbatch (seed, step, i), never per rank
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    path: str = ""  # text file or uint16 token file (.bin); empty: the Python standard library's source
-    batch_size: int = 4  # sequences per microbatch
-    seq_len: str = "64"  # tokens per sequence; "variable" or "MIN-MAX": lengths from document lengths
-    max_files: int = 400  # default corpus: how many stdlib files to read
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-
-
-@dataclass(frozen=True)
-class CoordConfig:
-    heartbeat_interval: float = 0.25  # s between a member's heartbeats and the coordinator's liveness rounds
-    heartbeat_timeout: float = 3.0  # s without a heartbeat before a member is declared dead
-    startup_timeout: float = 120.0  # s a member may take from its first heartbeat to its first step
-    progress_timeout: float = 20.0  # s in one compute microbatch before a beating member is declared stuck
-    collective_timeout: float = 30.0  # s before gloo gives up on a collective by itself
-    run_timeout: float = 900.0  # s before the launcher gives up on the whole run
-    # where coordination state lives: "" the coordinator's own TCPStore (one host); or an etcd cluster,
-    # etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; README: Coordination in etcd)
-    store: str = ""
-    standbys: int = 1  # with an etcd store: coordinators beside the leader, each ready to take over
-    lease_ttl: int = 5  # s (whole): with etcd, a leader silent this long is replaced by a standby
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    replicas: int = 4  # data-parallel replica groups (one process each)
-    steps: int = 20
-    microbatches: int = 8  # per step, constant whatever fails
-    seed: int = 0
-    exact: bool = False  # float64 accumulation and reduction: bitwise the failure-free trajectory
-    threads: int = 1  # torch threads per replica, identical on all (exact mode needs that)
-    faults: str = ""  # see faultspec.py
-    # "speed": the detector's speed estimates weight the quotas; "equal": never; "drop": a group declared
-    # Slow is parked for the rest of the run (no microbatches; ResiHP's drop baseline: coordinator/replan.py)
-    quotas: str = "speed"
-    recovery: str = "live"  # "live" | "restart-memory" | "restart-disk" (see policy/snapshotting.py)
-    # commit pipelining: the optimizer steps and the next step computes before the commit decision
-    # is read; undone on retry (runtime/trainer/speculation.py). "auto": states up to 8 MiB in host memory
-    # (64 MiB on an accelerator), and not with snapshots or checkpoints (trainer/step.py); "on": any size
-    step_ahead: str = "auto"  # "auto" | "on" | "off"
-    out: str = "runs/latest"
-    progress: bool = True  # live progress with rich
-    # how the local launcher starts its processes: "torchrun" runs the cluster's own command (one
-    # torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
-    # torchrun's agent process per group (its start-up and one more process per group on the host);
-    # "fork" forks the coordinator, the snapshot agents and one-rank groups' trainers from a process that
-    # imported torch once (launcher/zygote.py), and a group of several ranks is a forked torchrun agent
-    # whose ranks fork from it (runtime/trainer/forkrun.py): ~3 CPU-s less per trainer start and restart
-    launcher: str = "fork"
-    # torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running job,
-    # healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun line)
-    restarts: int = 0
-    # the local launcher pins replica group r's processes to its own cores (group r's G ranks share cores
-    # r*G .. r*G+G-1, modulo the cores this process may use), as a GPU a rank gives each its own device:
-    # a survivor then cannot speed up on a dead peer's core, and a waiting peer lends none to a slow one
-    pin_cores: bool = False
-
-
-@dataclass(frozen=True)
-class SnapshotConfig:
-    enabled: bool = False  # in-memory snapshots held by one agent process per node
-    every: int = 1  # committed steps between snapshots
-    nodes: int = 1  # emulated nodes (failure domains), one snapshot agent each; divides run.replicas
-    parity: str = "none"  # "none", "xor" (k+1) or "rs" (k+m Reed-Solomon, pyeclib) across nodes
-    k: int = 0  # data shards per parity stripe; nodes must be a multiple of k+m
-    m: int = 0  # parity shards per stripe
-    shm_dir: str = "/dev/shm/unbroken"
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every: int = 0  # committed steps between DCP checkpoints; 0: none
-    dir: str = ""  # default: RUN_DIR/checkpoints
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    # ranks per replica group: one torchrun job of this many processes per group, the model sharded
-    # over them with FSDP2 (HSDP: the replicate dimension across groups is the fault-tolerant one)
-    group_size: int = 1
-    # pipeline stages inside a group (the GPT's blocks split over them); group_size = pp x tp x FSDP shards
-    pp: int = 1
-    # tensor-parallel degree inside a group (attention heads and MLP units split; group_size = tp, so far)
-    tp: int = 1
-    # what a group that loses a rank does: drop (the whole group leaves until torchrun brings it back) or
-    # replan (the scheduler of policy/replan_scheduler.py chooses; "shrink" runs the group on its survivor,
-    # healed from a peer group). replan starts one torchrun agent per rank, as a group spanning hosts.
-    on_rank_loss: str = "drop"
-    # the re-plan cost model's one-off cost of re-forming a group after a plan change, s (stated, not
-    # measured: stepcost.Hardware's H100 figure; a shrink here re-forms in ~0.1-0.5 s on CPU gloo)
-    reform_seconds: float = 2.0
-    # local launcher, on_rank_loss=replan: seconds after a rank's torchrun agent ended before a replacement
-    # agent starts for it (a spare host arriving: the group re-forms at its full plan); < 0: never
-    replace_after: float = -1.0
-    # where each rank computes: "auto" (CUDA where its process sees a GPU, else CPU), "cpu" or "cuda". On a
-    # GPU a group's ranks talk over NCCL (gloo for the step protocol's CPU tensors); the cross-group
-    # fault-tolerant all-reduce stays on gloo (runtime/parallel/device.py says why). Run on one GPU; NCCL
-    # inside a group (2 GPUs or more) not yet.
-    device: str = "auto"
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    port: int = 0  # coordinator serves Prometheus /metrics on this port; 0: off (needs unbroken[metrics])
-    host: str = "127.0.0.1"  # address /metrics listens on; 0.0.0.0 to let a Prometheus elsewhere scrape it
-    tensorboard: str = ""  # directory for TensorBoard event files, written by the coordinator; empty: off
 
 
 @dataclass(frozen=True)
@@ -159,6 +36,8 @@ class Config:
     coord: CoordConfig = field(default_factory=CoordConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    detector: DetectorSection = field(default_factory=DetectorSection)
+    hardware: HardwareSection = field(default_factory=HardwareSection)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -173,30 +52,37 @@ class Config:
         return build(json.loads(text))
 
 
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+# keys that moved to another section: still read under their old name (flags in scripts, and the
+# config.json of a run to resume)
+MOVED = {"parallel.reform_seconds": "hardware.reform_seconds"}
+
+
 def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Config:
     """A validated Config from a nested dict plus dotted overrides (values may be strings from the CLI)."""
     tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in MOVED.items():
+        section, _, key = old.partition(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            to, _, name = new.partition(".")
+            tree.setdefault(to, {}).setdefault(name, tree[section].pop(key))
     for dotted, value in (overrides or {}).items():
+        dotted = MOVED.get(dotted, dotted)
         section, _, key = dotted.partition(".")
         if not key:
             raise ConfigError(f"override {dotted!r} must look like section.key")
         tree.setdefault(section, {})[key] = value
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
     built = {}
     for name, sub in tree.items():
-        if name not in sections:
-            raise ConfigError(f"unknown config section {name!r} (known: {', '.join(sections)})")
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section {name!r} (known: {', '.join(SECTIONS)})")
         if not isinstance(sub, dict):
             raise ConfigError(f"config section {name!r} must be a table")
-        built[name] = _section(_SECTIONS[name], name, sub)
+        built[name] = _section(SECTIONS[name], name, sub)
     cfg = Config(**built)
     validate(cfg)
     return cfg
-
-
-_SECTIONS = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "coord": CoordConfig,
-             "snapshot": SnapshotConfig, "checkpoint": CheckpointConfig,
-             "metrics": MetricsConfig, "parallel": ParallelConfig}
 
 
 def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
@@ -205,13 +91,19 @@ def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
     for key, raw in values.items():
         if key not in hints:
             raise ConfigError(f"unknown config key {name}.{key}")
-        kwargs[key] = _coerce(hints[key], raw, f"{name}.{key}")
+        kwargs[key] = coerce(hints[key], raw, f"{name}.{key}")
     return cls(**kwargs)
 
 
-def _coerce(tp: Any, raw: Any, where: str) -> Any:
+def coerce(tp: Any, raw: Any, where: str) -> Any:
+    """`raw` (a TOML value or a CLI string) as type `tp`; ConfigError naming `where` if it is none."""
     if isinstance(tp, types.UnionType):
         tp = next(t for t in typing.get_args(tp) if t is not type(None))
+    if typing.get_origin(tp) is typing.Literal:
+        problem = literal_problem(tp, raw, where)
+        if problem:
+            raise ConfigError(problem)
+        return raw
     try:
         if tp is bool:
             if isinstance(raw, bool):
@@ -228,19 +120,48 @@ def _coerce(tp: Any, raw: Any, where: str) -> Any:
         raise ConfigError(f"{where}={raw!r} is not a valid {tp.__name__}") from None
 
 
+def load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Config from an optional TOML file plus overrides. Raises ConfigError (one line) on bad input."""
+    tree: dict[str, Any] = {}
+    if path:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path!r} is a directory") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path!r}: {e}") from None
+    return build(tree, overrides)
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--a.b=value` arguments into {"a.b": "value"}; raises ConfigError on anything else."""
+    out = {}
+    for a in args:
+        if not a.startswith("--") or "=" not in a or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unrecognized argument {a!r} (overrides look like --section.key=value)")
+        key, value = a[2:].split("=", 1)
+        out[key] = value
+    return out
+
+
 def validate(cfg: Config) -> None:
-    """Raise ConfigError with one line for the first impossible value."""
+    """Raise ConfigError with one line for the first impossible value: first any `Literal[...]` key
+    outside its values (checked from its type, here for every such key), then the checks below."""
+    for name, section in vars(cfg).items():
+        for key, tp in typing.get_type_hints(type(section)).items():
+            problem = literal_problem(tp, getattr(section, key), f"{name}.{key}")
+            if problem:
+                raise ConfigError(problem)
     r, m = cfg.run, cfg.model
     checks = [
         (r.replicas >= 1, f"run.replicas={r.replicas}: need at least 1 replica"),
         (r.steps >= 1, f"run.steps={r.steps}: need at least 1 step"),
         (r.microbatches >= 1, f"run.microbatches={r.microbatches}: need at least 1 microbatch"),
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
-        (r.quotas in ("speed", "equal", "drop"), f"run.quotas={r.quotas!r}: expected 'speed', 'equal' or 'drop'"),
-        (r.step_ahead in ("auto", "on", "off"), f"run.step_ahead={r.step_ahead!r}: expected 'auto', 'on' or 'off'"),
-        (r.launcher in ("fork", "direct", "torchrun"),
-         f"run.launcher={r.launcher!r}: expected 'fork', 'direct' or 'torchrun'"),
         (r.restarts >= 0, f"run.restarts={r.restarts}: must be >= 0"),
+        (r.max_job_restarts >= 0, f"run.max_job_restarts={r.max_job_restarts}: must be >= 0"),
         (r.restarts == 0 or r.launcher == "torchrun" or cfg.parallel.group_size > 1,
          f"run.restarts={r.restarts} needs --run.launcher=torchrun (torchrun restarts a group)"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
@@ -262,18 +183,16 @@ def validate(cfg: Config) -> None:
     s = cfg.snapshot
     group = s.k + s.m
     checks += [
-        (r.recovery in ("live", "restart-memory", "restart-disk"),
-         f"run.recovery={r.recovery!r}: expected live, restart-memory or restart-disk"),
         (r.recovery != "restart-memory" or s.enabled, "run.recovery=restart-memory needs --snapshot.enabled=true"),
         (r.recovery != "restart-disk" or cfg.checkpoint.every > 0, "run.recovery=restart-disk needs --checkpoint.every=T"),
         (s.every >= 1, f"snapshot.every={s.every}: need at least 1"),
         (s.nodes >= 1 and r.replicas % s.nodes == 0, f"snapshot.nodes={s.nodes} does not divide run.replicas={r.replicas}"),
-        (s.parity in ("none", "xor", "rs"), f"snapshot.parity={s.parity!r}: expected none, xor or rs"),
         (s.parity == "none" or (s.k >= 1 and s.m >= 1 and s.nodes % group == 0 and (s.parity == "rs" or s.m == 1)),
          f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
+    checks += _tuning_checks(cfg)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -299,11 +218,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),
-        (p.reform_seconds >= 0, f"parallel.reform_seconds={p.reform_seconds}: must be >= 0"),
+        (p.claim_wait >= 0, f"parallel.claim_wait={p.claim_wait}: must be >= 0 (seconds)"),
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
-        (p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: expected auto, cpu or cuda"),
-        (p.on_rank_loss in ("drop", "replan"), f"parallel.on_rank_loss={p.on_rank_loss!r}: expected drop or replan"),
         (p.on_rank_loss == "drop" or g >= 2,
          f"parallel.on_rank_loss=replan with parallel.group_size={g}: a group of one rank has no other rank to "
          f"go on without it"),
@@ -314,6 +231,30 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
          f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
          f"into its {fsdp} FSDP shards (group_size / (pp x tp): each takes an equal share of every "
          f"microbatch's sequences)"),
+    ]
+
+
+def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """[detector] and [hardware]: thresholds and figures the policy code divides by or counts with."""
+    d, h = cfg.detector, cfg.hardware
+    positive = [("detector", k) for k in ("suspect_at", "slow_at", "max_increment", "min_speed")] + \
+        [("hardware", k) for k in ("tp_bytes_per_s", "pp_bytes_per_s", "peer_bytes_per_s", "state_budget_bytes")]
+    checks = [(getattr(getattr(cfg, s), k) > 0, f"{s}.{k}={getattr(getattr(cfg, s), k)}: must be > 0")
+              for s, k in positive]
+    ratios = ("drift_ratio", "recover_below_ratio", "regime_move_ratio", "warmup_drift_ratio")
+    checks += [(getattr(d, k) >= 1.0, f"detector.{k}={getattr(d, k)}: a slowdown ratio, must be >= 1")
+               for k in ratios]
+    counts = ("recover_steps", "min_fleet", "speed_window", "refit_every", "replay_steps", "locate_steps")
+    checks += [(getattr(d, k) >= 1, f"detector.{k}={getattr(d, k)}: must be >= 1") for k in counts]
+    return checks + [
+        (d.suspect_at <= d.slow_at, f"detector.suspect_at={d.suspect_at} exceeds detector.slow_at={d.slow_at}"),
+        (0 < d.regime_quorum < 1, f"detector.regime_quorum={d.regime_quorum}: must be in (0, 1)"),
+        (d.min_speed <= 1, f"detector.min_speed={d.min_speed}: must be <= 1"),
+        (d.warmup_steps >= 0 and d.join_skip >= 0,
+         f"detector.warmup_steps={d.warmup_steps}, detector.join_skip={d.join_skip}: must be >= 0"),
+        (3 <= d.min_samples <= d.predictor_window,
+         f"detector.min_samples={d.min_samples}: must be in 3..detector.predictor_window={d.predictor_window}"),
+        (h.reform_seconds >= 0, f"hardware.reform_seconds={h.reform_seconds}: must be >= 0"),
     ]
 
 
@@ -341,7 +282,6 @@ def check_paths(cfg: Config) -> None:
 def _unwritable(path: Path) -> str | None:
     """Why a directory could not be created or written there, or None. The nearest existing ancestor
     must be a directory we may write into (the run creates the rest)."""
-    import os
     if path.exists():
         if not path.is_dir():
             return "exists and is not a directory"
@@ -366,27 +306,3 @@ def _check_seq_len(spec: str, block_size: int) -> None:
         raise ConfigError(f"data.seq_len={spec!r}: expected a number, MIN-MAX or 'variable'") from None
     if not 1 <= lo <= hi <= block_size:
         raise ConfigError(f"data.seq_len={spec!r}: lengths must lie in 1..{block_size} (model.block_size)")
-
-
-def load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
-    """Config from an optional TOML file plus overrides. Raises ConfigError (one line) on bad input."""
-    tree: dict[str, Any] = {}
-    if path:
-        try:
-            tree = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} not found") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path!r}: {e}") from None
-    return build(tree, overrides)
-
-
-def parse_overrides(args: list[str]) -> dict[str, str]:
-    """`--a.b=value` arguments into {"a.b": "value"}; raises ConfigError on anything else."""
-    out = {}
-    for a in args:
-        if not a.startswith("--") or "=" not in a or "." not in a.split("=", 1)[0]:
-            raise ConfigError(f"unrecognized argument {a!r} (overrides look like --section.key=value)")
-        key, value = a[2:].split("=", 1)
-        out[key] = value
-    return out

@@ -1,0 +1,281 @@
+"""The config tree's shape: one frozen dataclass per section, each field with its type, default and doc.
+
+Owns: every key of a run, its type (a `Literal[...]` for a key with a fixed set of values: tree.py
+checks them all in one place), its default, and its help text, which is the string literal right after
+the field (listing.py reads it for `unbroken config` and docs/config.md). Does not own: reading a file
+or flags or the root `Config` and the checks across keys (tree.py), or what the values do.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def literal_problem(tp: Any, value: Any, where: str) -> str | None:
+    """Why `value` does not fit type `tp` when that is a `Literal[...]` (None: it fits, or `tp` is no
+    Literal): the one message every such key gives, naming the key, the value and the allowed values."""
+    if typing.get_origin(tp) is not Literal or value in typing.get_args(tp):
+        return None
+    return f"{where}={value!r}: expected one of {', '.join(map(repr, typing.get_args(tp)))}"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT trained: its shape and dropout."""
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; model.n_embd must be a multiple of it."""
+    n_embd: int = 64
+    """Width; parameters grow with n_layer * 12 * n_embd**2."""
+    block_size: int = 64
+    """Longest sequence the model takes, tokens."""
+    vocab_size: int = 256
+    """Token vocabulary: 256 is byte-level."""
+    dropout: float = 0.1
+    """Dropout probability, seeded per microbatch (seed, step, i), never per rank."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training data and how it is cut into microbatches."""
+    path: str = ""
+    """Text file or uint16 token file (.bin); empty: the Python standard library's source."""
+    batch_size: int = 4
+    """Sequences per microbatch."""
+    seq_len: str = "64"
+    """Tokens per sequence; "variable" or "MIN-MAX": lengths from document lengths."""
+    max_files: int = 400
+    """Default corpus: how many standard-library files to read."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The AdamW optimizer."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+
+
+@dataclass(frozen=True)
+class CoordConfig:
+    """Heartbeats, timeouts and where the coordination state lives."""
+    heartbeat_interval: float = 0.25
+    """Seconds between a member's heartbeats and the coordinator's liveness rounds."""
+    heartbeat_timeout: float = 3.0
+    """Seconds without a heartbeat before a member is declared dead."""
+    startup_timeout: float = 120.0
+    """Seconds a member may take from its first heartbeat to its first step."""
+    progress_timeout: float = 20.0
+    """Seconds in one compute microbatch before a beating member is declared stuck."""
+    collective_timeout: float = 30.0
+    """Seconds before gloo gives up on a collective by itself."""
+    run_timeout: float = 900.0
+    """Seconds before the launcher gives up on the whole run."""
+    store: str = ""
+    """Where coordination state lives: empty, the coordinator's own TCPStore (one host); or an etcd
+    cluster, etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; README: Coordination in
+    etcd)."""
+    standbys: int = 1
+    """With an etcd store: coordinators beside the leader, each ready to take over."""
+    lease_ttl: int = 5
+    """Whole seconds: with etcd, a leader silent this long is replaced by a standby."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run as a whole: its replicas, steps, faults, recovery and launcher."""
+    replicas: int = 4
+    """Data-parallel replica groups (one process each, or parallel.group_size)."""
+    steps: int = 20
+    """Optimizer steps to commit."""
+    microbatches: int = 8
+    """Microbatches per step, constant whatever fails."""
+    seed: int = 0
+    """Seed of the model's initialization, the data order and dropout."""
+    exact: bool = False
+    """Float64 accumulation and reduction: bitwise the failure-free trajectory."""
+    threads: int = 1
+    """Torch threads per replica, identical on all (exact mode needs that)."""
+    faults: str = ""
+    """Faults to inject, e.g. 'kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,for=8'
+    (faultspec.py)."""
+    quotas: Literal["speed", "equal", "drop"] = "speed"
+    """What a slow group's quota becomes: "speed", the detector's speed estimates weight the quotas;
+    "equal", never; "drop", a group declared Slow is parked for the rest of the run (no microbatches;
+    ResiHP's drop baseline)."""
+    recovery: Literal["live", "restart-memory", "restart-disk"] = "live"
+    """How the run recovers from a lost replica: "live" goes on without it; "restart-memory" restarts
+    the job from in-memory snapshots (needs snapshot.enabled); "restart-disk" from the latest checkpoint
+    (needs checkpoint.every) (policy/recovery.py)."""
+    step_ahead: Literal["auto", "on", "off"] = "auto"
+    """Commit pipelining: the optimizer steps and the next step computes before the commit decision is
+    read, undone on retry (runtime/trainer/speculation.py). "auto": states up to 8 MiB in host memory
+    (64 MiB on an accelerator), and not with snapshots or checkpoints; "on": any size; "off": never."""
+    out: str = "runs/latest"
+    """Run directory: events.jsonl, summary.json, logs."""
+    progress: bool = True
+    """Live progress with rich."""
+    launcher: Literal["fork", "direct", "torchrun"] = "fork"
+    """How the local launcher starts its processes: "torchrun" runs the cluster's own command (one
+    torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
+    torchrun's agent process per group; "fork" forks the coordinator, the snapshot agents and one-rank
+    groups' trainers from a process that imported torch once (launcher/zygote.py), and a group of several
+    ranks is a forked torchrun agent whose ranks fork from it (runtime/trainer/forkrun.py): about 3 CPU-s
+    less per trainer start and restart."""
+    restarts: int = 0
+    """Torchrun's --max-restarts for each group: a group restarted after a failure rejoins the running
+    job, healed from a live group (the local launcher's torchrun; on a cluster, the user's torchrun
+    line)."""
+    max_job_restarts: int = 20
+    """run.recovery=restart-*: whole-job restarts (new generations) after which the launcher gives up."""
+    pin_cores: bool = False
+    """The local launcher pins replica group r's processes to its own cores (group r's G ranks share
+    cores r*G .. r*G+G-1, modulo the cores this process may use), as a GPU a rank gives each its own
+    device: a survivor then cannot speed up on a dead peer's core, and a waiting peer lends none to a slow
+    one."""
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    """In-memory snapshots of the training state, held by one agent process per node."""
+    enabled: bool = False
+    """In-memory snapshots held by one agent process per node."""
+    every: int = 1
+    """Committed steps between snapshots."""
+    nodes: int = 1
+    """Emulated nodes (failure domains), one snapshot agent each; divides run.replicas."""
+    parity: Literal["none", "xor", "rs"] = "none"
+    """Parity across nodes: "none", "xor" (k+1) or "rs" (k+m Reed-Solomon, pyeclib)."""
+    k: int = 0
+    """Data shards per parity stripe; snapshot.nodes must be a multiple of k+m."""
+    m: int = 0
+    """Parity shards per stripe."""
+    shm_dir: str = "/dev/shm/unbroken"
+    """Directory of the agents' shared-memory segments."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints on disk (torch.distributed.checkpoint)."""
+    every: int = 0
+    """Committed steps between DCP checkpoints; 0: none."""
+    dir: str = ""
+    """Checkpoint directory; empty: RUN_DIR/checkpoints."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallelism inside a replica group (FSDP2, pipeline and tensor parallelism) and what a group does
+    when it loses a rank."""
+    group_size: int = 1
+    """Ranks per replica group: one torchrun job of this many processes per group, the model sharded over
+    them with FSDP2 (HSDP: the replicate dimension across groups is the fault-tolerant one)."""
+    pp: int = 1
+    """Pipeline stages inside a group (the GPT's blocks split over them); group_size = pp x tp x FSDP
+    shards."""
+    tp: int = 1
+    """Tensor-parallel degree inside a group (attention heads and MLP units split)."""
+    on_rank_loss: Literal["drop", "replan"] = "drop"
+    """What a group that loses a rank does: "drop" (the whole group leaves until torchrun brings it back)
+    or "replan" (the scheduler of policy/replan_scheduler.py chooses; "shrink" runs the group on its
+    survivors, healed from a peer group). replan starts one torchrun agent per rank, as a group spanning
+    hosts."""
+    replace_after: float = -1.0
+    """Local launcher, on_rank_loss=replan: seconds after a rank's torchrun agent ended before a
+    replacement agent starts for it (a spare host arriving: the group re-forms at its full plan); < 0:
+    never."""
+    claim_wait: float = 3.0
+    """on_rank_loss=replan: seconds the first survivor of a broken group waits for the others to claim
+    their places before it asks the coordinator for a plan."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each rank computes: "auto" (CUDA where its process sees a GPU, else CPU), "cpu" or "cuda".
+    On a GPU a group's ranks talk over NCCL (gloo for the step protocol's CPU tensors); the cross-group
+    fault-tolerant all-reduce stays on gloo (runtime/parallel/device.py says why). Runs on one GPU; NCCL
+    inside a group (2 GPUs or more) not yet."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The coordinator's Prometheus and TensorBoard outputs."""
+    port: int = 0
+    """The coordinator serves Prometheus /metrics on this port; 0: off (needs unbroken[metrics])."""
+    host: str = "127.0.0.1"
+    """Address /metrics listens on; 0.0.0.0 lets a Prometheus elsewhere scrape it."""
+    tensorboard: str = ""
+    """Directory for TensorBoard event files, written by the coordinator; empty: off."""
+
+
+@dataclass(frozen=True)
+class DetectorSection:
+    """The fail-slow detector's thresholds (policy/detection.py's DetectorConfig and Predictor; the
+    coordinator's slowness.py and replan.py). A step's score is log(observed / predicted time) minus the
+    fleet's; the CUSUM adds each step's score less the allowance."""
+    drift_ratio: float = 1.08
+    """CUSUM allowance as a slowdown ratio: slowdowns under it never accumulate evidence."""
+    suspect_at: float = 0.15
+    """CUSUM level (log units) for Suspect: one 1.2x step reaches it."""
+    slow_at: float = 0.45
+    """CUSUM level (log units) for Slow: 1.3x sustained gets there in 3 steps, 1.6x and more in 2."""
+    max_increment: float = 0.3
+    """Evidence (log units) one step may add: one bad step alone is at most Suspect."""
+    recover_below_ratio: float = 1.08
+    """A Slow replica's step counts as calm under this slowdown ratio."""
+    recover_steps: int = 3
+    """Calm steps in a row that make a Slow replica Healthy again."""
+    regime_move_ratio: float = 1.15
+    """A replica "moved" when its raw score is beyond this ratio either way."""
+    regime_quorum: float = 0.5
+    """More than this share of a device class moving the same way is a regime change (the predictor is
+    rescaled; nobody is flagged)."""
+    min_fleet: int = 3
+    """Replicas of a device class needed to normalize by the fleet median (fewer: by the fastest)."""
+    speed_window: int = 8
+    """Recent steps whose median gives a Slow replica's speed estimate."""
+    min_speed: float = 0.1
+    """Lowest speed reported, so a slow replica keeps some work and can show recovery."""
+    warmup_steps: int = 6
+    """The run's first steps (and a joining member's): they add evidence above warmup_drift_ratio only."""
+    warmup_drift_ratio: float = 1.3
+    """CUSUM allowance during warm-up, as a slowdown ratio (start-up inflates healthy replicas' time)."""
+    join_skip: int = 1
+    """A member joining a running fleet: its first steps neither scored nor taught to the predictor."""
+    predictor_window: int = 256
+    """Microbatch timings per device class the time predictor fits over."""
+    refit_every: int = 64
+    """New timings between the predictor's refits."""
+    min_samples: int = 12
+    """Timings the predictor needs before its first fit (at least 3, at most predictor_window)."""
+    replay_steps: int = 64
+    """Committed steps a taking-over coordinator (etcd standby) replays into its detector."""
+    locate_steps: int = 4
+    """Committed steps whose per-rank times locate a Slow group's slow rank (of those since the group
+    left Healthy)."""
+
+
+@dataclass(frozen=True)
+class HardwareSection:
+    """The re-plan cost model's hardware figures (policy/stepcost.py's Hardware): stated for H100 hosts,
+    not measured on this machine."""
+    tp_bytes_per_s: float = 150e9
+    """Per-GPU bus bandwidth of a TP all-reduce inside a host, bytes/s (NVLink 4, a third of its 450 GB/s
+    per direction, as small all-reduces achieve)."""
+    pp_bytes_per_s: float = 25e9
+    """One GPU's share of the inter-host fabric, bytes/s (a 200 Gb/s NIC per GPU)."""
+    peer_bytes_per_s: float = 25e9
+    """A rank pulling state from a peer group's rank, bytes/s, over the same NIC."""
+    state_budget_bytes: float = 60e9
+    """Bytes per GPU for parameters, gradients and optimizer state (80 GB HBM less room for activations)."""
+    reform_seconds: float = 2.0
+    """One-off seconds to re-form a group's and the cross-group process groups after a plan change (a
+    shrink on CPU gloo re-forms in about 0.1-0.5 s)."""
