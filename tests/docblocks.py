@@ -19,11 +19,22 @@ def marked_lines(page: str | Path, block: str) -> list[str]:
 
 def section_blocks(page: str | Path, heading: str, lang: str = "bash") -> list[str]:
     """The ```lang fenced blocks of `page`'s section that starts at the line `heading` (e.g. "## Persistence"),
-    up to the next heading of the same or a higher level."""
-    text = (ROOT / page).read_text()
-    start = text.index(heading + "\n") if heading + "\n" in text else text.index(heading)
-    level = heading.split(" ")[0]
-    section = text[start + len(heading):]
-    ends = [m.start() for m in re.finditer(r"^(#{1,%d}) " % len(level), section, re.M)]
-    section = section[:ends[0]] if ends else section
-    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)
+    up to the next heading of the same or a higher level outside a fence (a `# comment` in a block is none)."""
+    lines = (ROOT / page).read_text().splitlines()
+    level = len(heading.split(" ")[0])
+    start = next(n for n, line in enumerate(lines) if line.startswith(heading))
+    blocks, block, fenced = [], None, False
+    for line in lines[start + 1:]:
+        if line.startswith("```"):
+            fenced = not fenced
+            if fenced and line == "```" + lang:
+                block = []
+            elif not fenced and block is not None:
+                blocks.append("\n".join(block) + "\n")
+                block = None
+            continue
+        if not fenced and re.match(r"#{1,%d} " % level, line):
+            break
+        if block is not None:
+            block.append(line)
+    return blocks
