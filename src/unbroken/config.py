@@ -57,7 +57,7 @@ class CoordConfig:
     collective_timeout: float = 30.0  # s before gloo gives up on a collective by itself
     run_timeout: float = 900.0  # s before the launcher gives up on the whole run
     # where coordination state lives: "" the coordinator's own TCPStore (one host); or an etcd cluster,
-    # etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; README: Coordination in etcd)
+    # etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; docs/etcd.md)
     store: str = ""
     standbys: int = 1  # with an etcd store: coordinators beside the leader, each ready to take over
     lease_ttl: int = 5  # s (whole): with etcd, a leader silent this long is replaced by a standby
@@ -83,7 +83,7 @@ class RunConfig:
     out: str = "runs/latest"
     progress: bool = True  # live progress with rich
     # how the local launcher starts its processes: "torchrun" runs the cluster's own command (one
-    # torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
+    # torchrun job per group, docs/cluster.md); "direct" spawns the worker itself, which saves
     # torchrun's agent process per group (its start-up and one more process per group on the host);
     # "fork" forks the coordinator, the snapshot agents and one-rank groups' trainers from a process that
     # imported torch once (launcher/zygote.py), and a group of several ranks is a forked torchrun agent

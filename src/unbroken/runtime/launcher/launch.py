@@ -151,8 +151,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         # A store call after the watch (the shutdown's write, a restart's) that found the coordinator gone
         # ends the run as the watch's "lost" does. The watch sees the coordinator's end only once it is
         # reaped: SIGKILLed as its trainers saw the store go, it was not yet, the watch said "failed", and
-        # the shutdown's write raised, so no run_end and no memory kept (CI at cc84d6f, the README's
-        # persistence commands).
+        # the shutdown's write raised, so no run_end and no memory kept (CI at cc84d6f, docs/persistence.md's
+        # commands).
         if watch is None or watch.coordinator is None or not watch._coordinator_gone(wait_s=2.0):
             raise
         error, lost = watch._lost(), True

@@ -14,7 +14,7 @@ puts every group on one host, UNBROKEN_DEVICE_BASE (r x group_size for group r, 
 out cores) plus RANK, the rank's index in its group (with one torchrun agent per rank, every rank's
 LOCAL_RANK is 0).
 
-Run on one GPU (an H200, 2026-11-28: README's GPU paragraph): `resolve`, `bind`, `check_gpus` and
+Run on one GPU (an H200, 2026-11-28: docs/parallelism.md, GPUs): `resolve`, `bind`, `check_gpus` and
 `exact_kernels` on CUDA, and NCCL refusing two ranks on one GPU. NCCL inside a group of 2 or more GPUs
 has not run; the test suite runs the CPU path of every function here.
 """

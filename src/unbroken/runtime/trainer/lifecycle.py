@@ -13,7 +13,7 @@ Two ways in, one process. Under the local launcher, the environment (launch.py s
   UNBROKEN_RESUME=memory|disk|scratch   a restarted trainer's restore source (empty: a fresh start)
   UNBROKEN_RESTORE_MAX=s     ... and the newest step it may restore (the log's last recorded step)
   UNBROKEN_RUN_ID=id         names the run's snapshots and checkpoints
-On a cluster, one torchrun job per replica group (README "On a cluster"):
+On a cluster, one torchrun job per replica group (docs/cluster.md):
   torchrun --standalone --nproc-per-node=1 -m unbroken.runtime.trainer --coordinator HOST:PORT --group R
 (or UNBROKEN_COORDINATOR=HOST:PORT and UNBROKEN_REPLICA=R in the environment, for a user's script that
 calls `unbroken.train(...)`; `--coordinator etcd://h1:2379,...[/namespace]` when the coordinators keep
