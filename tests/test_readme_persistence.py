@@ -1,27 +1,22 @@
-"""The README's persistence commands work as written: the block under "## Persistence" is run as a user
-would (in a fresh directory, `unbroken` being the installed CLI), and its faults had their effects."""
+"""The documented persistence commands work as written: the block under "## Commands that exercise them" in
+docs/persistence.md is run as a user would (in a fresh directory, `unbroken` being the installed CLI), and its
+faults had their effects."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.docblocks import section_blocks
 from unbroken.events import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-README = Path(__file__).parents[1] / "README.md"
-
 
 def persistence_block() -> str:
-    text = README.read_text()
-    section = text[text.index("## Persistence"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    blocks = section_blocks("docs/persistence.md", "## Commands that exercise them")
     assert len(blocks) == 1, "the persistence section holds one bash block"
     return blocks[0]
 

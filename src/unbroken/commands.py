@@ -247,7 +247,7 @@ def add_parsers(sub) -> None:
     st.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                     help="redraw every SECONDS (default 2) until the run ends")
     st.set_defaults(run=status)
-    k = sub.add_parser("coordinator", help="serve a run's coordinator for torchrun jobs (README: On a cluster)",
+    k = sub.add_parser("coordinator", help="serve a run's coordinator for torchrun jobs (docs/cluster.md)",
                        epilog=overrides)
     k.add_argument("--config", help=tables)
     k.add_argument("--out", required=True, help="run directory (shared by the workers' hosts)")

@@ -45,7 +45,7 @@ class Fault:
     start: int = 0  # slow: first slowed step
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
     node: int | None = None
-    how: str = "sleep"  # slow: how the stretch passes, "sleep", "spin" or "throttle" (see README)
+    how: str = "sleep"  # slow: how the stretch passes, "sleep", "spin" or "throttle" (docs/failslow.md)
     rank: int = 0  # kill, hang, slow: which rank of the replica group
 
     def slows(self, replica: int, step: int) -> bool:

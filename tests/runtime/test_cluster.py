@@ -1,5 +1,5 @@
 """The cluster path: `unbroken coordinator` plus one real `torchrun` job per replica group (group 1's run
-as forkrun: torchrun with its ranks forked), run from the README's own lines on 127.0.0.1; a rank
+as forkrun: torchrun with its ranks forked), run from docs/cluster.md's own lines on 127.0.0.1; a rank
 SIGKILLed under torchrun; bad input to both commands."""
 from __future__ import annotations
 
@@ -13,17 +13,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.docblocks import marked_lines
 from unbroken.events import read_events, steps
 
-ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # unbroken and torchrun of this environment, as with the venv active
 
 
-def readme_lines(block: str = "cluster-commands") -> list[str]:
-    """The command lines of the README's block between `<!-- block -->` and `<!-- /block -->`."""
-    text = (ROOT / "README.md").read_text()
-    block = text.split(f"<!-- {block} -->")[1].split(f"<!-- /{block} -->")[0]
-    return [line for line in block.splitlines() if line and not line.startswith("```")]
+# the page that holds each block of command lines the cluster tests run as written
+PAGES = {"cluster-commands": "docs/cluster.md", "cluster-etcd-commands": "docs/etcd.md"}
+
+
+def doc_lines(block: str = "cluster-commands") -> list[str]:
+    """The command lines of the docs' block between `<!-- block -->` and `<!-- /block -->`."""
+    return marked_lines(PAGES[block], block)
 
 
 def free_port() -> int:
@@ -38,11 +40,11 @@ def env() -> dict[str, str]:
 
 def run_cluster(tmp: Path, extra: list[str] = (), timeout: float = 150) -> tuple[subprocess.CompletedProcess,
                                                                                    list[subprocess.Popen]]:
-    """The README's lines, with a free port and a run directory under `tmp`, plus `extra` coordinator
+    """docs/cluster.md's lines, with a free port and a run directory under `tmp`, plus `extra` coordinator
     flags. Returns the coordinator's completed process and the torchrun jobs (ended)."""
     port = str(free_port())
     lines = [line.replace("29400", port).replace("runs/cluster", str(tmp / "cluster")).split()
-             for line in readme_lines()]
+             for line in doc_lines()]
     coordinator = subprocess.Popen(lines[0] + list(extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, env=env(), cwd=tmp)
     first = coordinator.stdout.readline()
@@ -62,9 +64,9 @@ def run_cluster(tmp: Path, extra: list[str] = (), timeout: float = 150) -> tuple
 
 
 def local_reference(tmp: Path, extra: list[str] = ()) -> Path:
-    """The same run through the local launcher (`unbroken train`): the README coordinator's `--run.` flags,
+    """The same run through the local launcher (`unbroken train`): the documented coordinator's `--run.` flags,
     then `extra` overrides."""
-    flags = [a for a in readme_lines()[0].split() if a.startswith("--run.")] + list(extra)
+    flags = [a for a in doc_lines()[0].split() if a.startswith("--run.")] + list(extra)
     out = tmp / "local"
     r = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", *flags, "--run.progress=false", "--out",
                         str(out)], capture_output=True, text=True, timeout=150, env=env())
@@ -74,7 +76,7 @@ def local_reference(tmp: Path, extra: list[str] = ()) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_readme_cluster_commands_match_the_local_launcher_bitwise(tmp_path):
+def test_the_documented_cluster_commands_match_the_local_launcher_bitwise(tmp_path):
     r, jobs = run_cluster(tmp_path)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "torchrun --standalone --nproc-per-node=1" in r.stdout  # it prints the lines to run
@@ -160,7 +162,7 @@ def test_the_local_launcher_runs_torchrun_per_group(tmp_path):
     """`--run.launcher=torchrun`: the local launcher starts the cluster's command; a kill inside it is seen
     (the agent exits), the survivor redoes the work, and the trajectory is the direct launcher's."""
     local = steps(read_events(local_reference(tmp_path)))
-    flags = [a for a in readme_lines()[0].split() if a.startswith("--run.")]
+    flags = [a for a in doc_lines()[0].split() if a.startswith("--run.")]
     out = tmp_path / "torchrun"
     r = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", *flags, "--run.progress=false",
                         "--run.launcher=torchrun", "--run.faults=kill:replica=0,step=3,phase=compute",

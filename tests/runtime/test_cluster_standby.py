@@ -1,5 +1,5 @@
 """The cluster path with its state in etcd: two `unbroken coordinator` processes (a leader and a standby) on
-one namespace of a real 3-member etcd, and one real `torchrun` job per replica group, run from the README's
+one namespace of a real 3-member etcd, and one real `torchrun` job per replica group, run from docs/etcd.md's
 own lines on 127.0.0.1. The leading coordinator is SIGKILLed mid-run: the standby leads within the lease
 TTL, the torchrun workers never notice, and every step's digest is the failure-free run's in --exact.
 Bad input to both commands with an etcd store is one line, exit 2, nothing written.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import side_by_side
-from tests.runtime.test_cluster import env, local_reference, one_line_exit_2, readme_lines
+from tests.runtime.test_cluster import doc_lines, env, local_reference, one_line_exit_2
 from tests.runtime.test_standby_e2e import TTL, leads, took_over
 from unbroken.events import read_events, steps
 from unbroken.observe.runs import audit, compare
@@ -25,18 +25,18 @@ from unbroken.runtime.store import keys
 from unbroken.runtime.store.etcd import EtcdStore
 from unbroken.runtime.launcher.processes import kill_tree
 
-README_STORE = "etcd://127.0.0.1:2379,127.0.0.1:22379,127.0.0.1:32379/cluster-42"
+DOC_STORE = "etcd://127.0.0.1:2379,127.0.0.1:22379,127.0.0.1:32379/cluster-42"
 # long enough that steps commit after the takeover (about TTL + 0.3 s after the kill at step 3)
 STEPS = 60
 
 
 def etcd_lines(tmp: Path, etcd: str) -> list[list[str]]:
-    """The README's etcd lines, on the fixture's cluster in a namespace of their own, the run directory
+    """docs/etcd.md's etcd lines, on the fixture's cluster in a namespace of their own, the run directory
     under `tmp`, and the coordinators with STEPS steps and a lease of TTL s."""
     url = f"{etcd}/cluster-{uuid.uuid4().hex[:8]}"
-    lines = [line.replace(README_STORE, url).replace("runs/cluster-etcd", str(tmp / "cluster")).split()
-             for line in readme_lines("cluster-etcd-commands")]
-    assert [a for a in lines[0] if a.startswith("--run.")] == [a for a in readme_lines()[0].split()
+    lines = [line.replace(DOC_STORE, url).replace("runs/cluster-etcd", str(tmp / "cluster")).split()
+             for line in doc_lines("cluster-etcd-commands")]
+    assert [a for a in lines[0] if a.startswith("--run.")] == [a for a in doc_lines()[0].split()
                                                              if a.startswith("--run.")]  # the TCP run's config
     return [line + [f"--run.steps={STEPS}", f"--coord.lease_ttl={TTL}"] if line[0] == "unbroken" else line
             for line in lines]

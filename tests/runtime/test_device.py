@@ -2,7 +2,7 @@
 
 On this CPU-only machine the unit tests check the choices (device, GPU index, backend, NCCL settings) and
 that asking for CUDA where there is none is bad input; the `gpu` tests run a real job on CUDA where a GPU
-is visible and skip otherwise. No GPU machine has run them yet (README).
+is visible and skip otherwise. They have run on one GPU only (docs/parallelism.md, GPUs).
 """
 from __future__ import annotations
 

@@ -84,8 +84,8 @@ class CoordConfig:
     """Seconds before the launcher gives up on the whole run."""
     store: str = ""
     """Where coordination state lives: empty, the coordinator's own TCPStore (one host); or an etcd
-    cluster, etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd]; README: Coordination in
-    etcd)."""
+    cluster, etcd://h1:2379,h2:2379,h3:2379[/namespace] (needs unbroken[etcd];
+    docs/etcd.md)."""
     standbys: int = 1
     """With an etcd store: coordinators beside the leader, each ready to take over."""
     lease_ttl: int = 5
@@ -128,7 +128,7 @@ class RunConfig:
     """Live progress with rich."""
     launcher: Literal["fork", "direct", "torchrun"] = "fork"
     """How the local launcher starts its processes: "torchrun" runs the cluster's own command (one
-    torchrun job per group, README "On a cluster"); "direct" spawns the worker itself, which saves
+    torchrun job per group, docs/cluster.md); "direct" spawns the worker itself, which saves
     torchrun's agent process per group; "fork" forks the coordinator, the snapshot agents and one-rank
     groups' trainers from a process that imported torch once (launcher/zygote.py), and a group of several
     ranks is a forked torchrun agent whose ranks fork from it (runtime/trainer/forkrun.py): about 3 CPU-s

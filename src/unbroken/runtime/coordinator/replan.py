@@ -252,7 +252,7 @@ class GroupPlanner:
         r = scheduling.restrict(d, refused, reformable(self.full))
         if r.applied.kind == "shrink":
             self.shrunk[group] = r.applied.plan
-        # what the change does to the trajectory (README): a pipeline's stages re-joined on one rank compute
+        # what the change does to the trajectory (docs/replanning.md): a pipeline's stages re-joined on one rank compute
         # every microbatch's gradients with the same kernels, so --exact stays bitwise, and so do FSDP2
         # shards (one rank computes each shard's rows as that shard did, and --exact sums them in float64);
         # a TP team kept whole (its degree unchanged) runs the same kernels too; TP 2 -> 1 adds over all
