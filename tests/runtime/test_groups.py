@@ -69,6 +69,24 @@ def timeline(events: list[dict], limit: int = 4000) -> str:
     return "\n".join(lines)[-limit:]
 
 
+def assert_held(events: list[dict], replica: int, steps: range, factor: float = 1.0, stall: float = 0.0) -> None:
+    """A hold (`slow:replica=R,...,how=sleep`, which writes no fault record: wall time only) fired and
+    held: rank 0 of `replica` logged compute in `steps`, and each such step's wall time (its records'
+    sum) is at least factor / 4 x that of its quickest step outside `steps` (the sleep stretches each
+    span to ~factor x its wall time; on this host an unheld span's wall time is already 5-10 x its device
+    time, so device time is no yardstick) and at least 0.9 x the fixed `stall` (s)."""
+    wall: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "compute" and e["replica"] == replica and e.get("rank", 0) == 0:
+            wall[e["step"]] = wall.get(e["step"], 0.0) + e["wall"]
+    held = {s: w for s, w in wall.items() if s in steps}
+    assert held, f"hold of replica {replica} in steps {steps}: no compute of its rank 0 there"
+    quickest = min((w for s, w in wall.items() if s not in steps), default=0.0)
+    short = {s: round(w, 3) for s, w in held.items() if w < max(factor / 4 * quickest, 0.9 * stall)}
+    assert not short, (f"hold of replica {replica} (x{factor}, +{stall} s) did not hold: wall s by step {short}, "
+                       f"its quickest unheld step {quickest:.3f} s")
+
+
 def longer(base: list[str], n: int) -> list[str]:
     """`base`'s arguments with `--steps n`."""
     at = base.index("--steps") + 1
@@ -289,6 +307,9 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
     out, events = run_faults(tmp_path, "corrupt:replica=1,step=1; crash-all:step=3; "
                              f"slow:replica=0,from=3,to=4,factor=20,how=sleep; {hold}", *SNAPSHOTS)
     assert digests(out) == digests(groups_reference)
+    for g in range(3):
+        assert_held(events, g, range(1, 2), factor=10)
+    assert_held(events, 0, range(3, 4), factor=20)
     (crash,) = [e for e in events if e["event"] == "fault" and e.get("kind") == "crash-all"]
     assert crash["replicas"] == [0, 1, 2], crash
     # the crash cost work: step 3 was in flight (not committed before the crash) and was redone
@@ -334,6 +355,8 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     out, events = run_faults(tmp_path, f"node:node=1,step=3; {hold}", *SNAPSHOTS, "--run.recovery=restart-memory")
     (fault,) = [e for e in events if e["event"] == "fault" and e["kind"] == "node"]
     assert (fault["kind"], fault["node"], fault["replicas"]) == ("node", 1, [1]), fault
+    assert_held(events, 0, range(3, 4), factor=20)
+    assert_held(events, 2, range(3, 4), factor=20)
     assert not [e for e in events if e["event"] == "worker_error"]
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["reason"].startswith("1 of 3 replicas lost at step"), restart
