@@ -15,9 +15,10 @@ committed tokens are the step records' tokens over those steps. The transient co
 before the detector declares the group Slow and before its quotas change run with equal quotas in both
 configurations. Step 0 and 1 are left out (process start, and the healthy steps the predictor learns from).
 
-Two figures, both printed: wall clock (the headline asked for, `ratio reweight_over_equal`), and device
-time: per step the busiest group's device seconds (its slowest stage's, as the group reports it), the
-critical path of the step's compute blind to waiting for one of this machine's cores. What both leave out:
+Two figures, printed side by side: device time and wall clock. Device time: per step the busiest
+group's device seconds, each of its microbatches at its slowest rank's (every pipeline stage logs its own
+`compute` time, so all the group's ranks are read, not rank 0's alone), the critical path of the step's
+compute blind to waiting for one of this machine's cores. What both leave out:
 the all-reduce, commit and optimizer step are in the wall-clock figure but not the device-time one;
 neither includes what repartition (not executable here) would give; under "shrink" the episode includes
 the eviction, the survivor's rebuild and heal (the group out of the step meanwhile); a parked group still joins
@@ -42,6 +43,25 @@ from _alternate import add_pipeline_args, alternate, pipeline_base  # noqa: E402
 FROM = 2  # the step the slowdown starts
 
 
+def critical_path(records: list[dict], steps: range) -> float:
+    """Device seconds of the steps' critical path: each microbatch at its group's slowest rank (each
+    pipeline stage logs its own time, events.py `compute`; a stage waiting on a slow peer spends none),
+    summed over the group's microbatches, the busiest group's a step. A rank's redone microbatches (a
+    retried step) add to its time."""
+    own: dict[tuple[int, int, int, int], float] = {}  # (step, group, microbatch, rank) -> device s
+    for r in records:
+        if r["event"] == "compute" and r["step"] in steps:
+            k = (r["step"], r["replica"], r["microbatch"], r.get("rank", 0))
+            own[k] = own.get(k, 0.0) + r["seconds"]
+    slowest: dict[tuple[int, int, int], float] = {}  # (step, group, microbatch) -> its slowest rank's s
+    for (s, g, i, _), v in own.items():
+        slowest[s, g, i] = max(slowest.get((s, g, i), 0.0), v)
+    group: dict[tuple[int, int], float] = {}  # (step, group) -> device s
+    for (s, g, _), v in slowest.items():
+        group[s, g] = group.get((s, g), 0.0) + v
+    return sum(max(v for (s, _), v in group.items() if s == step) for step in steps)
+
+
 def measure(records: list[dict]) -> dict[str, float]:
     """Committed tokens per wall-clock second and per device-time critical-path second over the episode."""
     steps = {r["step"]: r for r in records if r["event"] == "step"}
@@ -49,11 +69,7 @@ def measure(records: list[dict]) -> dict[str, float]:
     episode = range(FROM, last + 1)
     tokens = sum(steps[s]["tokens"] for s in episode)
     wall = steps[last]["t"] - steps[FROM - 1]["t"]
-    busy: dict[tuple[int, int], float] = {}  # (step, group) -> device s; rank 0's records (every rank logs
-    for r in records:  # the group's slowest stage's time, so one rank's records are the group's)
-        if r["event"] == "compute" and r["step"] >= FROM and r.get("rank", 0) == 0:
-            busy[r["step"], r["replica"]] = busy.get((r["step"], r["replica"]), 0.0) + r["seconds"]
-    path = sum(max(v for (s, _), v in busy.items() if s == step) for step in episode)
+    path = critical_path(records, episode)
     plans = [r for r in records if r["event"] == "group_plan"]
     return {"wall": tokens / wall, "device": tokens / path, "applied": plans[0]["applied"] if plans else "none",
             "decision": plans[0]["decision"] if plans else "none", "at": plans[0]["step"] if plans else -1,
@@ -77,25 +93,22 @@ def main() -> None:
     got = alternate(args.rounds, modes, base, "slow pp", measure, lambda rnd, mode, m: (
         f"round {rnd + 1} {mode:>8} (--run.quotas={modes[mode]['quotas']}"
         f"{', on_rank_loss=replan' if mode == 'shrink' else ''}): scheduler chose {m['decision']} at "
-        f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; {m['wall']:.0f} committed "
-        f"tokens/s wall clock, {m['device']:.0f} per device-time critical-path second"))
+        f"step {m['at']}, applied {m['applied']}, last quotas {m['last_quotas']}; committed "
+        f"tokens/s: device-time critical path {m['device']:.0f}, wall clock {m['wall']:.0f}"))
     wall = {m: statistics.median(r["wall"] for r in got[m]) for m in modes}
     device = {m: statistics.median(r["device"] for r in got[m]) for m in modes}
     print(f"2 groups x PP 2, group 1's last stage {args.factor:g}x slow from step {FROM}, M={args.microbatches}, "
           f"{args.rounds} rounds x {args.steps} steps, episode = steps {FROM}..{args.steps - 1}; wall {time.time() - t0:.0f} s")
     for a in ("reweight", "drop", "shrink"):
-        print(f"per round, {a}/equal wall clock: " + ", ".join(
-            f"{x['wall'] / y['wall']:.3f}" for x, y in zip(got[a], got["equal"])))
+        print(f"per round, {a}/equal: " + ", ".join(
+            f"device time {x['device'] / y['device']:.3f} wall clock {x['wall'] / y['wall']:.3f}"
+            for x, y in zip(got[a], got["equal"])))
     print("committed tokens/s (median over rounds): " + "; ".join(
-        f"{m} wall clock {wall[m]:.0f}, device-time critical path {device[m]:.0f}" for m in modes)
+        f"{m} device-time critical path {device[m]:.0f}, wall clock {wall[m]:.0f}" for m in modes)
         + " (the critical path leaves out all-reduce, commit, optimizer and core contention)")
-    print(f"ratio shrink_over_reweight_device_time {device['shrink'] / device['reweight']:.3f}")
-    print(f"ratio shrink_over_reweight {wall['shrink'] / wall['reweight']:.3f}")
-    print(f"ratio drop_over_equal {wall['drop'] / wall['equal']:.3f}")
-    print(f"ratio reweight_over_drop_device_time {device['reweight'] / device['drop']:.3f}")
-    print(f"ratio reweight_over_drop {wall['reweight'] / wall['drop']:.3f}")
-    print(f"ratio reweight_over_equal_device_time {device['reweight'] / device['equal']:.3f}")
-    print(f"ratio reweight_over_equal {wall['reweight'] / wall['equal']:.3f}")
+    for name, a, b in (("shrink_over_reweight", "shrink", "reweight"), ("reweight_over_drop", "reweight", "drop"),
+                       ("reweight_over_equal", "reweight", "equal"), ("drop_over_equal", "drop", "equal")):
+        print(f"ratio {name}: device time {device[a] / device[b]:.3f}, wall clock {wall[a] / wall[b]:.3f}")
 
 
 if __name__ == "__main__":

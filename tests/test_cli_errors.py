@@ -85,11 +85,29 @@ def test_bad_timeouts_and_unwritable_directories(tmp_path, args, token):
     assert not out.exists()
 
 
-def test_unwritable_out_is_one_line(tmp_path):
+@pytest.mark.parametrize("where", ["under a regular file", "/proc/x", "/proc/x/deeper"])
+def test_unwritable_out_is_one_line(tmp_path, where):
+    """--out that cannot be created, whatever the reason: under a regular file (caught by looking), or
+    under /proc, which os.access calls writable for root and mkdir refuses (caught only by trying); one
+    line naming the path, exit 2, nothing written (the probe removes what it made)."""
     (tmp_path / "FILE").write_text("not a directory")
-    out = tmp_path / "FILE" / "run"
-    line = assert_one_line_error(unbroken("train", *SMALL, "--out", str(out), timeout=25), "run.out=")
-    assert str(out) in line and "Traceback" not in line
+    out = tmp_path / "FILE" / "run" if where == "under a regular file" else Path(where)
+    before = sorted(tmp_path.iterdir())
+    r = unbroken("train", *SMALL, "--out", str(out), timeout=25)
+    line = assert_one_line_error(r, f"run.out={str(out)!r}: cannot be created")
+    assert "Traceback" not in r.stderr and not r.stdout, r.stdout
+    assert not out.exists() and sorted(tmp_path.iterdir()) == before
+
+
+def test_out_probe_leaves_nothing_when_a_later_check_fails(tmp_path):
+    """A creatable --out is tried by making it; a later check's failure (here a bad checkpoint.dir) must
+    still find nothing written: the probe removed the directories it made."""
+    (tmp_path / "FILE").write_text("not a directory")
+    out = tmp_path / "a" / "b" / "run"
+    r = unbroken("train", *SMALL, "--checkpoint.every=2", f"--checkpoint.dir={tmp_path / 'FILE' / 'ckpt'}",
+                 "--out", str(out), timeout=25)
+    assert_one_line_error(r, "checkpoint.dir=")
+    assert not (tmp_path / "a").exists()
 
 
 def write_run(run: Path, steps: int = 4, only: set[int] | None = None) -> Path:

@@ -27,9 +27,11 @@ their fields:
   applied        step, replica, state_digest, waited  (each member after its optimizer step; XXH3-128;
                  waited: s spent waiting for a peer's decision or a new epoch in the step)
   compute        step, replica, epoch, microbatch, seconds, wall, tokens, sumsq   (one per microbatch;
-                 seconds: device time (runtime/trainer/devicetime.py): this rank's own; a pipeline stage's, its
-                 group's slowest stage's share, and own: this stage's; wall: wall time. The detector
-                 reads each group's slowest rank per microbatch from the done records)
+                 seconds: device time (runtime/trainer/devicetime.py), this rank's own: a pipeline
+                 stage's is its schedule's time shared out by tokens, so each stage (rank) logs its own
+                 and the group's time for a microbatch is the maximum over its ranks' records; wall: wall
+                 time, shared out likewise. The detector takes that maximum from the ranks' done keys
+                 in the store, coordinator/slowness.py: group_timings, not from these records)
   reduce         step, replica, epoch, seconds, ok, wait; microbatches (ok: the ones it reduced)
   decision       step, epoch, outcome ("commit" | "retry"), replica (who proposed the winning value)
   fault          kind, replica, step, phase, ...      (an injected fault, written just before it fires)

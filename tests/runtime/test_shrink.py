@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import digests, longer, plain_loop, run_faults, timeline
+from tests.runtime.test_groups import assert_held, digests, longer, plain_loop, run_faults, timeline
 from tests.runtime.test_pp_tp import staged, train
 from unbroken.config import Config
 
@@ -270,21 +270,30 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
     declares it gone or a sibling donor rank gave up (healing.Forming.get). The group then re-forms at
     its full plan, healed from group 0, on the plain loop's trajectory. Whether the survivor asked to
     shrink, or the stand-in computed a step, before torchrun stopped it depends on the host's load (the
-    agent restarts within ~3-5 s): the test takes either path."""
+    agent restarts within ~3-5 s): the test prints the path it took; on the second (seen in CI under
+    load, never in 3 runs alone) it checks the grow back and is reported skipped, naming the path, since
+    the shrink it is about did not happen."""
     base = [a for a in GROW if not a.startswith("--parallel.replace_after")] + ["--run.restarts=1"]
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=base)
     fault = one(events, "fault", kind="kill", replica=1, rank=1)
     assert "host" not in fault  # the process alone: its agent lives on
+    assert_held(events, 0, range(4, 32), factor=20)  # STRETCH held group 0 (no fault record: wall time only)
     assert not [e for e in events if e["event"] == "agent_replaced"]
     restarted = [e for e in events if e["event"] == "worker_start" and e["replica"] == 1 and e["restart"] == 1]
     assert [e["rank"] for e in restarted] == [1]  # its own agent's attempt 1; the survivor's agent's is 0
     dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
     asked = [e for e in events if e["event"] == "group_plan" and e["replica"] == 1 and e["why"] == "rank lost"]
-    if asked:  # the survivor asked to go on shrunk before torchrun restarted it
-        assert len(asked) == 1 and len(dead) == 2, dead  # the loss, then the survivor's restart
+    shrunk = [e for e in events if e["event"] == "join" and e["replica"] == 1 and e.get("shrunk")]
+    path = (f"shrunk ({len(asked)} plan, {len(shrunk)} shrunk join), then grown back" if asked else
+            "rejoined whole: torchrun restarted the survivor before it asked to shrink")
+    print(f"rank restarted by its own agent: {path}; group 1 declared dead {len(dead)}x")
+    if asked:  # the survivor asked to go on shrunk before torchrun restarted it: 3 of 3 runs alone (2026-12-05)
+        assert len(asked) == 1 and len(shrunk) == 1 and len(dead) == 2, (path, dead)  # the loss, the restart
     else:  # under load torchrun restarted the survivor first (seen in CI): the group simply rejoins
-        assert len(dead) == 1 and not [e for e in events if e["event"] == "join" and e.get("shrunk")], dead
+        assert len(dead) == 1 and not shrunk, (path, dead)
     assert_grown_back(events, out, dead, shrank=bool(asked))
+    if not asked:  # a grow back checked, but not the shrink before it that the test is about: said, not passed
+        pytest.skip(f"took the other path: {path}; the shrink then grow back was not exercised")
 
 
 TENSOR = ["--replicas", "2", "--parallel.group_size=2", "--parallel.tp=2", "--steps", "16", "--microbatches", "4",
@@ -413,6 +422,7 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=3,step=3,phase=compute; "
                                        f"slow:replica=0,from=4,for=1", base=grow)
     assert one(events, "fault", kind="kill", replica=1, rank=3)["host"] is True
+    assert_held(events, 0, range(4, 32), stall=1.0)  # group 0's rank 0 stalled 1 s a step from step 4
     # no rank applied a step before every shard index had reduced it: the re-formed group's 2 ranks hold 2
     # each, and counting the group's publishes as its ranks (2, not 4) let it commit ~1 s early in every
     # step group 0's slowed TP-0 ranks reduced last (CI at 0a92ac3: one of those reduces then failed, after
@@ -440,20 +450,26 @@ def test_a_group_of_four_grows_back_once_every_lost_host_is_replaced(tmp_path):
     before = events[:events.index(shrunk[0])] if shrunk else []
     left = sorted({e.get("rank", 0) for e in before if e["event"] == "fenced" and e["replica"] == 1} |
                   {e.get("rank", 0) for e in events if e["event"] == "survivor_left" and e["replica"] == 1})
-    assert len(plans) == len(shrunk) <= 1 and not set(left) & set(stayed), (left, stayed)
-    assert set(left) | set(stayed) <= {0, 1, 2}, (left, stayed)
+    path = (f"re-formed on ranks {stayed} ({plans[0]['applied_plan']}), ranks {left} left, then grown back"
+            if plans else f"no plan: the replacements' rendezvous restarted the survivors whole (ranks {left} left)")
+    print(f"group of four: {path}")
+    # the re-form first is the path replace_after=6 is there for, and every run took (3 of 3 alone,
+    # 2026-12-05); the other (no plan, the group restarted whole) was seen only with replace_after=1
+    assert plans and shrunk, path
+    assert len(plans) == len(shrunk) <= 1 and not set(left) & set(stayed), (path, left, stayed)
+    assert set(left) | set(stayed) <= {0, 1, 2}, (path, left, stayed)
     # each lost host once: none failed to join (a re-formed rank that exited at once when its peer was
     # stopped for the grow back failed under its agent, which ended and closed the rendezvous: CI at
     # 65f2418, every slot replaced 4 times; parallelize.outlive_agent_restart)
     replaced = sorted(e["slot"] for e in events if e["event"] == "agent_replaced" and e["replica"] == 1)
-    assert replaced == sorted([*left, 3]), replaced
+    assert replaced == sorted([*left, 3]), (path, replaced)
     assert not [f for f in (out / "logs").glob("replica1*.log") if "RendezvousClosedError" in f.read_text()]
     dead = [e for e in events if e["event"] == "member_dead" and e["replica"] == 1]
-    assert_grown_back(events, out, dead, shrank=bool(plans), full="tp2 pp2 [1,1]", steps=32, ranks=4)
+    assert_grown_back(events, out, dead, full="tp2 pp2 [1,1]", steps=32, ranks=4)
     records = {e["step"]: e for e in events if e["event"] == "step"}
-    if plans:  # the re-formed team's ranks, counted in the step records while it runs
-        regrown = min(e["epoch"] for e in dead if e["epoch"] > shrunk[0]["epoch"])
-        assert_ranks_counted(records, shrunk[0]["epoch"], regrown, full=4, shrunk_ranks=len(stayed))
+    # the re-formed team's ranks, counted in the step records while it runs
+    regrown = min(e["epoch"] for e in dead if e["epoch"] > shrunk[0]["epoch"])
+    assert_ranks_counted(records, shrunk[0]["epoch"], regrown, full=4, shrunk_ranks=len(stayed))
     cfg = Config.from_json((out / "config.json").read_text())
     _, _, losses = plain_loop(cfg, split=False, digest=lambda model: "")
     drift = [abs(records[s]["loss"] - losses[s]) / losses[s] for s in range(32)]

@@ -280,18 +280,44 @@ def check_paths(cfg: Config) -> None:
 
 
 def _unwritable(path: Path) -> str | None:
-    """Why a directory could not be created or written there, or None. The nearest existing ancestor
-    must be a directory we may write into (the run creates the rest)."""
-    if path.exists():
-        if not path.is_dir():
+    """Why a directory could not be created or written there, or None. Tried, not guessed (os.access says
+    yes to root for /proc and for a read-only directory): the missing directories are made, a file is
+    created and removed in the deepest, and the directories made are removed again, so a run stopped
+    later by another check leaves nothing behind."""
+    import os
+    import tempfile
+    path = path.absolute()
+    missing: list[Path] = []
+    made: list[Path] = []
+    try:
+        if path.exists() and not path.is_dir():
             return "exists and is not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else "directory is not writable"
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"cannot be created: {str(parent)!r} is not a directory"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {str(parent)!r} is not writable"
+        parent = path
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        if not parent.is_dir():
+            return f"cannot be created: {str(parent)!r} is not a directory"
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+                made.append(d)
+            except FileExistsError:  # made meanwhile by someone else: theirs, not ours to remove
+                if not d.is_dir():
+                    raise
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".unbroken-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "cannot be created" if missing else "directory is not writable"
+        return f"{what}: {e.strerror or e}"
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    return None
 
 
 def _check_seq_len(spec: str, block_size: int) -> None:
