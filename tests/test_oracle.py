@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from tests.conftest import unbroken
+from tests.oracle import adamw
 from unbroken.config import Config
 from unbroken.events import read_events
 from unbroken.model.data import DataSource, mix
@@ -96,9 +97,8 @@ def test_plain_pytorch_loop_matches_the_exact_run_bit_for_bit(tmp_path, threads,
     model = GPT(cfg.model)
     data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)
     o = cfg.optim
-    want = plain_loop(model, data, lambda ps: torch.optim.AdamW(ps, lr=o.lr, betas=(o.beta1, o.beta2),
-                                                                weight_decay=o.weight_decay),
-                      cfg.run.seed, cfg.run.steps, cfg.run.microbatches)
+    want = plain_loop(model, data, lambda ps: adamw(model, ps, o), cfg.run.seed, cfg.run.steps,
+                      cfg.run.microbatches)
     assert recorded(out) == want
 
 

@@ -68,21 +68,23 @@ def check_host(cfg: Config) -> None:
 
 
 def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,
-          optimizer: Callable | None = None, **run: Any):
+          optimizer: Callable | None = None, lr_schedule: Callable[[int], float] | None = None, **run: Any):
     """Train with fault tolerance; returns a `RunResult` in the launching process.
 
     model(cfg) -> nn.Module with forward(x, y) -> mean loss; data(cfg) -> object with
     microbatch(step, i) returning (x, y, tokens, sumsq) fields and step_tokens(step, M); optimizer(params,
-    cfg) -> torch Optimizer. Any of them None: the built-in GPT, corpus, AdamW. In a worker process this
+    cfg) -> torch Optimizer; lr_schedule(step) -> the learning rate of committed step `step` (a pure
+    function of it), every parameter group's. Any of them None: the built-in GPT, corpus, AdamW over
+    parameter groups, the [optim] schedule. In a worker process this
     call trains and then ends the process (it never returns there). Raises ConfigError on bad input.
     """
     from unbroken.runtime.launcher import launch
     from unbroken.runtime.trainer import lifecycle, placement
 
-    custom = any(f is not None for f in (model, data, optimizer))
+    custom = any(f is not None for f in (model, data, optimizer, lr_schedule))
     if placement.in_worker():
         d = placement.default_factories()
-        factories = type(d)(model or d.model, data or d.data, optimizer or d.optimizer)
+        factories = type(d)(model or d.model, data or d.data, optimizer or d.optimizer, lr_schedule)
         code = lifecycle.run(factories)
         sys.stdout.flush()
         os._exit(code)

@@ -20,6 +20,7 @@ import pytest
 import torch
 import xxhash
 
+from tests.oracle import adamw
 from tests.conftest import unbroken
 from tests.runtime.test_restore_e2e import redone_after_restart
 from unbroken.config import Config
@@ -130,7 +131,7 @@ def plain_loop(cfg: Config, split: bool, steps: int | None = None,
     model = GPT(cfg.model)
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     o = cfg.optim
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    opt = adamw(model, params, o)
     model.train()
     out, losses = [], []
     for step in range(cfg.run.steps if steps is None else steps):

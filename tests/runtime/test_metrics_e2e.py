@@ -60,7 +60,8 @@ def observed(tmp_path_factory):
     port = _free_port()
     cfg = make_config(replicas=3, steps=STEPS, microbatches=6, progress=False, out=str(tmp / "run"),
                       faults=f"kill:replica=1,step={KILL_AT},phase=allreduce", metrics__port=port,
-                      metrics__tensorboard=str(tmp / "tb"))
+                      metrics__tensorboard=str(tmp / "tb"), optim__schedule="cosine", optim__warmup_steps=5,
+                      optim__max_grad_norm=0.5)
     result: dict = {}
     runner = threading.Thread(target=lambda: result.setdefault("r", launch(cfg)))
     runner.start()
@@ -136,6 +137,23 @@ def test_tensorboard_loss_equals_the_step_records(observed):
     assert live[KILL_AT - 1] == 3 and live[STEPS - 1] == 2
     assert [e.step for e in ea.Scalars("recovery/seconds")] == [KILL_AT]
     assert "faults/text_summary" in ea.Tags()["tensors"]
+
+
+def test_the_learning_rate_and_gradient_norm_reach_tensorboard_and_metrics(observed):
+    """The step record's lr and grad_norm (the optimizer step's) are what TensorBoard and /metrics show."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    result, scrapes, _, tmp = observed
+    committed = steps(read_events(result.run_dir))
+    ea = EventAccumulator(str(tmp / "tb"))
+    ea.Reload()
+    for key in ("lr", "grad_norm"):
+        shown = {e.step: e.value for e in ea.Scalars(key)}
+        assert shown == {s: float(np.float32(r[key])) for s, r in committed.items()}, key
+    assert committed[0]["lr"] < committed[4]["lr"] > committed[STEPS - 1]["lr"]  # warmup, then decay
+    last = [s for s in scrapes if _value(s, "unbroken_committed_step") >= 0][-1]
+    step = int(_value(last, "unbroken_committed_step"))
+    assert _value(last, "unbroken_grad_norm") == committed[step]["grad_norm"] > 0
+    assert _value(last, "unbroken_learning_rate") == committed[step]["lr"]
 
 
 @pytest.mark.slow

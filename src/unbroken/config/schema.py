@@ -56,7 +56,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The AdamW optimizer."""
+    """The AdamW optimizer, its learning-rate schedule, parameter groups and gradient clipping."""
     lr: float = 3e-3
     """AdamW learning rate."""
     weight_decay: float = 0.01
@@ -65,6 +65,24 @@ class OptimConfig:
     """AdamW first-moment decay."""
     beta2: float = 0.95
     """AdamW second-moment decay."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "constant"
+    """The learning rate after warmup, as a pure function of the committed step (model/optim.py): cosine
+    or linear down to min_lr_ratio x lr at the last step, constant, or warmup-stable-decay (constant,
+    then linear down over the last decay_steps steps)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup: step s (from 0) runs at lr x (s + 1) / warmup_steps."""
+    decay_steps: int = 0
+    """wsd: the final steps over which the lr decays linearly to min_lr_ratio x lr."""
+    min_lr_ratio: float = 0.0
+    """The lr the schedule decays to, as a fraction of lr (cosine, linear, wsd)."""
+    max_grad_norm: float = 0.0
+    """Clip the committed, reduced gradient to this global 2-norm before the optimizer step (summed
+    over a group's FSDP2 and TP shards and pipeline stages, tied weights once); 0: no clipping. The
+    step record carries the norm before clipping (grad_norm)."""
+    decay_norms_and_biases: bool = False
+    """Weight-decay parameters of fewer than 2 dimensions (norms' scales, biases) too."""
+    decay_embeddings: bool = False
+    """Weight-decay embedding tables (and a head tied to one) too."""
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ def validate(cfg: Config) -> None:
         (s.parity == "none" or (s.k >= 1 and s.m >= 1 and s.nodes % group == 0 and (s.parity == "rs" or s.m == 1)),
          f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
+        *_optim_checks(cfg),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
     checks += _tuning_checks(cfg)
@@ -332,3 +333,16 @@ def _check_seq_len(spec: str, block_size: int) -> None:
         raise ConfigError(f"data.seq_len={spec!r}: expected a number, MIN-MAX or 'variable'") from None
     if not 1 <= lo <= hi <= block_size:
         raise ConfigError(f"data.seq_len={spec!r}: lengths must lie in 1..{block_size} (model.block_size)")
+
+
+def _optim_checks(cfg) -> list[tuple[bool, str]]:
+    """The schedule's and clipping's numbers: each one line naming the key."""
+    o = cfg.optim
+    return [
+        (o.lr > 0, f"optim.lr={o.lr}: must be > 0"),
+        (o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0"),
+        (o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps}: must be >= 0"),
+        (o.schedule != "wsd" or o.decay_steps > 0, "optim.schedule=wsd needs --optim.decay_steps=N (N > 0)"),
+        (0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]"),
+        (o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm}: must be >= 0 (0: no clipping)"),
+    ]

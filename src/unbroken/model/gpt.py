@@ -73,6 +73,12 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
+    def no_weight_decay() -> set[str]:
+        """Parameter names kept out of weight decay beside norms and biases: the embedding tables and the
+        head tied to `tok` (a pipeline's last stage holds its own copy under this name)."""
+        return {"tok.weight", "pos.weight", "head.weight"}
+
+    @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)

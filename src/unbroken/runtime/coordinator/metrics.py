@@ -126,6 +126,9 @@ class Exporter:
             if kind == "step":
                 s, t = r["step"], r["t"]
                 w.add_scalar("loss", r["loss"], s, walltime=t)
+                for key in ("lr", "grad_norm"):  # what the optimizer step recorded (None: not taken)
+                    if r.get(key) is not None:
+                        w.add_scalar(key, r[key], s, walltime=t)
                 w.add_scalar("live_replicas", r["replicas"], s, walltime=t)
                 w.add_scalar("committed_tokens", v.tokens, s, walltime=t)
                 tps = v.tokens_per_second()
@@ -165,6 +168,10 @@ class Exporter:
                                     "steps", value=v.tokens_per_second() or 0.0)
             yield GaugeMetricFamily("unbroken_loss", "Training loss of the latest committed step",
                                     value=last["loss"] if last else float("nan"))
+            yield GaugeMetricFamily("unbroken_learning_rate", "Learning rate of the latest committed step "
+                                    "(group 0's)", value=_number(last, "lr"))
+            yield GaugeMetricFamily("unbroken_grad_norm", "Global norm of the latest committed step's reduced "
+                                    "gradient before clipping (NaN: no clipping)", value=_number(last, "grad_norm"))
             yield GaugeMetricFamily("unbroken_live_replica_groups", "Members of the current membership epoch",
                                     value=len(v.members))
             yield GaugeMetricFamily("unbroken_membership_epoch", "Current membership epoch", value=v.epoch)
@@ -252,3 +259,9 @@ def latest_checkpoint_step(directory: str, run_id: str) -> int | None:
         return latest_checkpoint(directory, run_id)
     except (CheckpointNotFound, ForeignCheckpoint):
         return None
+
+
+def _number(record: dict | None, key: str) -> float:
+    """A step record's figure for a gauge: NaN where the record or the figure is absent."""
+    value = None if record is None else record.get(key)
+    return float("nan") if value is None else float(value)

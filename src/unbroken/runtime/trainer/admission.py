@@ -13,6 +13,7 @@ import os
 
 from unbroken.config import Config
 from unbroken.events import EventLog
+from unbroken.model.optim import mark_no_decay
 from unbroken.policy.membership import donor
 from unbroken.runtime.parallel.accumulator import unique_parameters
 from unbroken.runtime.parallel.parallelize import parallelize
@@ -43,7 +44,15 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     model, stages = parallelize(factories.model(cfg).to(device), topology, group, cfg.run.exact, who.rank,
                                 shape, device)
     data = factories.data(cfg)
-    return Parts(model, data, factories.optimizer(unique_parameters(model), cfg), group, stages)
+    return Parts(model, data, optimizer_for(factories, model, cfg), group, stages)
+
+
+def optimizer_for(factories: Factories, model, cfg: Config):
+    """The factory's optimizer over the model's parameters as this rank holds them, after marking those the
+    default parameter groups keep out of weight decay (model/optim.mark_no_decay; a user's factory may
+    read the marks or not)."""
+    mark_no_decay(model, cfg.optim)
+    return factories.optimizer(unique_parameters(model), cfg)
 
 
 def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
@@ -55,7 +64,7 @@ def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg).to(torch.device("cpu") if device is None else device)
     standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard)
-    return Parts(model, factories.data(cfg), factories.optimizer(unique_parameters(model), cfg), None, None, standin)
+    return Parts(model, factories.data(cfg), optimizer_for(factories, model, cfg), None, None, standin)
 
 
 def agree(group, joining: bool, restart: int, me: int) -> tuple[bool, str]:

@@ -310,7 +310,8 @@ def train(where: Placement, me: Incarnation, conn: Connection, log: EventLog, fa
                               parts.optimizer, log, who.rank)
     sidecar = Coordination(conn.client(), who.group, conn.watch,
                            weights=WeightsWatch(conn.client(), reconnect=conn.client), rank=who.rank)
-    built.trainer = trainer = Trainer(cfg, who, parts, coord, log, conn.heartbeat, conn.injector, sidecar, persist)
+    built.trainer = trainer = Trainer(cfg, who, parts, coord, log, conn.heartbeat, conn.injector, sidecar, persist,
+                                      factories.lr_schedule)
     first, plan = starting_step(where, me, conn, log, parts, trainer, nonce)
     trainer.fit(first, plan)
     if trainer.persist:

@@ -44,11 +44,14 @@ class Factories:
 
     model(cfg) -> nn.Module whose forward(x, y) returns the mean loss over counted targets;
     data(cfg) -> object with microbatch(step, i) -> (x, y, tokens, sumsq) and step_tokens(step, M);
-    optimizer(params, cfg) -> torch.optim.Optimizer.
+    optimizer(params, cfg) -> torch.optim.Optimizer (the default: AdamW over model/optim.param_groups);
+    lr_schedule(step) -> lr, the learning rate of committed step `step` for every parameter group (None:
+    the configured [optim] schedule, as a factor on each group's own lr).
     """
     model: Callable[[Config], object]
     data: Callable[[Config], object]
     optimizer: Callable[[list, Config], object]
+    lr_schedule: Callable[[int], float] | None = None
 
 
 def in_worker() -> bool:
@@ -119,15 +122,10 @@ def placement(env: dict[str, str] | None = None) -> Placement:
 
 
 def default_factories() -> Factories:
-    import torch
-
     from unbroken.model.data import DataSource
     from unbroken.model.gpt import GPT
-
-    def optimizer(params, cfg: Config) -> torch.optim.Optimizer:
-        o = cfg.optim
-        return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    from unbroken.model.optim import default_optimizer
 
     return Factories(model=lambda cfg: GPT(cfg.model),
                      data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed),
-                     optimizer=optimizer)
+                     optimizer=default_optimizer)

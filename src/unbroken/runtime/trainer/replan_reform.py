@@ -135,7 +135,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     """This rank's `trainer.Parts`: the whole model (its state comes from a peer group's ranks by healing),
     tensor parallel over its team where the plan keeps TP, a stand-in of its held shard indices on it,
     pruned to its stage (the full stages it merged) and fed through the new group's pipeline, if any."""
-    from unbroken.runtime.parallel.accumulator import unique_parameters
+    from unbroken.runtime.trainer.admission import optimizer_for
     from unbroken.runtime.parallel.parallelize import tensor_parallel
     from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
     from unbroken.runtime.parallel.standin import StandIn
@@ -160,7 +160,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
         shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len))  # one FSDP2 share's rows
         stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, width, vocab, model.loss, device,
                         apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
-    optimizer = factories.optimizer(unique_parameters(model), cfg)
+    optimizer = optimizer_for(factories, model, cfg)
     return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from enum import Enum
 
@@ -49,6 +50,7 @@ from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
+from unbroken.runtime.trainer.optimizing import Optimizing
 from unbroken.runtime.trainer.role import RankRole
 from unbroken.runtime.trainer.sidecar import Sidecar
 from unbroken.runtime.trainer.speculation import Pipeline, Rollback, limit
@@ -73,12 +75,14 @@ class Trainer:
     once."""
 
     def __init__(self, cfg: Config, who, parts: Parts, coord: Coordination, log: EventLog,
-                 heartbeat: Heartbeat, injector: Injector, sidecar: Coordination, persist=None):
+                 heartbeat: Heartbeat, injector: Injector, sidecar: Coordination, persist=None,
+                 lr_schedule: Callable[[int], float] | None = None):
         self.cfg, self.me, self.coord, self.log = cfg, who.group, coord, log
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
         self.stages = parts.stages
         self.params = unique_parameters(self.model)
+        self.optimizing = Optimizing(cfg, parts, self.params, lr_schedule)
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
         # same loop on the same events, each computing its share of the group's microbatches (its rows of
         # each; its heads and units of all; or its stage of all) and reducing its own shard across groups.
@@ -439,8 +443,9 @@ class Trainer:
         return rec.Reduced(epoch)
 
     def step_optimizer(self, work: StepWork) -> float:
-        """Reduced gradient into .grad, optimizer step; returns the step's loss."""
-        loss = work.acc.load_reduced(work.reduced)  # a group's rank: its share (the record sums the shares)
+        """Reduced gradient into .grad, clipped by its global norm, optimizer step at the step's lr;
+        returns the step's loss (the lr and the norm go to `work` for the step record)."""
+        loss = self.optimizing.prepare(work)  # a group's rank: its share (the record sums the shares)
         if self.persist:
             self.persist.before_optimizer()  # the last snapshot's copy must have left the tensors
         # the record job of the step before is done (it reads no parameters: it takes `apply`'s digests),
@@ -475,7 +480,7 @@ class Trainer:
         # compute (sidecar.py), off the path every peer waits on; a heal too.
         self.sidecar.record(step, epoch, members, commit.proposer, dict(
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
-            step_time=round(work.stepped - work.started, 6)), digests)
+            step_time=round(work.stepped - work.started, 6), lr=work.lr, grad_norm=work.grad_norm), digests)
         self.donor.heal(step, members, commit.plan)
 
     def fence(self, step: int, reason: str) -> None:

@@ -51,6 +51,8 @@ class StepWork:
     next_plan: Future = field(default_factory=Future)  # the next step's plan: its commit carries it
     members: tuple[int, ...] = ()  # the step's own members as its state machine last said
     reduced: list[torch.Tensor] | None = None  # its last all-reduce's results, one per shard index held
+    lr: float | None = None  # the lr its optimizer step took (model/optim.py: a function of the step)
+    grad_norm: float | None = None  # its reduced gradient's global norm before clipping (None: no clipping)
     # shard index -> the all-reduce's copy of the accumulator, kept from step to step (the trainer's one
     # pool, given to each step): a failure leaves the accumulator itself intact. Cleared when a
     # reduction is abandoned, since the abandoned collective may still write into them.
