@@ -49,9 +49,8 @@ RULES = {  # package -> what it must never import
     "unbroken.policy": ("unbroken.runtime", "unbroken.sim", "torch"),
     "unbroken.runtime": ("unbroken.sim", "unbroken.eval", "unbroken.cli", "unbroken.commands"),
     "unbroken.sim": ("unbroken.runtime", "unbroken.eval", "torch"),
-    # what a person looks at reads logs and, for `status`, the store: it runs no part of a run
-    "unbroken.observe": ("unbroken.sim", "unbroken.runtime.trainer", "unbroken.runtime.launcher",
-                         "unbroken.runtime.parallel", "unbroken.runtime.persist", "torch.nn"),
+    # what a person looks at: folds and draws records, runs no part of a run and reads no store
+    "unbroken.observe": ("unbroken.runtime", "unbroken.sim", "torch"),
     # one folder per process: the store layer everything uses imports none of the processes; the
     # coordinator, the snapshot agents and the launcher never import the trainer's code (a trainer's death
     # never takes them along, and none holds a model); the trainer's mechanics never import its process
@@ -226,7 +225,7 @@ LAYERS = {
     "unbroken.runtime.launcher": 6, "unbroken.runtime.launcher.resume": 6,
     "unbroken.sim": 2,
     "unbroken.api": 7, "unbroken": 7,
-    "unbroken.eval": 8, "unbroken.commands": 8, "unbroken.observe.status": 8,
+    "unbroken.eval": 8, "unbroken.commands": 8,
     "unbroken.cli": 9,
 }
 

@@ -265,9 +265,10 @@ def add_parsers(sub) -> None:
 def status(args: argparse.Namespace, rest: list[str]) -> int:
     """`unbroken status ADDR|RUN_DIR [--watch S]` (observe/status.py)."""
     from unbroken.observe import status as screen
+    from unbroken.runtime.coordinator.status import load
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch {args.watch}: must be a positive number of seconds")
-    return screen.show(args.target, args.watch)
+    return screen.show(args.target, args.watch, load)
 
 
 def worker(args: argparse.Namespace, rest: list[str]) -> int:

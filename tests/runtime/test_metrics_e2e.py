@@ -174,7 +174,7 @@ def test_status_of_the_running_job_and_of_the_finished_run(observed):
     out = " ".join(out.split())
     assert "finished ok" in out and f"step {STEPS}/{STEPS} committed" in out
     assert "recent recoveries" in out and "exit" in out and "0->1" in out
-    status = json.loads(json.dumps(__import__("unbroken.observe.status").status.load(str(result.run_dir))))
+    status = json.loads(json.dumps(__import__("unbroken.runtime.coordinator.status").runtime.coordinator.status.load(str(result.run_dir))))
     assert status["replicas"]["1"]["health"] == "dead" and status["members"] == [0, 2]
 
 
