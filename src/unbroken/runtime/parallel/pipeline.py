@@ -118,11 +118,6 @@ def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:
 class Stages:
     """This rank's pipeline stage. Build once, after `split`; set `sink` before the first `run`."""
 
-    @property
-    def index(self) -> int:
-        """This rank's stage index in its pipeline (0: the first)."""
-        return self.stage.stage_index
-
     def holds_tied(self, p: torch.Tensor) -> bool:
         """Whether `p` is this stage's copy of a weight tied across stages (each copy holds the sum)."""
         return id(p) in self._tied_ids
