@@ -21,7 +21,7 @@ from tests.conftest import unbroken
 from unbroken.config import DataConfig
 from unbroken.model.data import DataSource
 from unbroken.model.data.formats import open_shards
-from unbroken.model.data.sampling import Windows, permute
+from unbroken.model.data.sampling import permute
 
 CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
 

@@ -22,7 +22,7 @@ import torch
 from unbroken.config import DataConfig
 from unbroken.model.data.batch import Microbatch
 from unbroken.model.data.corpus import Corpus
-from unbroken.model.data.formats import is_text, open_shards
+from unbroken.model.data.formats import Shard, is_text, open_shards
 from unbroken.model.data.sampling import Windows, length_range, mix
 
 
@@ -124,7 +124,8 @@ def _positions(n: int, bounds: np.ndarray | None) -> np.ndarray:
     return pos - starts[np.searchsorted(starts, pos, side="right") - 1]
 
 
-def _long_enough(shards: list, longest: int) -> list:
+def _long_enough(shards: list[Shard], longest: int) -> list[Shard]:
+    """`shards`, each at least one window long (config checks it first: model/data/check.py)."""
     for s in shards:
         if len(s.tokens) < longest + 1:
             raise ValueError(f"{s.path}: {len(s.tokens)} tokens, shorter than one window of {longest + 1} "
