@@ -1,8 +1,8 @@
 """What each `unbroken` subcommand does, given parsed arguments. Terminal output goes through rich.
 
-Owns: train, resume, config, demo, compare, audit, report, status, coordinator and worker as user-facing
-commands, each a parser and a run (`add_parsers`), with their exit codes (0 ok, 1 run failed or runs
-differ, 2 bad input). Does not own: the top-level parser (cli.py) or any training logic.
+Owns: train, resume, config, demo, compare, audit, report, status, prepare-data, coordinator and worker
+as user-facing commands, each a parser and a run (`add_parsers`), with their exit codes (0 ok, 1 run
+failed or runs differ, 2 bad input). Does not own: the top-level parser (cli.py) or any training logic.
 """
 from __future__ import annotations
 
@@ -194,8 +194,38 @@ def config(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def prepare_data(args: argparse.Namespace, rest: list[str]) -> int:
+    """`unbroken prepare-data FILES... --out DIR [--tokenizer tokenizer.json]`: text into llm.c shards
+    (model/data/prepare.py), with a progress bar; says what it wrote and the keys to train on it."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from unbroken.model.data.prepare import Tokenizer, prepare
+    files = [Path(f) for f in args.files]
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{str(f)!r}: no such file")
+    if args.shard_tokens < 1:
+        raise ConfigError(f"--shard-tokens {args.shard_tokens}: need at least 1")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {args.out!r}: not a directory")
+    try:
+        tokenizer = Tokenizer(args.tokenizer, args.eos)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    with Progress("tokenizing", BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("", total=sum(f.stat().st_size for f in files))
+        done = prepare(files, out, tokenizer, split=args.split, shard_tokens=args.shard_tokens,
+                       progress=lambda n: bar.advance(task, n))
+    console.print(f"wrote {done.tokens:,} tokens, {done.documents:,} documents in {len(done.shards)} "
+                  f"{done.dtype} llm.c shard(s) to {out}")
+    console.print(f"train on them with: --data.path='{out}/shard_*.bin' --model.vocab_size={done.vocab_size} "
+                  f"--data.eos={done.eos}", soft_wrap=True)
+    return 0
+
+
 def add_parsers(sub) -> None:
-    """Register train, resume, config, demo, compare, audit, report, status, coordinator and worker on the top-level
+    """Register train, resume, config, demo, compare, audit, report, status, prepare-data, coordinator and worker on the top-level
     parser's subparsers; each parser's `run(args, rest)` returns the exit code."""
     overrides = ("Any config key can be set with --section.key=value, e.g. --model.n_layer=4; `unbroken config` "
                  "lists every key with its type, default and meaning.")
@@ -209,7 +239,8 @@ def add_parsers(sub) -> None:
     t.add_argument("--exact", action="store_true", default=None, help="bitwise the failure-free trajectory")
     t.add_argument("--faults", help="e.g. 'kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,for=8'")
     t.add_argument("--seed", type=int)
-    t.add_argument("--data", help="text file or uint16 .bin token file (default: Python's stdlib source)")
+    t.add_argument("--data", help="token files (a file or a quoted glob: llm.c, Megatron .bin/.idx, raw .bin) "
+                                  "or a text file (default: Python's stdlib source)")
     t.add_argument("--out", help="run directory (default runs/latest)")
     t.set_defaults(run=train, overrides=True)
     cf = sub.add_parser("config", help="every config key with its type, default and meaning; or the values a "
@@ -255,6 +286,17 @@ def add_parsers(sub) -> None:
                                   "not with --coord.store)")
     k.add_argument("--port", type=int, help="port to bind (default 29400; not with --coord.store)")
     k.set_defaults(run=coordinator, overrides=True)
+    pd = sub.add_parser("prepare-data", help="tokenize text files into llm.c token shards for --data.path",
+                        epilog="Nothing is downloaded: the tokenizer is a local tokenizer.json.")
+    pd.add_argument("files", nargs="+", metavar="FILES", help="text files (UTF-8)")
+    pd.add_argument("--out", required=True, help="directory for shard_000000.bin, ...")
+    pd.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: byte-level, ids 0..255)")
+    pd.add_argument("--eos", type=int, help="end-of-document id (default: the tokenizer's <|endoftext|>, </s>, "
+                                            "<eos> or <|end_of_text|>; byte-level: 0)")
+    pd.add_argument("--split", choices=("file", "blank-lines"), default="file",
+                    help="a document is a whole file (default) or each block between blank lines")
+    pd.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard at most")
+    pd.set_defaults(run=prepare_data)
     w = sub.add_parser("worker", help="one rank of a replica group: run it under torchrun")
     w.add_argument("--coordinator", required=True,
                    help="host:port that `unbroken coordinator` printed, or its etcd://... store")

@@ -45,7 +45,18 @@ class ModelConfig:
 class DataConfig:
     """The training data and how it is cut into microbatches."""
     path: str = ""
-    """Text file or uint16 token file (.bin); empty: the Python standard library's source."""
+    """Token files: a file or a glob of shards (quote it), memory-mapped: llm.c shards, Megatron-LM
+    PREFIX.bin with PREFIX.idx, raw token arrays (.bin, as data.dtype says); or one text file, read as
+    bytes; empty: the Python standard library's source."""
+    format: Literal["auto", "llmc", "megatron", "raw"] = "auto"
+    """The token files' format; auto: recognised from each file (a .idx beside it: Megatron; an llm.c
+    magic: llm.c; other .bin: raw; anything else: text)."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Raw token files' token type (uint32 for vocabularies over 65,535); llm.c and Megatron files say
+    theirs."""
+    eos: int = -1
+    """The end-of-document token id, marking document boundaries in token files (variable lengths end
+    there; position ids restart after it); -1: none (Megatron files mark theirs in the index)."""
     batch_size: int = 4
     """Sequences per microbatch."""
     seq_len: str = "64"

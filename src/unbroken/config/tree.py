@@ -9,6 +9,7 @@ defaults and docs (schema.py).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import tomllib
@@ -197,8 +198,7 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if cfg.data.path and not Path(cfg.data.path).is_file():
-        raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
+    _check_data_path(cfg.data.path)
     _check_seq_len(cfg.data.seq_len, m.block_size)
 
 
@@ -319,6 +319,18 @@ def _unwritable(path: Path) -> str | None:
             except OSError:
                 pass
     return None
+
+
+def _check_data_path(spec: str) -> None:
+    """data.path names a file, or a glob matching at least one (what the files hold is checked where
+    the run's groups start: model/data/check.py, from api.check_host)."""
+    if not spec:
+        return
+    if any(c in spec for c in "*?["):
+        if not any(Path(f).is_file() for f in glob.iglob(spec, recursive=True)):
+            raise ConfigError(f"data.path={spec!r}: the glob matches no file")
+    elif not Path(spec).is_file():
+        raise ConfigError(f"data.path={spec!r}: no such file")
 
 
 def _check_seq_len(spec: str, block_size: int) -> None:

@@ -127,5 +127,6 @@ def default_factories() -> Factories:
     from unbroken.model.optim import default_optimizer
 
     return Factories(model=lambda cfg: GPT(cfg.model),
-                     data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed),
+                     data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed,
+                                                  microbatches=cfg.run.microbatches),
                      optimizer=default_optimizer)
