@@ -39,6 +39,11 @@ class ModelConfig:
     """Token vocabulary: 256 is byte-level."""
     dropout: float = 0.1
     """Dropout probability, seeded per microbatch (seed, step, i), never per rank."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute each block's activations in the backward instead of keeping them: "full" (every block),
+    "selective" (every other block: torchtitan's layer-wise selective checkpointing at a frequency of 2)
+    or "none". torch.utils.checkpoint (non-reentrant) around each block, inside its FSDP2 unit; dropout
+    recomputes the same masks, so the trajectory is bitwise the one without."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,10 @@ class ParallelConfig:
     shards."""
     tp: int = 1
     """Tensor-parallel degree inside a group (attention heads and MLP units split)."""
+    mixed_precision: Literal["bf16", "off"] = "off"
+    """"bf16": compute in bfloat16 (FSDP2's param dtype inside a group of shards, reducing in float32;
+    autocast around the forward elsewhere), with float32 master weights, optimizer state and gradient
+    accumulator (float64 under --exact). Runs on the CPU too. Not with pipeline stages (parallel.pp > 1)."""
     on_rank_loss: Literal["drop", "replan"] = "drop"
     """What a group that loses a rank does: "drop" (the whole group leaves until torchrun brings it back)
     or "replan" (the scheduler of policy/replan_scheduler.py chooses; "shrink" runs the group on its

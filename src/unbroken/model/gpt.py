@@ -72,6 +72,11 @@ class GPT(nn.Module):
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def layers(self) -> list[nn.Module]:
+        """The transformer blocks this model (or pipeline stage) holds, in order: the units the parallel
+        mechanics checkpoint (runtime/parallel/precision.py) without naming the model's modules."""
+        return list(self.blocks.values())
+
     @staticmethod
     def no_weight_decay() -> set[str]:
         """Parameter names kept out of weight decay beside norms and biases: the embedding tables and the
@@ -94,7 +99,9 @@ class GPT(nn.Module):
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != -1 (padding)."""
+        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != -1 (padding), in float32
+        (bf16 logits are widened first: a softmax over the vocabulary in bf16 loses the loss's digits)."""
+        logits = logits.float()  # a no-op on float32 logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,6 +45,7 @@ from torch.distributed import DistNetworkError, PrefixStore, ProcessGroup, Store
 
 from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
+from unbroken.runtime.parallel.precision import autocast_forward, checkpoint_layers, policy as precision_policy
 from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Topology, TopologyError
 
@@ -108,25 +109,27 @@ def unshared_store(env: dict[str, str], timeout: datetime.timedelta, relay: Stor
 
 
 def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
-                rank: int = 0, shape: tuple[int, int] | None = None,
-                device: torch.device | None = None) -> tuple[nn.Module, Stages | None]:
+                rank: int = 0, shape: tuple[int, int] | None = None, device: torch.device | None = None,
+                mixed_precision: str = "off", checkpointing: str = "none") -> tuple[nn.Module, Stages | None]:
     """(The module this rank trains, its pipeline stage or None). Call once, after the model's construction
     (seeded: identical on every rank) and before building the optimizer over the module's parameters.
     `group` is the replica group's own process group (`intra_group`; None for one-rank groups); `rank`
     this rank's index in it; `shape` (rows, tokens) of every microbatch, needed when topology.pp > 1 (the
     stages pass activations of one static shape); `device` the rank's (the model already on it; CPU when
-    None). Raises TopologyError for a layout it cannot apply."""
+    None). `mixed_precision` ("bf16" or "off") and `checkpointing` ("none", "full", "selective"): what
+    precision.py applies, checkpointing after TP and before FSDP2, bf16 through FSDP2's policy where it
+    shards the model and autocast where it does not. Raises TopologyError for a layout it cannot apply."""
+    device = torch.device("cpu") if device is None else device
     if topology.group_size == 1:
-        return model, None
+        return autocast_forward(checkpoint_layers(model, checkpointing), mixed_precision, device), None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    device = torch.device("cpu") if device is None else device
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
+    policy = precision_policy(mixed_precision, exact)
     if topology.pp > 1:
         if shape is None:
             raise TopologyError(f"pp={topology.pp}: the stages need a static microbatch shape")
+        if mixed_precision != "off":  # config.tree refuses it first: the stages pass float32 tensors
+            raise TopologyError(f"parallel.mixed_precision={mixed_precision} with pp={topology.pp}")
         # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
         vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
         stage, shard, _ = topology.coords(rank)
@@ -140,14 +143,18 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             pipe = mesh.get_group("pp")
             if topology.tp > 1:
                 model = _tensor_parallel(model, mesh["tp"], topology.tp)
-            if topology.dp_shard > 1:
-                model = _fully_shard(model, mesh["dp_shard"], policy)
-                sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
+        model = checkpoint_layers(model, checkpointing)  # the stage's own blocks, inside their FSDP2 units
+        if topology.dp_shard > 1:
+            model = _fully_shard(model, mesh["dp_shard"], policy)
+            sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device, sharded)
     mesh = _mesh(topology, group, device)
     if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
         model = _tensor_parallel(model, mesh["tp"], topology.tp)
-    return (_fully_shard(model, mesh["dp_shard"], policy) if topology.dp_shard > 1 else model), None
+    model = checkpoint_layers(model, checkpointing)
+    if topology.dp_shard > 1:
+        return _fully_shard(model, mesh["dp_shard"], policy), None
+    return autocast_forward(model, mixed_precision, device), None
 
 
 def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device

@@ -17,6 +17,7 @@ from unbroken.model.optim import mark_no_decay
 from unbroken.policy.membership import donor
 from unbroken.runtime.parallel.accumulator import unique_parameters
 from unbroken.runtime.parallel.parallelize import parallelize
+from unbroken.runtime.parallel.precision import prepare
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.persist.healing import Forming, receive
 from unbroken.runtime.persist.state import materialize
@@ -42,7 +43,7 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len)) if topology.pp > 1 else None
     # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
     model, stages = parallelize(factories.model(cfg).to(device), topology, group, cfg.run.exact, who.rank,
-                                shape, device)
+                                shape, device, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing)
     data = factories.data(cfg)
     return Parts(model, data, optimizer_for(factories, model, cfg), group, stages)
 
@@ -62,7 +63,9 @@ def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
     import torch
 
     torch.manual_seed(cfg.run.seed)
-    model = factories.model(cfg).to(torch.device("cpu") if device is None else device)
+    device = torch.device("cpu") if device is None else device
+    model = prepare(factories.model(cfg).to(device), cfg.parallel.mixed_precision,
+                    cfg.model.activation_checkpointing, device)  # unsharded: autocast, not FSDP2's policy
     standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard)
     return Parts(model, factories.data(cfg), optimizer_for(factories, model, cfg), None, None, standin)
 

@@ -138,6 +138,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     from unbroken.runtime.trainer.admission import optimizer_for
     from unbroken.runtime.parallel.parallelize import tensor_parallel
     from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
+    from unbroken.runtime.parallel.precision import prepare
     from unbroken.runtime.parallel.standin import StandIn
     from unbroken.runtime.trainer.stepwork import Parts
 
@@ -148,6 +149,8 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     if reform.tp > 1:  # TP before the stand-in takes its parameters: TP replaces them with DTensors
         plan = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
         model, pipe = tensor_parallel(model, plan, dist.group.WORLD, device)
+    # unsharded: autocast rather than FSDP2's policy (bf16 never has stages: config.tree refuses it)
+    model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device)
     # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it; with FSDP2,
     # every shard's rows of that part (it computes each shard's rows of a microbatch in turn)
     standin = StandIn(model, topology.pp, topology.tp, topology.dp_shard, held=reform.held,

@@ -1,0 +1,100 @@
+"""What a rank computes in and what it keeps: bf16 mixed precision and activation checkpointing.
+
+Owns: the FSDP2 `MixedPrecisionPolicy` of a group of shards (`policy`), autocast around the forward of a
+model FSDP2 does not wrap (`autocast_forward`: one-rank groups, tensor parallelism without shards, a
+shrunk group's stand-in), and torch.utils.checkpoint around each transformer block
+(`checkpoint_layers`). Does not own: which modules are the blocks (the model says: its `layers()`), the
+order of TP, checkpointing and FSDP2 (parallelize.py applies them as torchtitan does: TP, then
+checkpointing, then FSDP2), or the accumulator's dtype (accumulator.py: float32, float64 under --exact,
+whatever the compute dtype).
+
+bf16 as torchtitan runs it: parameters stay float32 (the master weights the optimizer steps, its state
+float32 too); inside a group FSDP2 all-gathers them cast to bf16 and reduce-scatters the gradients in
+float32 (float64 under --exact), writing float32 `.grad`; without FSDP2 autocast runs the matmuls in bf16
+and autograd hands float32 gradients to the float32 leaves. The forward's floating output is widened to
+float32, so the loss the trainer weighs and accumulates is float32 either way.
+
+Checkpointing replaces a block's `forward` (an instance attribute, not a wrapper module: parameter names,
+which snapshots, heals, DCP and the stand-in's layout read, stay as they are) with a non-reentrant
+`checkpoint` of it. `preserve_rng_state` (the default) replays the forward's RNG state in the recompute,
+so dropout draws the same masks and the gradients are bitwise those of a run without checkpointing.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from unbroken.topology import TopologyError
+
+
+def policy(mixed_precision: str, exact: bool):
+    """FSDP2's `MixedPrecisionPolicy` for a group of shards: bf16 parameters in the forward and backward
+    with float32 reduction ("bf16"), or the parameters' own dtype ("off"); float64 reduction under --exact
+    either way (reduced_shards takes it before FSDP2 rounds it into .grad)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision == "off":
+        return MixedPrecisionPolicy(reduce_dtype=torch.float64 if exact else None)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float64 if exact else torch.float32)
+
+
+def autocast_forward(model: nn.Module, mixed_precision: str, device: torch.device) -> nn.Module:
+    """`model` with its forward run under bf16 autocast on `device`'s type, its floating tensor output
+    widened to float32 ("bf16"); `model` unchanged ("off"). Call once, on a model FSDP2 does not shard, after
+    everything else that wraps it; the backward runs outside autocast, as torch recommends."""
+    if mixed_precision == "off":
+        return model
+    forward = model.forward
+
+    def bf16_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = forward(*args, **kwargs)
+        return out.float() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    model.forward = bf16_forward
+    return model
+
+
+def checkpointed(mode: str, n: int) -> list[int]:
+    """Indices of the blocks out of `n` that `mode` checkpoints: all ("full"), every other one
+    ("selective": blocks 1, 3, 5, ..., as torchtitan's layer-wise selective checkpointing with frequency
+    2 picks them), none ("none")."""
+    if mode == "full":
+        return list(range(n))
+    if mode == "selective":
+        return list(range(1, n, 2))
+    return []
+
+
+def checkpoint_layers(model: nn.Module, mode: str) -> nn.Module:
+    """`model` with each block that `mode` picks (`checkpointed`) recomputed in the backward. Call once,
+    before fully_shard (inside each block's FSDP2 unit, as torchtitan applies it) and after tensor
+    parallelism. Raises TopologyError for a model without `layers()` when `mode` is not "none"."""
+    if mode == "none":
+        return model
+    layers = getattr(model, "layers", None)
+    if not callable(layers):
+        raise TopologyError(f"model.activation_checkpointing={mode} needs a model with layers() (its blocks)")
+    blocks = layers()
+    for i in checkpointed(mode, len(blocks)):
+        blocks[i].forward = _recomputed(blocks[i].forward)
+    return model
+
+
+def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    return checkpointed_forward
+
+
+def prepare(model: nn.Module, mixed_precision: str, checkpointing: str, device: torch.device) -> nn.Module:
+    """A model FSDP2 does not shard, as parallelize leaves one: its blocks checkpointed, then its forward
+    under autocast. For a shrunk group's stand-in (trainer/admission.py, trainer/replan_reform.py), built
+    apart from parallelize."""
+    return autocast_forward(checkpoint_layers(model, checkpointing), mixed_precision, device)
