@@ -219,6 +219,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),
+        (p.cross_backend != "nccl" or p.device != "cpu",
+         "parallel.cross_backend=nccl with parallel.device=cpu: NCCL reduces CUDA tensors only; use "
+         "--parallel.cross_backend=auto or gloo"),
         (p.claim_wait >= 0, f"parallel.claim_wait={p.claim_wait}: must be >= 0 (seconds)"),
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
