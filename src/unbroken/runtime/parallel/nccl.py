@@ -60,6 +60,7 @@ class TorchNccl:
         try:
             from torch.distributed import ProcessGroupNCCL
 
+            torch.cuda.set_device(device)  # the current device is per thread: this one's is NCCL's
             os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", "600")  # torchft's: init may take long
             opts = ProcessGroupNCCL.Options()
             opts.config.blocking = False
