@@ -7,7 +7,9 @@
 #   hostid    two NCCL ranks of one communicator on one GPU, each its own NCCL_HOSTID (NEVER RUN)
 #   abort     NcclEpochGroup on a real GPU: a hung peer aborted, re-form, timeout (gpu_nccl_abort.py; NEVER RUN)
 #   ftnccl    (a) 3 one-rank groups, --parallel.device=cuda --parallel.cross_backend=nccl --exact, a kill, a
-#             hang and the rejoins: `unbroken compare` against the failure-free run (NEVER RUN)
+#             hang and the rejoins: `unbroken compare` against the failure-free run (NEVER RUN on a GPU;
+#             the same flags with --parallel.device=cpu --parallel.cross_backend=gloo on the 2-core CPU
+#             machine: 36/36 steps identical, replicas 1 and 2 lost and both rejoined)
 #   fsdpnccl  (b) 2 groups x 2 ranks, FSDP2 inside and the cross-group reduction, all on NCCL, a rank lost
 #             and its group rejoining: the same comparison (NEVER RUN)
 #   events    (c) every rank of ftnccl's and fsdpnccl's runs recorded cuda:N and an NCCL version (NEVER RUN)

@@ -223,3 +223,15 @@ def test_every_rank_records_the_device_it_computes_on(tmp_path):
     assert len(starts) == 2
     for e in starts:
         assert (e["device"], e["device_name"], e["nccl"], e["cross_backend"]) == ("cpu", "cpu", None, "gloo")
+
+
+def test_a_host_id_per_rank_lets_a_group_have_more_ranks_than_gpus(monkeypatch):
+    import unbroken.runtime.parallel.device as device
+
+    monkeypatch.setattr(device, "resolve", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("UNBROKEN_NCCL_HOSTID_PER_RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"^parallel.group_size=4: "):
+        device.preflight("cuda", 4)
+    monkeypatch.setenv("UNBROKEN_NCCL_HOSTID_PER_RANK", "1")
+    device.preflight("cuda", 4)  # each rank its own NCCL_HOSTID: NCCL lets them share the GPU
