@@ -26,8 +26,10 @@ from pathlib import Path
 from unbroken.config import Config
 
 
-def start(cfg: Config, port: int, times: Path) -> list[subprocess.Popen]:
-    """Start cfg.run.replicas rank processes; rank 0 appends time.time() after each step to `times`."""
+def start(cfg: Config, port: int, times: Path, device: str = "cpu") -> list[subprocess.Popen]:
+    """Start cfg.run.replicas rank processes; rank 0 appends time.time() after each step to `times`.
+    device="cuda": DDP on NCCL, rank r on GPU r modulo the GPUs, each rank its own NCCL_HOSTID so that
+    ranks may share a GPU (benchmarks/gpu_check.sh; never run yet)."""
     R, M = cfg.run.replicas, cfg.run.microbatches
     if M % R:
         raise ValueError(f"{M} microbatches do not split evenly across {R} processes")
@@ -36,15 +38,17 @@ def start(cfg: Config, port: int, times: Path) -> list[subprocess.Popen]:
     # the same environment unbroken's launcher gives its workers: one OpenMP thread each
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
     return [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(R), "--port", str(port),
-                              "--config", str(conf), "--out", str(times)], env=env, stdin=subprocess.DEVNULL)
+                              "--config", str(conf), "--out", str(times), "--device", device],
+                             env={**env, "NCCL_HOSTID": f"ddp-baseline-{r}"} if device == "cuda" else env,
+                             stdin=subprocess.DEVNULL)
             for r in range(R)]
 
 
-def spawn(cfg: Config, port: int, timeout_s: float = 600.0) -> list[float]:
+def spawn(cfg: Config, port: int, timeout_s: float = 600.0, device: str = "cpu") -> list[float]:
     """Run the baseline with cfg.run.replicas processes; returns rank 0's time.time() after each step."""
     with tempfile.TemporaryDirectory(prefix="ddp-baseline-") as tmp:
         out = Path(tmp) / "times.txt"
-        procs = start(cfg, port, out)
+        procs = start(cfg, port, out, device)
         try:
             deadline = time.time() + timeout_s
             for p in procs:
@@ -60,7 +64,7 @@ def spawn(cfg: Config, port: int, timeout_s: float = 600.0) -> list[float]:
         return [float(x) for x in out.read_text().split()]
 
 
-def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
+def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -70,9 +74,14 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
     from unbroken.policy.workload import loss_weight
 
     torch.set_num_threads(cfg.run.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    on = torch.device("cpu")
+    if device == "cuda":
+        on = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(on)
+    dist.init_process_group("nccl" if on.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     torch.manual_seed(cfg.run.seed)  # identical initial parameters on every rank (DDP also broadcasts them)
-    model = DDP(GPT(cfg.model))
+    model = DDP(GPT(cfg.model).to(on))
     data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
@@ -90,10 +99,12 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path) -> None:
             # DDP averages over ranks; x world turns that back into unbroken's token-weighted sum
             sync = n == per - 1
             with contextlib.nullcontext() if sync else model.no_sync():
-                loss = model(mb.x, mb.y) * (loss_weight(mb.tokens, step_tokens) * world)
+                loss = model(mb.x.to(on), mb.y.to(on)) * (loss_weight(mb.tokens, step_tokens) * world)
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if on.type == "cuda":
+            torch.cuda.synchronize()  # the step's time is the GPU's, as unbroken's records (digest) wait for it
         if rank == 0:
             os.write(fd, f"{time.time():.6f}\n".encode())
     dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while another still uses it
@@ -107,5 +118,6 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = ap.parse_args()
-    rank_main(a.rank, a.world, a.port, Config.from_json(a.config.read_text()), a.out)
+    rank_main(a.rank, a.world, a.port, Config.from_json(a.config.read_text()), a.out, a.device)

@@ -60,10 +60,14 @@ def check_host(cfg: Config) -> None:
     """The checks of a run whose every group this host's launcher starts (`unbroken train`, `resume`, the
     demo, `unbroken.train`), before anything is touched; not the standalone coordinator's, whose groups
     run on other hosts: a group needs a GPU per rank here if its device resolves to CUDA
-    (runtime/parallel/device.py: check_gpus), and the token files of data.path must be readable, as
-    long as one window and inside model.vocab_size (model/data/check.py). Raises ConfigError (one line)."""
+    (runtime/parallel/device.py: check_gpus), the token files of data.path must be readable, as long as
+    one window and inside model.vocab_size (model/data/check.py), and parallel.cross_backend=nccl needs
+    CUDA here (runtime/parallel/crossgroup.py: check). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
+    if cfg.parallel.cross_backend == "nccl":
+        from unbroken.runtime.parallel.crossgroup import check
+        check(cfg.parallel.cross_backend, cfg.parallel.device)  # CUDA here, or one line before anything starts
     if cfg.parallel.device == "cpu" or (cfg.parallel.device == "auto" and cfg.parallel.group_size == 1):
         return  # nothing to check, and the CLI need not import torch (~2 s) for it
     from unbroken.runtime.parallel.device import preflight

@@ -118,7 +118,13 @@ def test_bad_device_values_are_one_line_and_exit_2(tmp_path):
 
 
 def events(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    """The run's events, after checking that every rank computed on CUDA and reduced across groups on
+    NCCL (a silent CPU fallback would pass the rest of a test)."""
+    ev = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in ev if e["event"] == "worker_start"]
+    assert starts and all(e["device"].startswith("cuda:") and e["nccl"] and e["cross_backend"] == "nccl"
+                          for e in starts), starts
+    return ev
 
 
 @pytest.mark.gpu

@@ -239,8 +239,12 @@ class ParallelConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where each rank computes: "auto" (CUDA where its process sees a GPU, else CPU), "cpu" or "cuda".
     On a GPU a group's ranks talk over NCCL (gloo for the step protocol's CPU tensors); the cross-group
-    fault-tolerant all-reduce stays on gloo (runtime/parallel/device.py says why). Runs on one GPU; NCCL
+    fault-tolerant all-reduce on NCCL or gloo as parallel.cross_backend says. Runs on one GPU; NCCL
     inside a group (2 GPUs or more) not yet."""
+    cross_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """The cross-group fault-tolerant all-reduce's backend: "auto" (NCCL where the rank computes on CUDA,
+    gloo on CPU), "nccl" (CUDA ranks only: refused at config time without CUDA) or "gloo" (CUDA tensors
+    staged through host memory). The NCCL path (runtime/parallel/nccl.py) has not run on a GPU yet."""
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.mixed_precision == "off" or pp == 1,
          f"parallel.mixed_precision={p.mixed_precision} with parallel.pp={pp}: pipeline stages pass float32 "
          f"activations and gradients between ranks; bf16 runs without stages"),
+        (p.cross_backend != "nccl" or p.device != "cpu",
+         "parallel.cross_backend=nccl with parallel.device=cpu: NCCL reduces CUDA tensors only; use "
+         "--parallel.cross_backend=auto or gloo"),
         (p.claim_wait >= 0, f"parallel.claim_wait={p.claim_wait}: must be >= 0 (seconds)"),
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),

@@ -1,4 +1,4 @@
-"""Fault-tolerant cross-replica collectives: one real gloo group per membership epoch.
+"""Fault-tolerant cross-replica collectives: one real gloo group per membership epoch and shard index.
 
 Owns: forming the epoch's group on a fresh store prefix, running an all-reduce on a *copy* of the caller's
 buffer, and turning a dead peer, a timeout or a membership change into a typed outcome instead of a hang.
@@ -11,11 +11,12 @@ thread, which releases the GIL; the collective as async Work), the caller waits 
 the membership epoch, and abandons both when the epoch moves. Abandoned groups keep their threads and sockets;
 we hold references so their destructors never run mid-operation; the process exits with os._exit.
 
-Gloo on a GPU too (it reduces CUDA tensors staged through host memory): an NCCL communicator forms lazily
-inside its first collective, so it could not be formed off the step's path as here, its work completes
-on the host before the GPU has run it, so an abandoned one is not free, and a peer's death needs the
-communicator aborted. An NCCL cross-group reduction would need all three handled (torchft's
-ProcessGroupBabyNCCL runs it in a subprocess for that reason); it is not built.
+This is the gloo group: CPU ranks, and CUDA ranks under parallel.cross_backend=gloo (gloo reduces CUDA
+tensors by staging them through host memory). CUDA ranks reduce on NCCL by default (nccl.py: a
+non-blocking communicator formed eagerly off the step's path, its completion polled, aborted from a
+watcher thread when the epoch moves, a peer fails or the timeout passes; ncclmachine.py decides); gloo's
+blocked all-reduce cannot be aborted, so an abandoned gloo group is kept instead (`keep`).
+crossgroup.py chooses between them. Both return ReduceResult or raise CollectiveError / EpochMoved.
 """
 from __future__ import annotations
 

@@ -3,16 +3,21 @@
 Owns: resolving `parallel.device` ("auto", "cpu", "cuda") in a trainer process; binding the process to its
 GPU before any CUDA work or process group exists (`bind`); the intra-group backend (`backend`); the NCCL
 error-handling settings a fault-tolerant group needs (`nccl_environment`); the kernels `--exact` needs on a
-GPU (`exact_kernels`); refusing a group whose ranks would share a GPU (`check_gpus`). Does not own: the cross-group
-fault-tolerant all-reduce (collectives.py), which stays on gloo on a GPU too (gloo reduces CUDA tensors by
-staging them through host memory): an NCCL communicator whose peer died must be aborted, and a gloo group
-just times out and is dropped, which is what the epoch protocol does today.
+GPU (`exact_kernels`); refusing a group whose ranks would share a GPU (`check_gpus`), unless each rank has a
+host identity of its own for NCCL (`hostid_per_rank`). Does not own: the cross-group fault-tolerant
+all-reduce (collectives.py on gloo, nccl.py on NCCL, chosen in crossgroup.py).
 
 Which GPU, modulo the GPUs this process sees: on a cluster LOCAL_RANK (torchrun's index of the rank on
 its node; each torchrun job sees its own GPUs through CUDA_VISIBLE_DEVICES); under the local launcher, which
 puts every group on one host, UNBROKEN_DEVICE_BASE (r x group_size for group r, as `run.pin_cores` lays
 out cores) plus RANK, the rank's index in its group (with one torchrun agent per rank, every rank's
 LOCAL_RANK is 0).
+
+Several NCCL ranks on one GPU (a functional test, never for speed): NCCL refuses two ranks of one
+communicator whose host identity and bus id match ("Duplicate GPU detected"), and NCCL_HOSTID overrides
+the host identity. torchrun gives all of a job's ranks one environment, so the rank sets its own: with
+UNBROKEN_NCCL_HOSTID_PER_RANK=1 each trainer sets NCCL_HOSTID from its (group, rank) before any NCCL
+call, and `check_gpus` no longer refuses a group with more ranks than GPUs (torchft's train_ddp.py).
 
 What has run on a GPU is in benchmarks/RESULTS.md (`resolve`, `bind`, `check_gpus` and `exact_kernels`
 on one GPU); NCCL inside a group of 2 or more GPUs has not run. The test suite runs the CPU path of every
@@ -48,7 +53,8 @@ def bind(device: torch.device, env: Mapping[str, str]) -> torch.device:
     gpus = torch.cuda.device_count()
     # the group's ranks on this host: all of them under the local launcher, torchrun's count on a cluster
     local = env.get("WORLD_SIZE", "1") if "UNBROKEN_DEVICE_BASE" in env else env.get("LOCAL_WORLD_SIZE", "1")
-    check_gpus(int(local), gpus)
+    if not shares_gpus(env):
+        check_gpus(int(local), gpus)
     index = gpu_index(env, gpus)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -59,7 +65,8 @@ def check_gpus(group_size: int, gpus: int) -> None:
     ranks would share a GPU, and NCCL refuses two ranks of one communicator on one device ("Duplicate GPU
     detected", at the group's first collective, in every rank). Call where the group's size is known and
     before any process group: the launcher's config check, and each rank's `bind`. Groups may share GPUs
-    with each other: across groups the collectives are gloo. Raises ConfigError (one line)."""
+    with each other only across gloo groups or with a host identity per rank (`hostid_per_rank`). Raises
+    ConfigError (one line)."""
     if group_size > gpus:
         raise ConfigError(f"parallel.group_size={group_size}: a replica group's ranks need a GPU each under NCCL, "
                           f"and this host sees {gpus} (torch.cuda.device_count()); use --parallel.device=cpu or "
@@ -70,7 +77,7 @@ def preflight(name: str, group_size: int) -> None:
     """The local launcher's check, before it touches anything: every group runs on this host, so a
     `parallel.device` that resolves to CUDA needs a GPU per rank of a group (`check_gpus`). Raises
     ConfigError (one line)."""
-    if name != "cpu" and resolve(name).type == "cuda":
+    if name != "cpu" and resolve(name).type == "cuda" and not shares_gpus(os.environ):
         check_gpus(group_size, torch.cuda.device_count())
 
 
@@ -119,3 +126,19 @@ def nccl_environment(environ: MutableMapping[str, str]) -> None:
     environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
 
+
+
+def shares_gpus(env: Mapping[str, str]) -> bool:
+    """Whether this job's ranks may share GPUs under NCCL: UNBROKEN_NCCL_HOSTID_PER_RANK=1 (the module
+    docstring)."""
+    return env.get("UNBROKEN_NCCL_HOSTID_PER_RANK", "") == "1"
+
+
+def hostid_per_rank(environ: MutableMapping[str, str], group: int, rank: int) -> str | None:
+    """Where `shares_gpus`, set NCCL_HOSTID to a value of this rank's own ("unbroken-g{group}-r{rank}",
+    unique in the job) and return it; else None, the environment untouched. Call once per process,
+    before any NCCL communicator exists (NCCL reads it at its first initialisation)."""
+    if not shares_gpus(environ):
+        return None
+    environ["NCCL_HOSTID"] = f"unbroken-g{group}-r{rank}"
+    return environ["NCCL_HOSTID"]

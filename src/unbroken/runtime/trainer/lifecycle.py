@@ -32,7 +32,8 @@ from unbroken.config import ConfigError
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
 from unbroken.runtime.parallel.collectives import keep
-from unbroken.runtime.parallel.device import backend, bind, exact_kernels, nccl_environment, resolve
+from unbroken.runtime.parallel.crossgroup import choose, describe
+from unbroken.runtime.parallel.device import backend, bind, exact_kernels, hostid_per_rank, nccl_environment, resolve
 from unbroken.runtime.parallel.parallelize import intra_group, outlive_agent_restart, peer_lost, release_agent
 from unbroken.runtime.parallel.sockets import shut_recorded
 from unbroken.runtime.persist.persistence import Persistence
@@ -143,7 +144,8 @@ def run(factories: Factories) -> int:
     log.emit("worker_start", replica=who.group, rank=who.rank, group_size=who.group_size, node=who.node,
              pid=os.getpid(), torchrun="TORCHELASTIC_RUN_ID" in os.environ,
              forked=os.environ.get("UNBROKEN_FORKED", ""),  # "server", "agent" or "" (a fresh interpreter)
-             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+             **describe(where.device, where.cfg.parallel.cross_backend))  # what it computes and reduces on
     # Each incarnation's connection outlives it, as the process does: its store clients and watch
     # threads stay open (a survivor's next incarnation opens its own).
     connections: list[Connection] = []
@@ -162,7 +164,9 @@ def start_up() -> tuple[Placement, Identity]:
     who = Identity.from_env(os.environ, where.cfg.topology())
     if not 0 <= who.group < where.cfg.run.replicas:
         raise ConfigError(f"--group {who.group}: the run has replica groups 0..{where.cfg.run.replicas - 1}")
+    hostid_per_rank(os.environ, who.group, who.rank)  # before any NCCL call: ranks sharing a GPU
     device = bind(resolve(where.cfg.parallel.device), os.environ)
+    choose(where.cfg.parallel.cross_backend, device)  # ConfigError: nccl on a rank that is not on CUDA
     if device.type == "cuda":
         nccl_environment(os.environ)
         if where.cfg.run.exact:

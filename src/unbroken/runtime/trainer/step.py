@@ -42,7 +42,8 @@ from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.accumulator import Accumulator, local, param_digest, unique_parameters
-from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
+from unbroken.runtime.parallel.collectives import CollectiveError, EpochMoved
+from unbroken.runtime.parallel.crossgroup import CrossGroup, epoch_group
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.store.reasons import evicted, lost_rank
 from unbroken.runtime.trainer.devicetime import DeviceClock
@@ -96,7 +97,7 @@ class Trainer:
         self.accs = self._accumulators(standin)  # alternate between steps: s+1 computes while s settles
         self.sink = GradientSink(self.accs[0])  # gradient hooks -> the accumulator of the step computing
         self._hook_gradients(standin)
-        self.groups: dict[tuple[int, tuple[int, ...], int], EpochGroup] = {}  # (epoch, members, shard) -> group
+        self.groups: dict[tuple[int, tuple[int, ...], int], CrossGroup] = {}  # (epoch, members, shard) -> group
         self.copies: dict[int, torch.Tensor] = {}  # each step's all-reduce copies (StepWork.copies)
         self.seen_epoch = -1  # the latest epoch `ahead` looked at
         self.wait_s = 4 * cfg.coord.collective_timeout
@@ -279,12 +280,12 @@ class Trainer:
             for shard in self.role.holds:
                 self.group_of(latest, members, shard)
 
-    def group_of(self, epoch: int, members: tuple[int, ...], shard: int) -> EpochGroup:
+    def group_of(self, epoch: int, members: tuple[int, ...], shard: int) -> CrossGroup:
         """The cross-group group of `members` in `epoch` for shard index `shard`, formed from the first ask."""
         key = (epoch, members, shard)
         if key not in self.groups:
-            self.groups[key] = EpochGroup(self.coord.group_store(), epoch, members, self.me,
-                                          self.cfg.coord.collective_timeout, shard=shard)
+            self.groups[key] = epoch_group(self.cfg.parallel.cross_backend, self.device, self.coord.group_store(),
+                                           epoch, members, self.me, self.cfg.coord.collective_timeout, shard=shard)
         return self.groups[key]
 
     def before_publish(self, step: int, epoch: int) -> None:
