@@ -28,11 +28,11 @@ RUN = ["--replicas", "2", "--steps", str(STEPS), "--microbatches", "4", "--exact
 CLIP = [f"--optim.max_grad_norm={MAX_NORM}"]
 
 
-def lr_of(step: int, peak: float) -> float:
+def lr_of(step: int, peak: float, steps: int = STEPS) -> float:
     """Linear warmup over WARMUP steps from peak / WARMUP, then cosine to MIN_RATIO x peak at the last step."""
     if step < WARMUP:
         return peak * ((step + 1) / WARMUP)
-    p = (step - WARMUP) / max(1, STEPS - WARMUP - 1)
+    p = (step - WARMUP) / max(1, steps - WARMUP - 1)
     return peak * (MIN_RATIO + (1 - MIN_RATIO) * (1 + math.cos(math.pi * p)) / 2)
 
 
@@ -64,7 +64,7 @@ def oracle(cfg: Config, clip: bool) -> tuple[list[str], list[float]]:
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)))
         for group in opt.param_groups:
-            group["lr"] = lr_of(step, cfg.optim.lr)
+            group["lr"] = lr_of(step, cfg.optim.lr, cfg.run.steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
         h = xxhash.xxh3_128()
@@ -118,3 +118,41 @@ def test_clipping_moves_the_trajectory(tmp_path):
     r = unbroken("compare", str(on), str(off))
     assert r.returncode == 1, r.stdout[-2000:]
     assert all(e["grad_norm"] is None for e in records(off).values())
+
+
+def test_a_resumed_run_keeps_the_schedule_and_the_oracle(tmp_path):
+    """The coordinator SIGKILLed after 5 committed steps ends the launcher; `unbroken resume` restores the
+    newest snapshot in a new generation, and every step of the whole run, before and after, steps at its
+    schedule's lr and ends bitwise on the plain loop."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps_total = 40
+    out = tmp_path / "cut"
+    args = [a if a != str(STEPS) else str(steps_total) for a in RUN]
+    cmd = [sys.executable, "-m", "unbroken.cli", "train", *args, *CLIP, "--snapshot.enabled=true", "--out", str(out)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        log = out / "events.jsonl"
+        if log.exists() and log.read_text().count('"event": "step"') + log.read_text().count('"event":"step"') >= 5:
+            break
+        time.sleep(0.05)
+    os.kill(int((out / "logs" / "coordinator.pid").read_text()), signal.SIGKILL)
+    launcher.communicate(timeout=120)
+    assert launcher.returncode != 0, "the run finished before its coordinator was killed"
+    first = read_events(out)
+    assert max(e["step"] for e in first if e["event"] == "step") < steps_total - 1, "nothing left to resume"
+    r = unbroken("resume", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    assert [e.get("resumed") for e in events if e["event"] == "restart"] == [True]
+    assert {e["source"] for e in events if e["event"] == "restored"} == {"memory"}
+    cfg = Config.from_json((out / "config.json").read_text())
+    want, norms = oracle(cfg, clip=True)
+    got = records(out)
+    assert [got[s]["param_digest"] for s in range(steps_total)] == want
+    assert [got[s]["lr"] for s in range(steps_total)] == [lr_of(s, cfg.optim.lr, steps_total) for s in range(steps_total)]

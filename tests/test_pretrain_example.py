@@ -20,7 +20,7 @@ from unbroken.model.optim import lr_at
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_the_pretraining_example_runs_as_documented(tmp_path):
+def test_the_pretraining_example_runs_as_documented(tmp_path, monkeypatch):
     (tmp_path / "examples").mkdir()
     shutil.copy(ROOT / "examples" / "pretrain.toml", tmp_path / "examples")
     block = "\n".join(marked_lines("docs/pretraining.md", "pretrain"))
@@ -36,6 +36,7 @@ def test_the_pretraining_example_runs_as_documented(tmp_path):
     assert [(e["replica"], e.get("rank")) for e in kill] == [(1, 1)]
     assert any(e["event"] == "join" and e["replica"] == 1 for e in events), "the restarted group never rejoined"
     assert sorted(e["side"] for e in events if e["event"] == "heal") == ["donor", "donor", "joiner", "joiner"]
+    monkeypatch.chdir(tmp_path)  # data.path is relative to where the job was started
     cfg = Config.from_json((out / "config.json").read_text())
     assert (cfg.parallel.mixed_precision, cfg.model.activation_checkpointing) == ("bf16", "selective")
     record = steps(events)
