@@ -22,10 +22,29 @@ from unbroken.runtime.store import keys
 from unbroken.runtime.store.client import connect
 
 
+class FenceLatch:
+    """A process leaves as fenced once: whichever of its heartbeat threads and its trainer sees the verdict
+    first logs it and ends the process (the thread: exit 3 at once; the trainer: FencedOut up to the
+    lifecycle's exit 3); the others find the latch taken and do nothing more. One per process incarnation,
+    shared by its heartbeats and its trainer."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._taken = False
+
+    def claim(self) -> bool:
+        """True for the first caller only."""
+        with self._lock:
+            first, self._taken = not self._taken, True
+            return first
+
+
 class Heartbeat:
     def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
-                 prefix: str = "", rank: int = 0, spared: Callable[[str], bool] | None = None):
+                 prefix: str = "", rank: int = 0, spared: Callable[[str], bool] | None = None,
+                 latch: FenceLatch | None = None):
         self.me, self.interval = me, interval_s
+        self.latch = latch or FenceLatch()
         self.key = keys.heartbeat(me, rank)  # every rank of a group beats: any one silent kills the group
         self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
         self._store = PrefixStore(prefix, connect(address)) if prefix else connect(address)
@@ -75,6 +94,9 @@ class Heartbeat:
         if self._spared is not None and self._spared(reason):
             self._stop.set()
             return False
+        if not self.latch.claim():  # the trainer is leaving as fenced already: it exits 3
+            self._stop.set()
+            return False
         self._on_fenced(f"declared dead ({reason})")
         os._exit(3)
 
@@ -95,6 +117,7 @@ class Beats:
 
     def __init__(self, beats: list[Heartbeat]):
         self.beats = beats
+        self.latch = beats[0].latch  # one per process: every beat is given the same (lifecycle.connection)
 
     def start(self) -> None:
         for b in self.beats:

@@ -43,7 +43,7 @@ from unbroken.runtime.store.reasons import BROKE, evicted, lost_rank
 from unbroken.runtime.store.watch import DecisionWatch, EpochWatch, WeightsWatch
 from unbroken.runtime.trainer.admission import agree, build, build_standin, join, signature
 from unbroken.runtime.trainer.faults import Injector
-from unbroken.runtime.trainer.heartbeat import Beats, Heartbeat
+from unbroken.runtime.trainer.heartbeat import Beats, FenceLatch, Heartbeat
 from unbroken.runtime.trainer.membership import Coordination, FencedOut, GroupLost
 from unbroken.runtime.trainer.placement import Factories, Placement, default_factories, placement
 from unbroken.runtime.trainer.replan_reform import Reform, agree as agree_on_plan, build as build_reformed
@@ -206,12 +206,14 @@ def connection(where: Placement, me: Incarnation, log: EventLog) -> Connection:
     replan = cfg.parallel.on_rank_loss == "replan"
     shrinkable = replan and who.group_size > 1 and not me.shrunk
     holds = (me.reform.held or range(cfg.parallel.group_size)) if me.shrunk else (who.rank,)  # it beats for
+    latch = FenceLatch()  # the process leaves as fenced once, whoever sees the verdict first
     beats = [Heartbeat(where.address, group_id, cfg.coord.heartbeat_interval,
                        on_fenced=lambda why: (log.emit("fenced", replica=group_id, reason=why, **tag),
                                               release_agent(replan, evicted(why, who.rank))),
                        prefix=keys.generation_prefix(where.generation), rank=j,
                        # declared dead for another rank's silence: the trainer (fence) decides
-                       spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None)
+                       spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None,
+                       latch=latch)
              for j in holds]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
@@ -260,6 +262,7 @@ def live(where: Placement, me: Incarnation, conn: Connection, log: EventLog,
     try:
         train(where, me, conn, log, factories, built)
     except FencedOut as e:
+        conn.heartbeat.stop()
         return Fenced(str(e))
     except GroupLost as e:  # another rank of the group went silent and the group was declared dead
         log.emit("group_broken", replica=group_id, error=f"declared dead: {e}"[:300], **conn.tag)
@@ -360,8 +363,9 @@ def broken_group(where: Placement, me: Incarnation, conn: Connection, log: Event
     traceback.print_exc()
     log.emit("group_broken", replica=who.group, error=f"{type(error).__name__}: {error}"[:300], **conn.tag)
     if ousted:
-        log.emit("fenced", replica=who.group, reason=dead, **conn.tag)
-        release_agent(replan, evicted(dead, who.rank))
+        if conn.heartbeat.latch.claim():
+            log.emit("fenced", replica=who.group, reason=dead, **conn.tag)
+            release_agent(replan, evicted(dead, who.rank))
         return Fenced(dead)
     if not replan or me.shrunk:  # a re-formed group does not re-form again: it grows back
         outlive_agent_restart(replan and me.shrunk)

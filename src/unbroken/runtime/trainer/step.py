@@ -492,6 +492,7 @@ class Trainer:
         dead = self.coord.dead_reason() if self.role.shrinkable else None
         if dead is not None and lost_rank(dead) not in (None, self.role.rank):
             raise GroupLost(dead)
-        self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.role.tag)
-        release_agent(self.cfg.parallel.on_rank_loss == "replan", evicted(dead or "", self.role.rank))
+        if self.hb.latch.claim():  # else its heartbeat thread found the verdict first, logged it and exits
+            self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.role.tag)
+            release_agent(self.cfg.parallel.on_rank_loss == "replan", evicted(dead or "", self.role.rank))
         raise FencedOut(reason)
