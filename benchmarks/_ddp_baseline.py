@@ -71,6 +71,7 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path, device: 
 
     from unbroken.model.data import DataSource, mix, seed_microbatch
     from unbroken.model.gpt import GPT
+    from unbroken.model.optim import default_optimizer, lr_factor, mark_no_decay
     from unbroken.policy.workload import loss_weight
 
     torch.set_num_threads(cfg.run.threads)
@@ -84,7 +85,10 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path, device: 
     model = DDP(GPT(cfg.model).to(on))
     data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)
     o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    mark_no_decay(model.module, o)  # the same parameter groups, schedule and clipping as unbroken's step
+    opt = default_optimizer(list(model.parameters()), cfg)
+    for group in opt.param_groups:
+        group["initial_lr"] = group["lr"]
     M = cfg.run.microbatches
     per = M // world
     mine = range(rank * per, (rank + 1) * per)
@@ -101,6 +105,11 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, out: Path, device: 
             with contextlib.nullcontext() if sync else model.no_sync():
                 loss = model(mb.x.to(on), mb.y.to(on)) * (loss_weight(mb.tokens, step_tokens) * world)
                 loss.backward()
+        if o.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm, foreach=True)
+        factor = lr_factor(step, o, cfg.run.steps)
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * factor
         opt.step()
         opt.zero_grad(set_to_none=True)
         if on.type == "cuda":

@@ -162,7 +162,7 @@ def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) 
            "--microbatches", str(args.microbatches), f"--model.n_layer={args.n_layer}",
            f"--model.n_embd={args.n_embd}", "--run.progress=false", "--coord.heartbeat_timeout=3600",
            "--coord.progress_timeout=3600", "--coord.collective_timeout=3600", "--coord.run_timeout=86400",
-           "--parallel.device=cpu", "--out", str(out), *extra]  # on the CPU, as the gloo baselines, on a GPU host too
+           "--parallel.device=cpu", "--out", str(out), *optim_flags(args), *extra]  # on the CPU, as the gloo baselines
     log = open(out.parent / f"{out.name}.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     events = out / "events.jsonl"
@@ -189,9 +189,18 @@ def start_baseline(name: str, start, cfg, path: Path) -> Side:
     return Side(name, start(cfg, port, path), times)
 
 
+# --optim full: a pre-training run's optimizer step on both sides (warmup + cosine, clipping by the global norm)
+OPTIM = {"full": {"schedule": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1, "max_grad_norm": 1.0}}
+
+
+def optim_flags(args: argparse.Namespace) -> list[str]:
+    return [f"--optim.{k}={v}" for k, v in OPTIM.get(args.optim, {}).items()]
+
+
 def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
     cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
-                      model__n_layer=args.n_layer, model__n_embd=args.n_embd)
+                      model__n_layer=args.n_layer, model__n_embd=args.n_embd,
+                      **{f"optim__{k}": v for k, v in OPTIM.get(args.optim, {}).items()})
     return start_baseline("ddp", _ddp_baseline.start, cfg, tmp / "ddp-times.txt")
 
 
@@ -245,6 +254,8 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--extras", default="exact,speed", help=f"extra unbroken sides, of {','.join(EXTRAS)}")
+    ap.add_argument("--optim", choices=["plain", "full"], default="plain",
+                    help="plain: AdamW at a constant lr; full: warmup + cosine and clipping on both sides")
     args = ap.parse_args()
     names = [x for x in args.extras.split(",") if x]
     if bad := [x for x in names if x not in EXTRAS]:
