@@ -59,10 +59,14 @@ def test_bf16_groups_of_two_through_a_kill_and_rejoin_match_the_failure_free_bf1
     record = steps(events)
     assert record[2]["members"] == [0] and record[31]["members"] == [0, 1]
     assert digests(events) == digests(clean) and len(digests(clean)) == 32
-    # and bf16 is what the groups computed: float32's first steps (a constant lr) took other parameters
-    _, fp32 = train(tmp_path, "fp32", "--replicas", "2", "--parallel.group_size=2", "--steps", "3",
+    # and bf16 is what the groups computed: float32's steps took other parameters, and after 20 steps its
+    # loss is within 2% of the bf16 groups'
+    _, fp32 = train(tmp_path, "fp32", "--replicas", "2", "--parallel.group_size=2", "--steps", "20",
                     "--microbatches", "4", "--exact")
-    assert all(digests(fp32)[s] != digests(clean)[s] for s in range(3))
+    assert all(digests(fp32)[s] != digests(clean)[s] for s in range(20))
+    a, b = steps(fp32)[19]["loss"], record[19]["loss"]
+    print(f"2 x 2 FSDP2 groups, loss after 20 steps: float32 {a:.6f}, bf16 {b:.6f} ({abs(b - a) / a:.3%} apart)")
+    assert abs(b - a) <= 0.02 * a, (a, b)
 
 
 def test_bf16_with_tensor_parallelism_runs_under_autocast(tmp_path):
