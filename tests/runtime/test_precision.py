@@ -2,7 +2,7 @@
 2 groups x 2 ranks (FSDP2 inside) is bitwise its own failure-free bf16 run through a rank kill and the
 group's rejoin; bf16 lands within 2% of float32's loss after 20 steps on another trajectory (one-rank
 groups, and a TP group under autocast); checkpointing ("full", "selective") keeps every step's digest
-and lowers the peak memory of a forward and backward; bad input is one line and exit 2.
+and lowers the activations a forward keeps for its backward; bad input is one line and exit 2.
 """
 from __future__ import annotations
 
