@@ -194,7 +194,7 @@ OPTIM = {"full": {"schedule": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1, 
 
 
 def optim_flags(args: argparse.Namespace) -> list[str]:
-    return [f"--optim.{k}={v}" for k, v in OPTIM.get(args.optim, {}).items()]
+    return [f"--optim.{k}={v}" for k, v in OPTIM.get(getattr(args, "optim", "plain"), {}).items()]
 
 
 def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
