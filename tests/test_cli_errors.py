@@ -94,7 +94,7 @@ def test_unwritable_out_is_one_line(tmp_path, where):
     out = tmp_path / "FILE" / "run" if where == "under a regular file" else Path(where)
     before = sorted(tmp_path.iterdir())
     r = unbroken("train", *SMALL, "--out", str(out), timeout=25)
-    line = assert_one_line_error(r, f"run.out={str(out)!r}: cannot be created")
+    line = assert_one_line_error(r, f"launch.out={str(out)!r}: cannot be created")
     assert "Traceback" not in r.stderr and not r.stdout, r.stdout
     assert not out.exists() and sorted(tmp_path.iterdir()) == before
 
