@@ -3,7 +3,7 @@
 What it measures: tokens committed per wall-clock second (run start to run end, start-up included) for
 one schedule of successive replica kills, run under the recovery modes of `--run.recovery`:
   live            survivors finish the failed step and go on without the lost replicas (ReCoVer);
-  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--run.restarts=N`):
+  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--launch.restarts=N`):
                   it rejoins at a step boundary, healed from a live peer, so live gets its capacity
                   back as the restart modes do (no snapshots: it needs none);
   restart-memory  any failure restarts every trainer, which reload the agents' in-memory snapshot
@@ -23,7 +23,7 @@ its first failure (live runs first for that reason). `--checkpoint.every` = roun
 MTBF) / step time), at least 1.
 
 Every mode starts its replica groups the same way, one torchrun job per group as on a cluster
-(`--run.launcher=torchrun`), so every start, restart and rejoin pays what a real one pays here: new
+(`--launch.launcher=torchrun`), so every start, restart and rejoin pays what a real one pays here: new
 processes, `import torch` and the first optimizer step's `import torch._dynamo` (~3 CPU-s a trainer on
 this machine), group formation, the restore or the heal. That is part of what each strategy costs.
 (Before 2026-11-29 the three modes without rejoin ran under the local launcher's default, `fork`, whose

@@ -160,7 +160,7 @@ class Side:
 def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) -> Side:
     cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas), "--steps", str(LONG),
            "--microbatches", str(args.microbatches), f"--model.n_layer={args.n_layer}",
-           f"--model.n_embd={args.n_embd}", "--run.progress=false", "--coord.heartbeat_timeout=3600",
+           f"--model.n_embd={args.n_embd}", "--launch.progress=false", "--coord.heartbeat_timeout=3600",
            "--coord.progress_timeout=3600", "--coord.collective_timeout=3600", "--coord.run_timeout=86400",
            "--parallel.device=cpu", "--out", str(out), *extra]  # on the CPU, as the gloo baselines, on a GPU host too
     log = open(out.parent / f"{out.name}.log", "wb")

@@ -1,7 +1,7 @@
 """Rejoin: a replica group SIGKILLed, restarted by torchrun, admitted and healed from a live peer.
 
 One real run through unbroken's launcher: R groups of G ranks, each group a torchrun job with
-`--max-restarts=1` (`--run.restarts=1`); `kill:replica=1,rank=G-1,step=S` SIGKILLs one rank of group 1.
+`--max-restarts=1` (`--launch.restarts=1`); `kill:replica=1,rank=G-1,step=S` SIGKILLs one rank of group 1.
 torchrun tears the group down and restarts it; the coordinator declares the old group dead (at once when
 the group's surviving rank saw its process group break and reported it, else after the heartbeat timeout:
 torchrun's agent does not exit, so no launcher report), the survivors redo its microbatches and
