@@ -112,7 +112,7 @@ def overhead_figure(replicas: int, steps: int, microbatches: int, n_layer: int, 
     from unbroken.api import make_config
     from unbroken.events import read_events
 
-    cfg = make_config(replicas=replicas, steps=steps, microbatches=microbatches, progress=False, quotas="equal",
+    cfg = make_config(replicas=replicas, steps=steps, microbatches=microbatches, launch__progress=False, quotas="equal",
                       model__n_layer=n_layer, model__n_embd=n_embd)
     env = {**os.environ, "UNBROKEN_NCCL_HOSTID_PER_RANK": "1"}
     ours, ddp = [], []

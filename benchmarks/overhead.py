@@ -190,7 +190,7 @@ def start_baseline(name: str, start, cfg, path: Path) -> Side:
 
 
 def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
-    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
+    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, launch__progress=False,
                       model__n_layer=args.n_layer, model__n_embd=args.n_embd)
     return start_baseline("ddp", _ddp_baseline.start, cfg, tmp / "ddp-times.txt")
 
