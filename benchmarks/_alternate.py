@@ -25,7 +25,7 @@ def alternate(rounds: int, modes: dict[str, dict], base: dict, title: str,
         for rnd in range(rounds):
             for mode, extra in modes.items():
                 out = Path(tmp) / f"{mode}-{rnd}"
-                result = launch(make_config(**base, **extra, out=str(out)), title=f"{title} {mode}")
+                result = launch(make_config(**base, **extra, launch__out=str(out)), title=f"{title} {mode}")
                 if not result.ok:
                     raise SystemExit(f"run failed: {result.error} (see {out})")
                 got[mode].append(measure(read_events(out / "events.jsonl")))
@@ -42,7 +42,7 @@ def add_pipeline_args(ap) -> None:
 
 def pipeline_base(args, faults: str, **extra) -> dict:
     """make_config keywords of 2 groups x PP 2 in --exact (a 2-layer GPT, dropout 0) under `faults`."""
-    return dict(replicas=2, steps=args.steps, microbatches=args.microbatches, progress=False, exact=True,
-                faults=faults, parallel__group_size=2, parallel__pp=2, model__n_layer=2, model__n_embd=args.n_embd,
-                model__block_size=args.seq_len, model__dropout=0.0, data__batch_size=args.batch_size,
+    return dict(replicas=2, steps=args.steps, microbatches=args.microbatches, launch__progress=False, exact=True,
+                faults__spec=faults, parallel__group_size=2, parallel__pp=2, model__n_layer=2,
+                model__n_embd=args.n_embd, model__block_size=args.seq_len, model__dropout=0.0, data__batch_size=args.batch_size,
                 data__seq_len=str(args.seq_len), **extra)

@@ -66,7 +66,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="control-plane-")) / "run"
     cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas),
            f"--parallel.group_size={args.group_size}", "--steps", str(args.steps), "--microbatches", "4",
-           "--run.quotas=equal", "--run.progress=false", "--out", str(out)]
+           "--run.quotas=equal", "--launch.progress=false", "--out", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
     while p.poll() is None:

@@ -3,7 +3,7 @@
 What it measures: tokens committed per wall-clock second (run start to run end, start-up included) for
 one schedule of successive replica kills, run under the recovery modes of `--run.recovery`:
   live            survivors finish the failed step and go on without the lost replicas (ReCoVer);
-  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--run.restarts=N`):
+  live-rejoin     the same, and each killed replica's torchrun job restarts it (`--launch.restarts=N`):
                   it rejoins at a step boundary, healed from a live peer, so live gets its capacity
                   back as the restart modes do (no snapshots: it needs none);
   restart-memory  any failure restarts every trainer, which reload the agents' in-memory snapshot
@@ -23,7 +23,7 @@ its first failure (live runs first for that reason). `--checkpoint.every` = roun
 MTBF) / step time), at least 1.
 
 Every mode starts its replica groups the same way, one torchrun job per group as on a cluster
-(`--run.launcher=torchrun`), so every start, restart and rejoin pays what a real one pays here: new
+(`--launch.launcher=torchrun`), so every start, restart and rejoin pays what a real one pays here: new
 processes, `import torch` and the first optimizer step's `import torch._dynamo` (~3 CPU-s a trainer on
 this machine), group formation, the restore or the heal. That is part of what each strategy costs.
 (Before 2026-11-29 the three modes without rejoin ran under the local launcher's default, `fork`, whose
@@ -193,8 +193,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     faults, fail_steps = schedule(steps, args.failures, args.replicas)
-    base = dict(replicas=args.replicas, steps=steps, microbatches=args.microbatches, progress=False,
-                faults=faults, run__launcher="torchrun", model__n_layer=n_layer, model__n_embd=n_embd,
+    base = dict(replicas=args.replicas, steps=steps, microbatches=args.microbatches, launch__progress=False,
+                faults__spec=faults, launch__launcher="torchrun", model__n_layer=n_layer, model__n_embd=n_embd,
                 model__block_size=seq, data__batch_size=args.batch_size, data__seq_len=str(seq),
                 coord__run_timeout=1200)
     with console.status("measuring the checkpoint cost of this model's state (DCP, in-process)"):
@@ -217,7 +217,7 @@ def main() -> None:
     for mode, rnd in order:  # live, memory, disk, disk, memory, live, ...: load drift hits all modes alike
         extra: dict = dict(snap)
         if mode == "live-rejoin":  # each killed group restarted by its torchrun job, healed from a peer
-            extra = dict(run__restarts=args.failures)
+            extra = dict(launch__restarts=args.failures)
         elif mode == "restart-disk" and every is not None:
             extra = dict(checkpoint__every=every)
         elif mode == "restart-disk":
@@ -236,7 +236,7 @@ def main() -> None:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with console.status(f"{mode}: {steps} steps, {args.failures} failures"):
             recovery = "live" if mode == "live-rejoin" else mode
-        result = launch(make_config(**base, **extra, recovery=recovery, out=str(run_dir)), title=mode)
+        result = launch(make_config(**base, **extra, recovery=recovery, launch__out=str(run_dir)), title=mode)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, reaped by now
         cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if not result.ok:

@@ -124,7 +124,7 @@ echo "== NcclEpochGroup: a hung peer aborted from a watcher thread, re-formed wi
 timeout 240 $py benchmarks/gpu_nccl_abort.py 2>&1 | tee "$out/abort.txt" | grep -vE "^\s*$" | cut -c1-300
 fi
 export UNBROKEN_NCCL_HOSTID_PER_RANK=1  # the runs below put several NCCL ranks on one GPU
-FT=(--parallel.device=cuda --parallel.cross_backend=nccl --exact --run.progress=false --run.launcher=torchrun --run.restarts=1
+FT=(--parallel.device=cuda --parallel.cross_backend=nccl --exact --launch.progress=false --launch.launcher=torchrun --launch.restarts=1
     --coord.heartbeat_timeout=5 --coord.heartbeat_interval=0.2 --coord.collective_timeout=30
     --coord.run_timeout=400 --model.dropout=0)
 if want ftnccl; then

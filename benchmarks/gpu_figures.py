@@ -112,7 +112,7 @@ def overhead_figure(replicas: int, steps: int, microbatches: int, n_layer: int, 
     from unbroken.api import make_config
     from unbroken.events import read_events
 
-    cfg = make_config(replicas=replicas, steps=steps, microbatches=microbatches, progress=False, quotas="equal",
+    cfg = make_config(replicas=replicas, steps=steps, microbatches=microbatches, launch__progress=False, quotas="equal",
                       model__n_layer=n_layer, model__n_embd=n_embd)
     env = {**os.environ, "UNBROKEN_NCCL_HOSTID_PER_RANK": "1"}
     ours, ddp = [], []
@@ -122,7 +122,7 @@ def overhead_figure(replicas: int, steps: int, microbatches: int, n_layer: int, 
                 out = Path(tmp) / f"unbroken{n}"
                 subprocess.run([sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(replicas),
                                 "--steps", str(steps), "--microbatches", str(microbatches), "--run.quotas=equal",
-                                f"--model.n_layer={n_layer}", f"--model.n_embd={n_embd}", "--run.progress=false",
+                                f"--model.n_layer={n_layer}", f"--model.n_embd={n_embd}", "--launch.progress=false",
                                 "--parallel.device=cuda", "--parallel.cross_backend=nccl", "--out", str(out)],
                                env=env, check=True, timeout=900)
                 starts = [e for e in read_events(out / "events.jsonl") if e["event"] == "worker_start"]

@@ -61,7 +61,7 @@ from unbroken.events import read_events  # noqa: E402
 
 
 def start_hsdp(tmp: Path, args: argparse.Namespace) -> Side:
-    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
+    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, launch__progress=False,
                       model__n_layer=args.n_layer, model__n_embd=args.n_embd, parallel__group_size=args.group_size,
                       exact=args.exact)
     return start_baseline("fsdp2 hsdp", _hsdp_baseline.start, cfg, tmp / "hsdp-times.txt")

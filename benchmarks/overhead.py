@@ -160,7 +160,7 @@ class Side:
 def start_unbroken(name: str, out: Path, args: argparse.Namespace, *extra: str) -> Side:
     cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas), "--steps", str(LONG),
            "--microbatches", str(args.microbatches), f"--model.n_layer={args.n_layer}",
-           f"--model.n_embd={args.n_embd}", "--run.progress=false", "--coord.heartbeat_timeout=3600",
+           f"--model.n_embd={args.n_embd}", "--launch.progress=false", "--coord.heartbeat_timeout=3600",
            "--coord.progress_timeout=3600", "--coord.collective_timeout=3600", "--coord.run_timeout=86400",
            "--parallel.device=cpu", "--out", str(out), *optim_flags(args), *extra]  # on the CPU, as the gloo baselines
     log = open(out.parent / f"{out.name}.log", "wb")
@@ -198,7 +198,7 @@ def optim_flags(args: argparse.Namespace) -> list[str]:
 
 
 def start_ddp(tmp: Path, args: argparse.Namespace) -> Side:
-    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, progress=False,
+    cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, launch__progress=False,
                       model__n_layer=args.n_layer, model__n_embd=args.n_embd,
                       **{f"optim__{k}": v for k, v in OPTIM.get(args.optim, {}).items()})
     return start_baseline("ddp", _ddp_baseline.start, cfg, tmp / "ddp-times.txt")

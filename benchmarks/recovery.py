@@ -73,7 +73,8 @@ def spec_of(kind: str, n: int, args: argparse.Namespace) -> tuple[str, dict]:
 def trial(kind: str, n: int, args: argparse.Namespace, out: Path) -> Trial:
     spec, extra = spec_of(kind, n, args)
     cfg = make_config(replicas=args.replicas, steps=args.fault_step + 1 + args.after,
-                      microbatches=args.microbatches, progress=False, out=str(out), faults=spec, **extra)
+                      microbatches=args.microbatches, launch__progress=False, launch__out=str(out), faults__spec=spec,
+                      **extra)
     result = launch(cfg, title=f"recovery {kind}")
     if not result.ok:
         raise RuntimeError(f"run with a {kind} failed: {result.error} (see {out})")

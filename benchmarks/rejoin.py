@@ -1,7 +1,7 @@
 """Rejoin: a replica group SIGKILLed, restarted by torchrun, admitted and healed from a live peer.
 
 One real run through unbroken's launcher: R groups of G ranks, each group a torchrun job with
-`--max-restarts=1` (`--run.restarts=1`); `kill:replica=1,rank=G-1,step=S` SIGKILLs one rank of group 1.
+`--max-restarts=1` (`--launch.restarts=1`); `kill:replica=1,rank=G-1,step=S` SIGKILLs one rank of group 1.
 torchrun tears the group down and restarts it; the coordinator declares the old group dead (at once when
 the group's surviving rank saw its process group break and reported it, else after the heartbeat timeout:
 torchrun's agent does not exit, so no launcher report), the survivors redo its microbatches and
@@ -70,9 +70,9 @@ def main() -> None:
     console = Console(width=120)
     out = Path(tempfile.mkdtemp(prefix="rejoin-")) / "run"
     G = args.group_size
-    cfg = make_config(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
-                      out=str(out), parallel__group_size=G, run__restarts=1, run__launcher="torchrun",
-                      faults=f"kill:replica=1,rank={G - 1},step={args.fault_step},phase=compute",
+    cfg = make_config(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, launch__progress=False,
+                      launch__out=str(out), parallel__group_size=G, launch__restarts=1, launch__launcher="torchrun",
+                      faults__spec=f"kill:replica=1,rank={G - 1},step={args.fault_step},phase=compute",
                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1,
                       model__n_layer=args.n_layer, model__n_embd=args.n_embd)  # None: the config's
     with console.status(f"{args.replicas} groups x {G} ranks, {args.steps} steps, a rank of group 1 killed"):

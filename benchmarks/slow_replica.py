@@ -125,8 +125,8 @@ def main() -> None:
     else:
         console.print(f"M = {args.microbatches}: quotas cannot match speeds {speeds} exactly; "
                       f"rounding costs some of the ideal")
-    base = dict(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, progress=False,
-                faults=f"slow:replica={slow},from=0,factor={args.factor:g},how=throttle",
+    base = dict(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches, launch__progress=False,
+                faults__spec=f"slow:replica={slow},from=0,factor={args.factor:g},how=throttle",
                 model__n_layer=args.n_layer, model__n_embd=args.n_embd, model__block_size=args.seq_len,
                 data__batch_size=args.batch_size, data__seq_len=str(args.seq_len))
     modes = ("speed", "equal", "none")  # none: the failure-free run the ideal is scaled from
@@ -138,9 +138,9 @@ def main() -> None:
         for rnd in range(args.rounds):
             for quotas in modes:
                 out = Path(tmp) / f"{quotas}-{rnd}"
-                run = dict(base, quotas="equal", faults="") if quotas == "none" else dict(base, quotas=quotas)
+                run = dict(base, quotas="equal", faults__spec="") if quotas == "none" else dict(base, quotas=quotas)
                 with console.status(f"round {rnd + 1}/{args.rounds}: {quotas} quotas"):
-                    result = launch(make_config(**run, out=str(out)), title="slow replica")
+                    result = launch(make_config(**run, launch__out=str(out)), title="slow replica")
                 if not result.ok:
                     raise SystemExit(f"run failed: {result.error} (see {out})")
                 records = read_events(out / "events.jsonl")

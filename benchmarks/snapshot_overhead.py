@@ -146,7 +146,7 @@ def main() -> None:
     steps = args.steps or (14 if args.quick else 7)
     console = Console(width=130)
     t_start = time.time()
-    base = dict(replicas=args.replicas, steps=steps, microbatches=2, progress=False,
+    base = dict(replicas=args.replicas, steps=steps, microbatches=2, launch__progress=False,
                 model__n_layer=n_layer, model__n_embd=n_embd, model__n_head=8 if n_embd % 8 == 0 else 4,
                 model__block_size=64, data__batch_size=1, data__seq_len="64", coord__run_timeout=1800)
     cfg = make_config(**base)
@@ -177,7 +177,7 @@ def main() -> None:
             extra = dict(snapshot__enabled=True, snapshot__every=1, snapshot__shm_dir=shm) if mode == "snapshot" else {}
             with console.status(f"run {n + 1}/{len(order)}: {mode} ({steps} steps)"):
                 t0 = time.time()
-                result = launch(make_config(**base, **extra, out=str(out)), title=f"snapshot overhead: {mode}")
+                result = launch(make_config(**base, **extra, launch__out=str(out)), title=f"snapshot overhead: {mode}")
             if not result.ok:
                 raise SystemExit(f"run failed: {result.error} (see {out})")
             records = read_events(out / "events.jsonl")

@@ -1,11 +1,11 @@
 """What a run's processes cost to start: the local launcher's forked processes against fresh interpreters.
 
 The same small run twice per round, in ABBA order, through unbroken's own CLI (`unbroken train`):
-`--run.launcher=torchrun`, where the coordinator and every group's plain `torchrun` job are fresh
+`--launch.launcher=torchrun`, where the coordinator and every group's plain `torchrun` job are fresh
 interpreters and so is each rank (at its start and at its group's restart), against the default
-`--run.launcher=fork`: the launcher forks its server, which forks the coordinator and each group's
+`--launch.launcher=fork`: the launcher forks its server, which forks the coordinator and each group's
 torchrun agent (forkrun), whose ranks fork from it. Both train the same steps to the same digests (checked).
-The run: R groups of G ranks, a few steps, and one rank SIGKILLed at step 2 under `--run.restarts=1`, so
+The run: R groups of G ranks, a few steps, and one rank SIGKILLed at step 2 under `--launch.restarts=1`, so
 torchrun restarts that group once (its ranks start twice), as the suite's fault tests do.
 
 Measured: the CPU seconds of the whole process tree (the CLI's `getrusage(RUSAGE_CHILDREN)` delta: every
@@ -36,9 +36,9 @@ from rich.table import Table
 def one_run(out: Path, launcher: str, args: argparse.Namespace) -> tuple[float, float, str]:
     """(CPU-s of the run's process tree, wall s, final digest) of one `unbroken train`."""
     cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas), "--steps",
-           str(args.steps), "--microbatches", str(2 * args.replicas), "--exact", "--run.progress=false",
-           f"--parallel.group_size={args.group_size}", "--parallel.device=cpu", f"--run.launcher={launcher}",
-           "--run.restarts=1", f"--faults=kill:replica=0,rank={args.group_size - 1},step=2,phase=compute",
+           str(args.steps), "--microbatches", str(2 * args.replicas), "--exact", "--launch.progress=false",
+           f"--parallel.group_size={args.group_size}", "--parallel.device=cpu", f"--launch.launcher={launcher}",
+           "--launch.restarts=1", f"--faults=kill:replica=0,rank={args.group_size - 1},step=2,phase=compute",
            "--out", str(out)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.monotonic()

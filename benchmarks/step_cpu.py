@@ -73,7 +73,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "unbroken.cli", "train", "--replicas", str(args.replicas),
                f"--parallel.group_size={args.group_size}", "--steps", "1000000", "--microbatches",
                str(args.microbatches), f"--model.n_layer={args.n_layer}", f"--model.n_embd={args.n_embd}",
-               "--run.progress=false", "--parallel.device=cpu", "--run.quotas=equal",
+               "--launch.progress=false", "--parallel.device=cpu", "--run.quotas=equal",
                "--coord.heartbeat_timeout=3600", "--coord.progress_timeout=3600",
                "--coord.collective_timeout=3600", "--coord.run_timeout=86400", "--out", str(Path(tmp, "run"))]
         with open(Path(tmp, "run.log"), "wb") as log:

@@ -69,8 +69,8 @@ def main() -> int:
         for r in range(a.rounds):
             for mode in (("tcp", "etcd") if r % 2 == 0 else ("etcd", "tcp")):
                 store = f"{cluster.url}/bench-{uuid.uuid4().hex[:8]}" if mode == "etcd" else ""
-                cfg = make_config(None, replicas=a.replicas, steps=a.steps, microbatches=4, progress=False,
-                                  out=str(root / f"{mode}{r}"), coord__store=store)
+                cfg = make_config(None, replicas=a.replicas, steps=a.steps, microbatches=4, launch__progress=False,
+                                  launch__out=str(root / f"{mode}{r}"), coord__store=store)
                 before = cpu_seconds(pids)
                 result = launch(cfg, title=mode)
                 if not result.ok:

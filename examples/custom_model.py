@@ -25,5 +25,5 @@ class CharMLP(nn.Module):
 if __name__ == "__main__":  # the launcher re-runs this script as each replica; there train() trains
     result = unbroken.train(model=lambda cfg: CharMLP(), data=lambda cfg: Data(), replicas=2, steps=12,
                             optimizer=lambda params, cfg: torch.optim.AdamW(params, lr=3e-3), microbatches=4,
-                            faults=os.environ.get("UNBROKEN_FAULTS", ""), out=(sys.argv[1:] or ["runs/custom"])[0])
+                            faults__spec=os.getenv("UNBROKEN_FAULTS", ""), launch__out=(sys.argv + ["runs/custom"])[1])
     print(f"ok={result.ok} steps={result.steps_committed} final loss={result.summary['final_loss']:.3f}")

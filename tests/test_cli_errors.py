@@ -94,7 +94,7 @@ def test_unwritable_out_is_one_line(tmp_path, where):
     out = tmp_path / "FILE" / "run" if where == "under a regular file" else Path(where)
     before = sorted(tmp_path.iterdir())
     r = unbroken("train", *SMALL, "--out", str(out), timeout=25)
-    line = assert_one_line_error(r, f"run.out={str(out)!r}: cannot be created")
+    line = assert_one_line_error(r, f"launch.out={str(out)!r}: cannot be created")
     assert "Traceback" not in r.stderr and not r.stdout, r.stdout
     assert not out.exists() and sorted(tmp_path.iterdir()) == before
 
@@ -176,3 +176,31 @@ def test_compare_counts_the_steps_run_start_configured(tmp_path):
     assert r.returncode == 1 and not r.stderr, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.splitlines()[-1] == "identical: 1/12 steps (a run is incomplete)", r.stdout
     assert "incomplete: run B: 11 of 12 steps have no record (first: 0)" in r.stdout.splitlines()
+
+
+def test_a_run_written_before_faults_and_launch_moved_out_of_run_still_reads(tmp_path):
+    """A run directory whose config.json holds faults, out, progress, launcher, restarts,
+    max_job_restarts and pin_cores under [run] (and reform_seconds under [parallel]): audit and report
+    read it, audit checks its fault spec against run_start, and resume builds its config from it."""
+    from unbroken.runtime.launcher.resume import read_run
+    run = write_run(tmp_path / "run")
+    old = {"run": {"replicas": 1, "steps": 4, "microbatches": 1, "seed": 0, "exact": True, "threads": 1,
+                   "faults": "", "quotas": "speed", "recovery": "live", "step_ahead": "auto", "out": str(run),
+                   "progress": False, "launcher": "direct", "restarts": 0, "max_job_restarts": 5,
+                   "pin_cores": False},
+           "parallel": {"reform_seconds": 0.5}}
+    (run / "config.json").write_text(json.dumps(old))
+    for command in ("audit", "report"):
+        r = unbroken(command, str(run), timeout=25)
+        assert r.returncode == 0 and not r.stderr, (command, r.stdout, r.stderr)
+    old["run"]["faults"] = "kill:replica=0,step=1"
+    (run / "config.json").write_text(json.dumps(old))
+    r = unbroken("audit", str(run), timeout=25)
+    assert r.returncode == 1 and "config.json is not this run's: faults.spec = 'kill:replica=0,step=1'" in r.stdout
+    old["run"]["faults"] = ""
+    (run / "config.json").write_text(json.dumps(old))
+    edit_line(run, len((run / "events.jsonl").read_text().splitlines()), lambda line: "")  # no run_end: ended early
+    cfg, point = read_run(run, {"run.progress": "true"})
+    assert (cfg.launch.out, cfg.launch.progress, cfg.launch.launcher, cfg.launch.max_job_restarts) == \
+        (str(run), True, "direct", 5)
+    assert cfg.faults.spec == "" and cfg.hardware.reform_seconds == 0.5 and point.last_step == 3

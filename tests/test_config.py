@@ -3,6 +3,7 @@ ConfigErrors naming the bad key or value, and the JSON form handed to workers.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.config import SECTIONS, Config, ConfigError, build, listing, load, parse_overrides, validate
+from unbroken.config import (MOVED, SECTIONS, Config, ConfigError, build, listing, load, parse_overrides, upgrade,
+                             validate)
 from unbroken.api import make_config
 from unbroken.topology import Topology, TopologyError
 
@@ -45,7 +47,7 @@ def test_cli_flags_beat_the_file_too(tmp_path):
 @pytest.mark.parametrize("key, raw, want", [
     ("run.steps", "12", 12), ("run.exact", "true", True), ("run.exact", "off", False), ("run.exact", "1", True),
     ("optim.lr", "1e-4", 1e-4), ("model.dropout", "0", 0.0), ("data.seq_len", "8-32", "8-32"),
-    ("run.faults", "kill:replica=1,step=2", "kill:replica=1,step=2"), ("optim.lr", 2, 2.0), ("run.steps", 5.0, 5),
+    ("faults.spec", "kill:replica=1,step=2", "kill:replica=1,step=2"), ("optim.lr", 2, 2.0), ("run.steps", 5.0, 5),
 ])
 def test_coercion_from_cli_strings(key, raw, want):
     section, name = key.split(".")
@@ -188,6 +190,9 @@ def test_unbroken_config_file_shows_the_resolved_values_with_overrides(tmp_path)
     (["--run.bogus=1"], "run.bogus"),
     (["/no/such/file.toml"], "/no/such/file.toml"),
     (["--detector.min_samples=2"], "detector.min_samples=2"),
+    (["--launch.bogus=1"], "unknown config key launch.bogus"),
+    (["--run.out=a", "--launch.bogus=1"], "unknown config key launch.bogus"),
+    (["--faults.faults=x"], "unknown config key faults.faults"),
 ])
 def test_unbroken_config_bad_input_is_one_line_and_exit_2(args, token):
     r = cli("config", *args)
@@ -212,7 +217,7 @@ def test_every_literal_key_is_checked_from_its_type(key):
 def test_literal_keys_include_the_enum_like_ones():
     literal = {f"{s}.{k}" for s, cls in SECTIONS.items() for k, tp in typing.get_type_hints(cls).items()
                if typing.get_origin(tp) is typing.Literal}
-    assert literal >= {"run.recovery", "run.step_ahead", "run.quotas", "run.launcher", "parallel.on_rank_loss",
+    assert literal >= {"run.recovery", "run.step_ahead", "run.quotas", "launch.launcher", "parallel.on_rank_loss",
                        "parallel.device", "snapshot.parity"}
 
 
@@ -246,3 +251,87 @@ def test_detector_and_hardware_defaults_are_the_policy_defaults():
 def test_a_moved_key_is_read_under_its_old_name():
     assert build({}, {"parallel.reform_seconds": "0.1"}).hardware.reform_seconds == 0.1
     assert build({"parallel": {"reform_seconds": 0.5}}).hardware.reform_seconds == 0.5  # an old run's config.json
+
+
+# --- [run], [faults], [launch]: the split of the old [run], and its old names ---
+
+
+def test_run_faults_and_launch_hold_exactly_their_keys():
+    names = {s: [f.name for f in dataclasses.fields(SECTIONS[s])] for s in ("run", "faults", "launch")}
+    assert names == {"run": ["replicas", "steps", "microbatches", "seed", "exact", "threads", "quotas", "recovery",
+                             "step_ahead"],
+                     "faults": ["spec"],
+                     "launch": ["out", "progress", "launcher", "restarts", "max_job_restarts", "pin_cores"]}
+
+
+# each old [run] key with a value that is not its default, and what that value needs (in new names)
+OLD = [("run.faults", "kill:replica=1,step=2", {}), ("run.out", "OUT", {}), ("run.progress", False, {}),
+       ("run.launcher", "torchrun", {}), ("run.restarts", 2, {"launch.launcher": "torchrun"}),
+       ("run.max_job_restarts", 3, {}), ("run.pin_cores", True, {})]
+
+
+def test_the_old_names_are_the_run_keys_that_moved():
+    assert {old: MOVED[old] for old, _, _ in OLD} == {k: v for k, v in MOVED.items() if k.startswith("run.")}
+
+
+@pytest.mark.parametrize("old, value, needs", OLD)
+def test_an_old_run_key_gives_the_config_of_its_new_name(tmp_path, old, value, needs):
+    new = MOVED[old]
+    value = str(tmp_path / "out") if value == "OUT" else value  # make_config tries the directory
+    want = build({}, {new: value, **needs})
+    assert getattr(getattr(want, new.split(".")[0]), new.split(".")[1]) == value != \
+        getattr(getattr(Config(), new.split(".")[0]), new.split(".")[1])
+    # a flag, as a CLI string
+    assert build({}, {old: str(value).lower(), **needs}) == want
+    # a TOML file's [run] table
+    (tmp_path / "old.toml").write_text(f"[run]\n{old[4:]} = {listing.value(value)}\n")
+    assert load(str(tmp_path / "old.toml"), needs) == want
+    # an old run's config.json: every key under [run], as runs were written before the split
+    tree = json_tree(want)
+    assert "faults" not in tree and "launch" not in tree and old[4:] in tree["run"]
+    assert Config.from_json(json.dumps(tree)) == want
+    # a keyword of the Python API (flat, or section__key)
+    kw = {k.replace(".", "__"): v for k, v in needs.items()}
+    assert make_config(**{old[4:]: value}, **kw) == make_config(**{new.replace(".", "__"): value}, **kw) == want
+    assert make_config(**{old.replace(".", "__"): value}, **kw) == want
+
+
+def json_tree(cfg: Config) -> dict:
+    """cfg's config.json as a run written before [faults] and [launch] would hold it."""
+    tree = json.loads(cfg.to_json())
+    faults, launch = tree.pop("faults"), tree.pop("launch")
+    tree["run"].update(faults=faults["spec"], **launch)
+    return tree
+
+
+def test_an_old_flag_beats_the_new_key_in_a_file_and_both_names_in_one_file_are_refused(tmp_path):
+    path = write(tmp_path, '[launch]\nout = "a"\n')
+    assert load(path, {"run.out": "b"}).launch.out == "b"
+    assert load(write(tmp_path, '[run]\nout = "a"\n'), {"launch.out": "b"}).launch.out == "b"
+    with pytest.raises(ConfigError, match="run.out and launch.out are both set") as e:
+        load(write(tmp_path, '[run]\nout = "a"\n[launch]\nout = "b"\n'))
+    assert "\n" not in str(e.value)
+    assert upgrade({"run": {"out": "a", "steps": 2}}) == {"run": {"steps": 2}, "launch": {"out": "a"}}
+
+
+def test_unbroken_config_shows_only_the_new_names(tmp_path):
+    listed = [line.split()[0] for line in cli("config").stdout.splitlines()]
+    assert not set(listed) & set(MOVED) and {"faults.spec", "launch.out", "launch.restarts"} <= set(listed)
+    r = cli("config", write(tmp_path, '[run]\nrestarts = 1\nlauncher = "torchrun"\n'), "--run.out=o",
+            "--run.faults=kill:replica=1,step=2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert {'launch.out = "o"', "launch.restarts = 1", 'launch.launcher = "torchrun"',
+            'faults.spec = "kill:replica=1,step=2"'} <= set(lines)
+    assert not [line for line in lines if line.split(" = ")[0] in MOVED]
+    assert all(old in listing.markdown() for old in MOVED)  # docs/config.md names the old names
+
+
+def test_resume_reads_old_names_as_new_ones_when_it_checks_its_overrides(tmp_path):
+    from unbroken.runtime.launcher.resume import read_run
+    for key in ("run.faults", "faults.spec", "run.out", "launch.restarts", "run.launcher"):
+        with pytest.raises(ConfigError, match="a resumed run keeps the settings"):
+            read_run(tmp_path, {key: "x"})
+    for key in ("run.progress", "launch.progress"):  # may change: the next check is the directory's
+        with pytest.raises(ConfigError, match="is not a run directory"):
+            read_run(tmp_path, {key: "false"})

@@ -10,37 +10,39 @@ coordinator and re-runs the calling script once per replica, as torchrun does. D
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.config import Config, ConfigError, build, check_paths
+from unbroken.config import MOVED, Config, ConfigError, RunConfig, build, check_paths
 from unbroken.faultspec import FaultSpecError, parse
 
-_RUN_KEYS = {"replicas", "steps", "microbatches", "seed", "exact", "threads", "faults", "out", "progress", "quotas",
-             "recovery"}
+# flat keywords: the [run] keys, and the keys that [run] held before they moved (faults=, out=, restarts=, ...)
+_FLAT = {f.name for f in dataclasses.fields(RunConfig)} | {old[4:] for old in MOVED if old.startswith("run.")}
 
 
 def make_config(config: Config | None = None, **run: Any) -> Config:
-    """A validated Config: `config` (default: all defaults) with run-level keys replaced.
+    """A validated Config: `config` (default: all defaults) with the given keys replaced.
 
-    Dotted keys may be given as section__key (e.g. model__n_layer=4). Raises ConfigError (one line).
+    A flat keyword names a [run] key or one that moved out of [run] (faults=, out=, progress=, launcher=,
+    restarts=, max_job_restarts=, pin_cores=: config.MOVED maps them); other keys are given as section__key
+    (e.g. model__n_layer=4, launch__out=DIR). Raises ConfigError (one line).
     """
-    import dataclasses
-    tree = dataclasses.asdict(config or Config())
+    overrides = {}
     for key, value in run.items():
         if value is None:
             continue
         section, _, name = key.partition("__")
         if not name:
-            section, name = "run", key
-            if key not in _RUN_KEYS:
+            if key not in _FLAT:
                 raise ConfigError(f"unknown run option {key!r}")
-        tree.setdefault(section, {})[name] = value
-    cfg = build(tree)
+            section, name = "run", key
+        overrides[f"{section}.{name}"] = value  # an old name: build reads it as its new one
+    cfg = build(dataclasses.asdict(config or Config()), overrides)
     try:
-        faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
+        faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     except FaultSpecError as e:
         raise ConfigError(f"--faults: {e}") from None
     for f in faults:

@@ -36,15 +36,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from unbroken.config import ConfigError, upgrade
 from unbroken.events import CorruptLog, read_log
 
-# run_start fields that config.json must repeat (config key under [run] of the same name)
-_SAME = ("replicas", "steps", "microbatches", "exact", "seed", "faults")
+# run_start fields that config.json must repeat, and the config key of each
+_SAME = {"replicas": "run.replicas", "steps": "run.steps", "microbatches": "run.microbatches", "exact": "run.exact",
+         "seed": "run.seed", "faults": "faults.spec"}
 
 
 def audit_run(path: str | Path, config: dict[str, Any] | None = None, microbatches: int | None = None) -> list[str]:
-    """Audit one run: `path` a run directory or its events.jsonl; `config` the run section of its
-    config.json (as a dict), checked against `run_start` when given; `microbatches` M, else run_start's.
+    """Audit one run: `path` a run directory or its events.jsonl; `config` its config.json (as a dict, in
+    the current layout: run_config), checked against `run_start` when given; `microbatches` M, else run_start's.
     Returns one line per problem (empty: complete and exactly once). Raises FileNotFoundError if there
     is no log, CorruptLog (one line) if a line other than a torn last one does not parse or a record
     lacks a field the audit reads: such a log is not one the product wrote."""
@@ -57,9 +59,12 @@ def audit_run(path: str | Path, config: dict[str, Any] | None = None, microbatch
     if start is None:
         return problems + ["no run_start record: not the log of a run (empty or truncated)"]
     if config is not None:
-        for key in _SAME:
-            if key in start and config.get(key) != start[key]:
-                problems.append(f"config.json is not this run's: run.{key} = {config.get(key)!r}, "
+        for key, dotted in _SAME.items():
+            section, _, name = dotted.partition(".")
+            table = config.get(section)
+            value = table.get(name) if isinstance(table, dict) else None
+            if key in start and value != start[key]:
+                problems.append(f"config.json is not this run's: {dotted} = {value!r}, "
                                 f"the log's run_start says {start[key]!r}")
     end = next((r for r in reversed(records) if r["event"] == "run_end"), None)  # the last: after a resume
     if end is None:
@@ -192,8 +197,9 @@ def _ranges(xs: list[int]) -> str:
 
 
 def run_config(run_dir: str | Path) -> dict[str, Any]:
-    """The [run] section of a run directory's config.json. Raises FileNotFoundError without one,
-    ValueError if it is not a config."""
+    """A run directory's config.json as a dict, old key names moved to their new ones (config.upgrade: a run
+    written before [faults] and [launch] held its fault spec and run directory under [run]). Raises
+    FileNotFoundError without one, ValueError if it is not a config."""
     text = (Path(run_dir) / "config.json").read_text()
     try:
         cfg = json.loads(text)
@@ -201,4 +207,7 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{Path(run_dir) / 'config.json'} is not JSON ({e.msg})") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("run"), dict):
         raise ValueError(f"{Path(run_dir) / 'config.json'} has no [run] section")
-    return cfg["run"]
+    try:
+        return upgrade(cfg)
+    except ConfigError as e:
+        raise ValueError(f"{Path(run_dir) / 'config.json'}: {e}") from None

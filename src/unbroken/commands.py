@@ -23,14 +23,17 @@ from unbroken.observe.status import wide_console
 from unbroken.events import read_events
 
 console = Console()
+# `unbroken train`'s own flags and the config keys they set
+_TRAIN_FLAGS = {"replicas": "run.replicas", "steps": "run.steps", "microbatches": "run.microbatches",
+                "exact": "run.exact", "faults": "faults.spec", "seed": "run.seed", "out": "launch.out"}
 
 
 def train(args: argparse.Namespace, rest: list[str]) -> int:
     overrides = parse_overrides(rest)
-    for flag in ("replicas", "steps", "microbatches", "exact", "faults", "seed", "out"):
+    for flag, key in _TRAIN_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
-            overrides[f"run.{flag}"] = value
+            overrides[key] = value
     if args.data is not None:
         overrides["data.path"] = args.data
     cfg = make_config(load(args.config, overrides))
@@ -67,7 +70,7 @@ def _ran(result, cfg) -> int:
 def coordinator(args: argparse.Namespace, rest: list[str]) -> int:
     """`unbroken coordinator`: serve one run for torchrun jobs until it ends (runtime/coordinator/standalone.py)."""
     overrides = parse_overrides(rest)
-    overrides["run.out"] = args.out
+    overrides["launch.out"] = args.out
     cfg = make_config(load(args.config, overrides))
     from unbroken.runtime.coordinator import standalone
     code = standalone.run(cfg, args.host, args.port, say=lambda line: print(line, flush=True))
@@ -250,7 +253,7 @@ def add_parsers(sub) -> None:
     cf.add_argument("--markdown", action="store_true", help="the key list as Markdown (docs/config.md)")
     cf.set_defaults(run=config, overrides=True)
     rs = sub.add_parser("resume", help="continue a run that ended early, in its directory, from memory or disk",
-                        epilog="Only --coord.*, --metrics.*, --run.progress, --run.run_timeout and "
+                        epilog="Only --coord.*, --metrics.*, --launch.progress, --run.run_timeout and "
                                "--run.threads may be overridden: the rest is the run's.")
     rs.add_argument("run_dir", metavar="RUN_DIR")
     rs.set_defaults(run=resume, overrides=True)

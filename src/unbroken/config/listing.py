@@ -1,8 +1,8 @@
 """The config's keys as a person reads them: `unbroken config` and docs/config.md.
 
 Owns: reading each field's doc (the string literal right after it in schema.py, parsed with `ast`), the
-one-line-per-key listing `section.key  type  default  doc`, a config's resolved values as TOML dotted
-keys, and docs/config.md's text. Does not own: the keys themselves (schema.py).
+one-line-per-key listing `section.key  type  default  doc` (current names only), a config's resolved
+values as TOML dotted keys, and docs/config.md's text (which names the old names tree.py's MOVED reads). Does not own: the keys themselves (schema.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unbroken.config import schema
-from unbroken.config.tree import SECTIONS, Config
+from unbroken.config.tree import MOVED, SECTIONS, Config
 
 REGENERATE = "PYTHONPATH=src python -m unbroken.cli config --markdown > docs/config.md"
 
@@ -108,7 +108,10 @@ def markdown() -> str:
              "A run's config is one tree of sections. Set keys in a TOML file (`unbroken train --config "
              "FILE.toml`, one `[section]` table each) or on the command line (`--section.key=value`, which "
              "beats the file). `unbroken config` lists every key; `unbroken config FILE.toml "
-             "[--section.key=value ...]` prints the values a run would get.", ""]
+             "[--section.key=value ...]` prints the values a run would get.", "",
+             "Keys that moved are still read under their old names, as flags, in a TOML file, in the config.json "
+             "of a run written before, and as keywords of `unbroken.train` (`out=`, `faults=`, ...): "
+             + ", ".join(f"`{old}` is `{new}`" for old, new in MOVED.items()) + ".", ""]
     by_section: dict[str, list[Key]] = {}
     for k in keys():
         by_section.setdefault(k.section, []).append(k)

@@ -128,7 +128,8 @@ class CoordConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The run as a whole: its replicas, steps, faults, recovery and launcher."""
+    """The training run: its replicas, steps, microbatches, seed and arithmetic, and how it recovers and
+    commits."""
     replicas: int = 4
     """Data-parallel replica groups (one process each, or parallel.group_size)."""
     steps: int = 20
@@ -141,9 +142,6 @@ class RunConfig:
     """Float64 accumulation and reduction: bitwise the failure-free trajectory."""
     threads: int = 1
     """Torch threads per replica, identical on all (exact mode needs that)."""
-    faults: str = ""
-    """Faults to inject, e.g. 'kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,for=8'
-    (faultspec.py)."""
     quotas: Literal["speed", "equal", "drop"] = "speed"
     """What a slow group's quota becomes: "speed", the detector's speed estimates weight the quotas;
     "equal", never; "drop", a group declared Slow is parked for the rest of the run (no microbatches;
@@ -156,6 +154,20 @@ class RunConfig:
     """Commit pipelining: the optimizer steps and the next step computes before the commit decision is
     read, undone on retry (runtime/trainer/speculation.py). "auto": states up to 8 MiB in host memory
     (64 MiB on an accelerator), and not with snapshots or checkpoints; "on": any size; "off": never."""
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Faults injected into the run, to test that it survives them (docs/faults.md)."""
+    spec: str = ""
+    """Faults to inject, e.g. 'kill:replica=1,step=10,phase=allreduce; hang:replica=2,step=14,for=8'
+    (the grammar: docs/faults.md)."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the local launcher starts the run's processes: the run directory, the live view, how processes
+    start, how often a group or the whole job restarts, and core pinning."""
     out: str = "runs/latest"
     """Run directory: events.jsonl, summary.json, logs."""
     progress: bool = True

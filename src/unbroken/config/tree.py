@@ -1,6 +1,7 @@
 """The config tree: the root `Config`, read from a TOML file and `--a.b=value` overrides, and checked.
 
-Owns: the precedence (defaults < file < overrides), the coercion of CLI strings, the check every
+Owns: the precedence (defaults < file < overrides), the old names of keys that moved (MOVED, read as the
+new ones in files, flags and an earlier run's config.json), the coercion of CLI strings, the check every
 `Literal[...]` key gets from its type (one line naming the key, the bad value and the allowed values),
 the checks across keys (restart-memory needs snapshots, the degrees inside a group), the directories a
 run writes (`check_paths`), and the JSON form handed to workers. Does not own: the sections' keys, types,
@@ -21,14 +22,16 @@ from typing import Any
 
 from unbroken import storeurl
 from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
-                                    HardwareSection, MetricsConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                    RunConfig, SnapshotConfig, literal_problem)
+                                    FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
+                                    OptimConfig, ParallelConfig, RunConfig, SnapshotConfig, literal_problem)
 from unbroken.topology import Topology
 
 
 @dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -55,21 +58,48 @@ class Config:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
 
-# keys that moved to another section: still read under their old name (flags in scripts, and the
-# config.json of a run to resume)
-MOVED = {"parallel.reform_seconds": "hardware.reform_seconds"}
+# keys that moved, old dotted name -> new: the one place an old name is read as its new one, wherever a
+# key is named (flags, TOML files, the config.json of a run written before, the Python API's keywords)
+MOVED = {
+    "parallel.reform_seconds": "hardware.reform_seconds",
+    "run.faults": "faults.spec",
+    "run.out": "launch.out",
+    "run.progress": "launch.progress",
+    "run.launcher": "launch.launcher",
+    "run.restarts": "launch.restarts",
+    "run.max_job_restarts": "launch.max_job_restarts",
+    "run.pin_cores": "launch.pin_cores",
+}
 
 
-def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Config:
-    """A validated Config from a nested dict plus dotted overrides (values may be strings from the CLI)."""
+def canonical(dotted: str) -> str:
+    """A dotted key under its current name (an old name in MOVED gives its new one)."""
+    return MOVED.get(dotted, dotted)
+
+
+def upgrade(tree: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a nested config dict (a TOML file's, a config.json's) with each old key moved to its new
+    name; unchecked otherwise. Raises ConfigError where a key is set under both names."""
     tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
     for old, new in MOVED.items():
         section, _, key = old.partition(".")
         if isinstance(tree.get(section), dict) and key in tree[section]:
             to, _, name = new.partition(".")
-            tree.setdefault(to, {}).setdefault(name, tree[section].pop(key))
+            target = tree.setdefault(to, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"config section {to!r} must be a table")
+            if name in target:
+                raise ConfigError(f"{old} and {new} are both set: {old} is the old name of {new}; keep one")
+            target[name] = tree[section].pop(key)
+    return tree
+
+
+def build(tree: dict[str, Any], overrides: dict[str, Any] | None = None) -> Config:
+    """A validated Config from a nested dict plus dotted overrides (values may be strings from the CLI).
+    Old key names (MOVED) are read as their new ones in both."""
+    tree = upgrade(tree)
     for dotted, value in (overrides or {}).items():
-        dotted = MOVED.get(dotted, dotted)
+        dotted = canonical(dotted)
         section, _, key = dotted.partition(".")
         if not key:
             raise ConfigError(f"override {dotted!r} must look like section.key")
@@ -155,16 +185,16 @@ def validate(cfg: Config) -> None:
             problem = literal_problem(tp, getattr(section, key), f"{name}.{key}")
             if problem:
                 raise ConfigError(problem)
-    r, m = cfg.run, cfg.model
+    r, m, launch = cfg.run, cfg.model, cfg.launch
     checks = [
         (r.replicas >= 1, f"run.replicas={r.replicas}: need at least 1 replica"),
         (r.steps >= 1, f"run.steps={r.steps}: need at least 1 step"),
         (r.microbatches >= 1, f"run.microbatches={r.microbatches}: need at least 1 microbatch"),
         (r.threads >= 1, f"run.threads={r.threads}: need at least 1 thread"),
-        (r.restarts >= 0, f"run.restarts={r.restarts}: must be >= 0"),
-        (r.max_job_restarts >= 0, f"run.max_job_restarts={r.max_job_restarts}: must be >= 0"),
-        (r.restarts == 0 or r.launcher == "torchrun" or cfg.parallel.group_size > 1,
-         f"run.restarts={r.restarts} needs --run.launcher=torchrun (torchrun restarts a group)"),
+        (launch.restarts >= 0, f"launch.restarts={launch.restarts}: must be >= 0"),
+        (launch.max_job_restarts >= 0, f"launch.max_job_restarts={launch.max_job_restarts}: must be >= 0"),
+        (launch.restarts == 0 or launch.launcher == "torchrun" or cfg.parallel.group_size > 1,
+         f"launch.restarts={launch.restarts} needs --launch.launcher=torchrun (torchrun restarts a group)"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
@@ -272,10 +302,10 @@ def store_url_problem(url: str) -> str | None:
 
 
 def check_paths(cfg: Config) -> None:
-    """Raise ConfigError naming the first directory the run would write but cannot: run.out, and
+    """Raise ConfigError naming the first directory the run would write but cannot: launch.out, and
     snapshot.shm_dir / checkpoint.dir where they are used. Call before anything starts (it reads the
     file system, so `validate`, which workers call on a config already checked, does not)."""
-    wanted = [("run.out", cfg.run.out)]
+    wanted = [("launch.out", cfg.launch.out)]
     if cfg.snapshot.enabled:
         wanted.append(("snapshot.shm_dir", cfg.snapshot.shm_dir))
     if cfg.checkpoint.every and cfg.checkpoint.dir:

@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
             ep = draw_episode(rng, args.replicas, args.steps, tuple(args.factor), tuple(args.duration), args.warmup)
             out = root / f"run-{i}"
             cfg = make_config(replicas=args.replicas, steps=args.steps, microbatches=args.microbatches,
-                              seed=args.seed + i, faults=fault_spec(ep), quotas="equal", out=str(out),
-                              progress=False, data__seq_len="variable")
+                              seed=args.seed + i, faults__spec=fault_spec(ep), quotas="equal", launch__out=str(out),
+                              launch__progress=False, data__seq_len="variable")
             with console.status(f"run {i + 1}/{args.runs}: {fault_spec(ep)}"):
                 result = launch(cfg, title="detect-eval")
             if not result.ok:

@@ -1,7 +1,7 @@
 """Live progress of a run in the terminal (rich): a step bar, and one line per fault, death, recovery.
 
 Owns: rendering event records as they arrive. Does not own: reading processes or files (the launcher
-feeds it records). Disabled (a no-op) when `enabled` is False, e.g. in tests or with --run.progress=false.
+feeds it records). Disabled (a no-op) when `enabled` is False, e.g. in tests or with --launch.progress=false.
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ def _run_in_etcd(cfg: Config, say) -> int:
 
 
 def _run_dir(cfg: Config) -> Path:
-    out = Path(cfg.run.out)
+    out = Path(cfg.launch.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".unbroken-write-test-{os.getpid()}"  # coordinators of one run may probe at once
@@ -163,7 +163,7 @@ def _publish(cfg: Config, store: Store, out: Path, start=None) -> tuple[EventLog
 def _run_start(cfg: Config, log: EventLog, run_id: str, address: str) -> None:
     r = cfg.run
     log.emit("run_start", replicas=r.replicas, steps=r.steps, microbatches=r.microbatches, exact=r.exact,
-             seed=r.seed, faults=r.faults, recovery=r.recovery, run_id=run_id, coordinator=address,
+             seed=r.seed, faults=cfg.faults.spec, recovery=r.recovery, run_id=run_id, coordinator=address,
              group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
 
 

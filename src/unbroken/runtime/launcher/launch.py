@@ -63,12 +63,12 @@ class RunResult:
 def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train",
            resume: Resumption | None = None) -> RunResult:
     """Run `cfg` to the end. Blocks; returns a RunResult (never raises for failures of the run itself).
-    With `resume` (resume.read_run of cfg.run.out), continue that run in its directory instead: its log
+    With `resume` (resume.read_run of cfg.launch.out), continue that run in its directory instead: its log
     and logs/ are kept and appended to, and the trainers restore from the agents' memory or a checkpoint."""
     m = cfg.metrics
     preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
     store_preflight(cfg.coord.store, resume.run_id if resume else None)  # etcd: answers, holds no other run
-    run_dir = Path(cfg.run.out)
+    run_dir = Path(cfg.launch.out)
     if resume is None:
         shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -82,13 +82,13 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     t0 = time.time()
     if resume is None:
         log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
-                 exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.run.faults, recovery=cfg.run.recovery,
+                 exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.faults.spec, recovery=cfg.run.recovery,
                  run_id=run_id, group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     procs: list[subprocess.Popen | Forked] = []
     agents: AgentSet | None = None
     held = hold_port(cfg)
     zygote = fork_server(cfg, held) if worker_cmd is None else None
-    view = LiveView(cfg.run.steps, title, enabled=cfg.run.progress)
+    view = LiveView(cfg.run.steps, title, enabled=cfg.launch.progress)
     error: str | None = "launcher failed"
     restore_sigterm = _sigterm_interrupts()
     lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
@@ -104,7 +104,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         raw.set(keys.run_id(), run_id)  # whose keys these are (an etcd namespace outlives the run)
         if cfg.snapshot.enabled:
             agents = AgentSet(cfg, address, raw, run_id, run_dir, log, zygote)
-        faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
+        faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
         fired = already_fired(faults, resume.fired) if resume else set()
         chaos = Chaos(tuple(f for n, f in enumerate(faults) if n not in fired), cfg, log, agents, run_id)
         watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw), coordinator)
@@ -128,8 +128,8 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
                 raise _CoordinatorLost(error)
             if outcome != "restart":
                 break
-            if generation >= cfg.run.max_job_restarts:
-                error = f"gave up after {cfg.run.max_job_restarts} restarts ({error})"
+            if generation >= cfg.launch.max_job_restarts:
+                error = f"gave up after {cfg.launch.max_job_restarts} restarts ({error})"
                 break
             source = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
             generation += 1

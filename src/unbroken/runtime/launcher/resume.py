@@ -20,13 +20,14 @@ from pathlib import Path
 
 from unbroken.runtime.launcher.processes import start_time
 
-from unbroken.config import Config, ConfigError, build
+from unbroken.config import Config, ConfigError, build, canonical
 from unbroken.events import CorruptLog, read_log
 from unbroken.faultspec import Fault
 
-# sections whose keys change the trajectory or the layout: a resumed run must run as the run it continues
-_FIXED = ("run.", "model.", "data.", "optim.", "snapshot.", "checkpoint.")
-_MAY_CHANGE = ("run.progress", "run.run_timeout", "run.threads")
+# sections whose keys change the trajectory, the layout or how processes start: a resumed run runs as the run
+# it continues
+_FIXED = ("run.", "faults.", "launch.", "model.", "data.", "optim.", "snapshot.", "checkpoint.")
+_MAY_CHANGE = ("launch.progress", "run.run_timeout", "run.threads")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def read_run(run_dir: Path, overrides: dict[str, str]) -> tuple[Config, Resumpti
     the keys in _MAY_CHANGE) applied. Raises ConfigError, one line, for a directory that is not a run, a
     run that finished, a run still running, or an override that would change the trajectory."""
     for key in overrides:
-        if key.startswith(_FIXED) and key not in _MAY_CHANGE:
+        if canonical(key).startswith(_FIXED) and canonical(key) not in _MAY_CHANGE:
             raise ConfigError(f"--{key}: a resumed run keeps the settings it ran with (only coord.*, metrics.*, "
                               f"{', '.join(_MAY_CHANGE)} may change)")
     events, config = run_dir / "events.jsonl", run_dir / "config.json"

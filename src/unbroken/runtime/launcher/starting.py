@@ -2,7 +2,7 @@
 replica group's worker (a forked trainer, a process, a torchrun job, or a torchrun agent per rank).
 
 Owns: their command lines, the environment a torchrun job per replica group would give them, their log
-and pid files, core pinning (run.pin_cores) and the coordinator's port, held from its choice until the
+and pid files, core pinning (launch.pin_cores) and the coordinator's port, held from its choice until the
 coordinator serves it. Does not own: when to start or stop them, or what their exits mean (launch.py),
 killing them (processes.py).
 """
@@ -88,8 +88,8 @@ def fork_server(cfg: Config, held: socket.socket | None = None) -> Zygote | None
     """The fork server for this run (zygote.py), started first: it forks the coordinator (on the port
     `held`, which it holds until then), the snapshot agents (agents.py), one-rank groups' trainers, and
     the torchrun agents (forkrun) of groups of several ranks, whose ranks fork from them. None where
-    nothing is forked (`--run.launcher` direct or torchrun)."""
-    if cfg.run.launcher != "fork":
+    nothing is forked (`--launch.launcher` direct or torchrun)."""
+    if cfg.launch.launcher != "fork":
         return None
     modules = [COORDINATOR, DEFAULT_WORKER[2]] + ([FORKRUN] if cfg.parallel.group_size > 1 else []) \
         + ([SNAPSHOT_AGENT] if cfg.snapshot.enabled else [])
@@ -100,7 +100,7 @@ def fork_server(cfg: Config, held: socket.socket | None = None) -> Zygote | None
 def _torchrun(cfg: Config, cmd: list[str]) -> str:
     """The torchrun module a group's agent runs: under "fork" with the default worker, forkrun (torchrun's
     own agent, its ranks forked from it once it imported the worker); else torchrun itself."""
-    return FORKRUN if cfg.run.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
+    return FORKRUN if cfg.launch.launcher == "fork" and cmd == DEFAULT_WORKER else "torch.distributed.run"
 
 
 def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: int, generation: int,
@@ -119,14 +119,14 @@ def start_worker(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
            "OMP_NUM_THREADS": str(cfg.run.threads), "PYTHONUNBUFFERED": "1"}
     if cfg.parallel.on_rank_loss == "replan":  # a torchrun agent per rank, as a group spanning hosts
         return start_agents(cfg, cmd, run_dir, address, r, f"{run_id}-g{generation}-r{r}", env, zygote)
-    torchrun = cfg.run.launcher == "torchrun" or cfg.parallel.group_size > 1
+    torchrun = cfg.launch.launcher == "torchrun" or cfg.parallel.group_size > 1
     if torchrun:  # the cluster's command: a torchrun
         # job for the group (torchrun sets RANK, LOCAL_RANK and WORLD_SIZE itself, and the group's
         # MASTER_ADDR/PORT); the worker's own module or script after it. Groups of several ranks always.
         cmd = [sys.executable, "-m", _torchrun(cfg, cmd), "--standalone",
-               f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
+               f"--nproc-per-node={cfg.parallel.group_size}", f"--max-restarts={cfg.launch.restarts}", *cmd[1:]]
     mine = None
-    if cfg.run.pin_cores:  # inherited by the group's torchrun agent and its ranks
+    if cfg.launch.pin_cores:  # inherited by the group's torchrun agent and its ranks
         cores, G = sorted(os.sched_getaffinity(0)), cfg.parallel.group_size
         mine = sorted({cores[(r * G + j) % len(cores)] for j in range(G)})
     log = run_dir / "logs" / f"replica{r}.log"
@@ -153,7 +153,7 @@ def start_agents(cfg: Config, cmd: list[str], run_dir: Path, address: str, r: in
     line = [sys.executable, "-m", _torchrun(cfg, cmd), f"--nnodes={G}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={address}",
             "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
-            f"--rdzv-id={job}", f"--max-restarts={cfg.run.restarts}", *cmd[1:]]
+            f"--rdzv-id={job}", f"--max-restarts={cfg.launch.restarts}", *cmd[1:]]
 
     # torch 2.13's agents share the rendezvous store with their workers, publishing its address once per
     # agent: after a membership change the new round's rank 0 may not publish it again, and the new agent

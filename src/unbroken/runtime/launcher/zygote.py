@@ -13,7 +13,7 @@ imports torch._dynamo) before its first microbatch. With 4 trainers on 2 cores, 
 run's start-up and of every whole-job restart. Forked from a process that did it once, a trainer starts in
 milliseconds. The children are ordinary processes: their own pids, killed with real signals, exit codes
 reported as Popen's (negative: the signal). torchrun's workers (replica groups of several ranks, or
-`--run.launcher=torchrun`) are torchrun's own and start as on a cluster; so do `--run.launcher=direct`.
+`--launch.launcher=torchrun`) are torchrun's own and start as on a cluster; so do `--launch.launcher=direct`.
 A group of several ranks under the default launcher is a forked `forkrun` agent: torchrun's own agent,
 whose ranks fork from it, so neither the agent nor its ranks import anything.
 

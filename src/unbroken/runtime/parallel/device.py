@@ -9,7 +9,7 @@ all-reduce (collectives.py on gloo, nccl.py on NCCL, chosen in crossgroup.py).
 
 Which GPU, modulo the GPUs this process sees: on a cluster LOCAL_RANK (torchrun's index of the rank on
 its node; each torchrun job sees its own GPUs through CUDA_VISIBLE_DEVICES); under the local launcher, which
-puts every group on one host, UNBROKEN_DEVICE_BASE (r x group_size for group r, as `run.pin_cores` lays
+puts every group on one host, UNBROKEN_DEVICE_BASE (r x group_size for group r, as `launch.pin_cores` lays
 out cores) plus RANK, the rank's index in its group (with one torchrun agent per rank, every rank's
 LOCAL_RANK is 0).
 

@@ -11,9 +11,9 @@ importing torch, DTensor and torch._dynamo (AdamW's first step) before its first
 start and every restart of its group. This command imports them once in the agent and runs torchrun with
 its own `--run-path --start-method=fork`: each rank is the agent's forked child, an ordinary process with
 its own pid, environment (torchrun's RANK, WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, ...), real signals and
-exit codes, started in milliseconds. The local launcher uses it for groups of several ranks (`--run.launcher
+exit codes, started in milliseconds. The local launcher uses it for groups of several ranks (`--launch.launcher
 =fork`, the default); on a cluster it is a drop-in for the torchrun line that makes a restarted group's
-ranks ready ~3 s sooner. `--run.launcher=torchrun` runs the plain command.
+ranks ready ~3 s sooner. `--launch.launcher=torchrun` runs the plain command.
 
 Forking after `import torch` is safe where the agent has run no tensor op (no intra-op pool to inherit):
 it has not. Its rendezvous store's threads are not copied into a child, and a child touches none of the

@@ -216,10 +216,10 @@ def connection(where: Placement, me: Incarnation, log: EventLog) -> Connection:
                        latch=latch)
              for j in holds]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    faults = parse(cfg.run.faults, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
+    faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
     # a kill takes the rank's own agent too where that agent could not restart it (see faults.Injector)
     injector = Injector(faults, group_id, log, raw, rank=who.rank, sleep_cap_s=cfg.coord.progress_timeout / 4,
-                        host=replan and cfg.run.restarts == 0 and "TORCHELASTIC_RUN_ID" in os.environ)
+                        host=replan and cfg.launch.restarts == 0 and "TORCHELASTIC_RUN_ID" in os.environ)
     # restarted by torchrun, a new process for a lost group, or a lost rank's survivor going on shrunk
     # (or a group admitted before in this generation: its replaced rank's agent re-formed it)
     joining = me.shrunk or restart > 0 or coord.is_dead() or coord.was_admitted()
