@@ -40,10 +40,12 @@ echo "== the gpu tests and the device unit tests"
 timeout 300 $py -m pytest tests/runtime/test_device.py tests/runtime/test_devicetime.py tests/runtime/test_nccl_machine.py -n 0 -o addopts="" -q -rA \
   -p no:cacheprovider 2>&1 | tee "$out/pytest.txt" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | cut -c1-300
 fi
-if want dup; then
-echo "== two ranks of one NCCL communicator on one GPU (what check_gpus refuses up front)"
+# two ranks of one NCCL communicator on GPU 0 (the dup and hostid parts)
 cat > /tmp/dup.py <<'PY'
-import os, torch, torch.distributed as dist
+import os
+if os.environ.get("HOSTID_PER_RANK"):  # the hostid part: each rank its own NCCL_HOSTID, before any NCCL call
+    os.environ["NCCL_HOSTID"] = f"hostid-check-{os.environ['LOCAL_RANK']}"
+import torch, torch.distributed as dist
 torch.cuda.set_device(0)
 dist.init_process_group("nccl")
 t = torch.ones(4, device="cuda")
@@ -52,6 +54,8 @@ torch.cuda.synchronize()
 print("rank", dist.get_rank(), "all_reduce on a shared GPU gave", t.tolist())
 dist.destroy_process_group()
 PY
+if want dup; then
+echo "== two ranks of one NCCL communicator on one GPU (what check_gpus refuses up front)"
 timeout 60 $py -m torch.distributed.run --nproc-per-node=2 /tmp/dup.py > "$out/dup.txt" 2>&1; echo "rc=$?"
 grep -iE "duplicate|gave|error" "$out/dup.txt" | sort | uniq -c | head -5 | cut -c1-300
 fi
@@ -104,19 +108,7 @@ same_as_reference() {  # NAME TIMEOUT FAULTS FLAGS...
 }
 if want hostid; then
 echo "== two ranks of one NCCL communicator on one GPU, each its own NCCL_HOSTID"
-cat > /tmp/hostid.py <<'PY'
-import os
-os.environ["NCCL_HOSTID"] = f"hostid-check-{os.environ['LOCAL_RANK']}"  # before any NCCL call
-import torch, torch.distributed as dist
-torch.cuda.set_device(0)
-dist.init_process_group("nccl")
-t = torch.ones(4, device="cuda")
-dist.all_reduce(t)
-torch.cuda.synchronize()
-print("rank", dist.get_rank(), "all_reduce on a shared GPU gave", t.tolist())
-dist.destroy_process_group()
-PY
-timeout 90 $py -m torch.distributed.run --nproc-per-node=2 /tmp/hostid.py > "$out/hostid.txt" 2>&1; echo "rc=$?"
+HOSTID_PER_RANK=1 timeout 90 $py -m torch.distributed.run --nproc-per-node=2 /tmp/dup.py > "$out/hostid.txt" 2>&1; echo "rc=$?"
 grep -iE "duplicate|gave|error" "$out/hostid.txt" | sort | uniq -c | head -5 | cut -c1-300
 fi
 if want abort; then
