@@ -91,8 +91,9 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
 # tests first) the two shrink files started ~11 minutes in and the run's last minute had one worker busy.
 LONGEST_FIRST = ("tests/runtime/test_shrink.py", "tests/runtime/test_shrink_fsdp.py",
                  "tests/runtime/test_fsdp_composed.py", "tests/runtime/test_pp_tp.py", "tests/runtime/test_groups.py",
-                 "tests/runtime/test_restore_e2e.py", "tests/runtime/test_recovery_e2e.py",
-                 "tests/runtime/test_pp_tp_persist.py")
+                 "tests/runtime/test_precision.py", "tests/runtime/test_restore_e2e.py",
+                 "tests/runtime/test_recovery_e2e.py", "tests/test_oracle_schedule.py",
+                 "tests/runtime/test_pp_tp_persist.py", "tests/runtime/test_clipping_groups.py")
 
 
 def pytest_collection_modifyitems(config, items):
