@@ -93,12 +93,15 @@ def test_bf16_lands_within_2_percent_of_float32_on_another_trajectory(tmp_path):
     assert all(digests(fp32)[s] != digests(bf16)[s] for s in range(20))
 
 
-@pytest.mark.parametrize("group_size", [1, 2])
-def test_activation_checkpointing_keeps_every_digest(tmp_path, group_size):
+@pytest.mark.parametrize("layout", [[], ["--parallel.group_size=2"],
+                                    ["--parallel.group_size=2", "--parallel.tp=2"],
+                                    ["--parallel.group_size=2", "--parallel.pp=2", "--model.dropout=0"]],
+                         ids=["one-rank", "fsdp2", "tp", "pp"])
+def test_activation_checkpointing_keeps_every_digest(tmp_path, layout):
     """"full" and "selective" give the step digests of "none" (dropout on: the recompute replays each
-    block's RNG state), in one-rank groups and in an FSDP2 group of two."""
-    args = ["--replicas", str(3 - group_size), f"--parallel.group_size={group_size}", "--steps", "3",
-            "--microbatches", "4"]
+    block's RNG state), in one-rank groups and in groups of two: FSDP2 (checkpointing inside each block's
+    FSDP2 unit), tensor parallel (after TP's split) and pipeline stages (each stage's blocks)."""
+    args = ["--replicas", "1" if layout else "2", *layout, "--steps", "3", "--microbatches", "4"]
     runs = {mode: digests(train(tmp_path, mode, *args, f"--model.activation_checkpointing={mode}")[1])
             for mode in ("none", "full", "selective")}
     assert len(runs["none"]) == 3
