@@ -253,7 +253,7 @@ def add_parsers(sub) -> None:
     cf.add_argument("--markdown", action="store_true", help="the key list as Markdown (docs/config.md)")
     cf.set_defaults(run=config, overrides=True)
     rs = sub.add_parser("resume", help="continue a run that ended early, in its directory, from memory or disk",
-                        epilog="Only --coord.*, --metrics.*, --launch.progress, --run.run_timeout and "
+                        epilog="Only --coord.* (--coord.run_timeout among them), --metrics.*, --launch.progress and "
                                "--run.threads may be overridden: the rest is the run's.")
     rs.add_argument("run_dir", metavar="RUN_DIR")
     rs.set_defaults(run=resume, overrides=True)

@@ -27,7 +27,7 @@ from unbroken.faultspec import Fault
 # sections whose keys change the trajectory, the layout or how processes start: a resumed run runs as the run
 # it continues
 _FIXED = ("run.", "faults.", "launch.", "model.", "data.", "optim.", "snapshot.", "checkpoint.")
-_MAY_CHANGE = ("launch.progress", "run.run_timeout", "run.threads")
+_MAY_CHANGE = ("launch.progress", "run.threads")
 
 
 @dataclass(frozen=True)
