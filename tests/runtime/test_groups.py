@@ -385,6 +385,41 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     assert all(r["param_digest"] == want[s] for s, rs in copies.items() for r in rs)
 
 
+@pytest.mark.timeout(150)
+def test_a_node_lost_inside_a_parity_encode_is_rebuilt_at_the_step_every_shard_index_sealed(tmp_path):
+    """The window of issue 64, made certain: node 1's agent of shard index 1 stops inside its parity encode
+    of step 1's snapshot (its parity slot torn, its peers blocked in the collective) while shard index 0's
+    agents encode on and seal step 1; the node is lost once step 3 committed, two snapshots later. Shard
+    index 0's ranks could have dropped step 0 for step 1 there (a seal of their own family was enough),
+    and shard index 1 then held no step with parity that index 0 held: memory given up, the run started
+    over. With the two-phase seal every rank keeps step 0, sealed in both, until step 1 is sealed in both
+    (never: the node is lost first), so node 1 is rebuilt from parity at step 0 and every rank restores it
+    from memory; every step record is the failure-free run's. No sleep holds anyone: the hold is the
+    fault's, and where the kill lands is read from the store, not timed."""
+    base = longer(GROUPS, 6)
+    ref = tmp_path / "ref"
+    r = unbroken("train", *base, "--out", str(ref))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out, events = run_faults(tmp_path, "node:node=1,step=1,phase=parity", *SNAPSHOTS,
+                             "--run.recovery=restart-memory", base=base)
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    # fired in that phase: the agent said it was inside its encode of step 1 before the node was lost
+    assert (fault["kind"], fault["node"], fault["phase"], fault["encoding"], fault["replicas"]) == \
+        ("node", 1, "parity", 1, [1]), fault
+    assert committed_before(events, fault) >= 3, timeline(events)
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    (mended,) = [e for e in events if e["event"] in ("rebuilt", "rebuild_failed")]
+    assert (mended["event"], mended["nodes"], mended.get("step")) == ("rebuilt", [1], 0), mended
+    restored = [e for e in events if e["event"] == "restored"]
+    assert restart["source"] == "memory" and sorted((e["replica"], e["rank"], e["source"], e["step"]) for e in restored) \
+        == [(g, j, "memory", 0) for g in range(3) for j in range(2)], restored
+    shard = [next(e["param_digest"] for e in restored if e["rank"] == j) for j in range(2)]
+    assert hashlib.sha256("".join(shard).encode()).hexdigest() == digests(ref)[0]
+    want, copies = digests(ref), step_copies(events)
+    assert sorted(copies) == sorted(want)
+    assert all(r["param_digest"] == want[s] for s, rs in copies.items() for r in rs)
+
+
 def test_every_group_lost_names_the_last_committed_step(tmp_path):
     out = tmp_path / "run"
     r = unbroken("train", *GROUPS, "--faults", "kill:replica=0,rank=1,step=2;kill:replica=1,step=2;"
