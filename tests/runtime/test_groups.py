@@ -236,7 +236,10 @@ def test_two_groups_lost_in_one_step_a_rank_each_in_compute_and_allreduce(tmp_pa
     # logged before the report then
     fault = next(e for e in events if e["event"] == "fault" and e["replica"] == 1)
     dead = next(e for e in events if e["event"] == "member_dead" and e["replica"] == 1)
-    if any(e["event"] == "group_broken" and e["replica"] == 1 for e in events):
+    reported = any(e["event"] == "group_broken" and e["replica"] == 1 for e in events)
+    print(f"group 1's loss: {'reported by its surviving rank' if reported else 'torchrun SIGTERMed the survivor first'}: "
+          f"{dead['reason']!r} {dead['t'] - fault['t']:.2f} s after the kill")
+    if reported:
         assert dead["reason"] == "process exited with code 4" and dead["t"] - fault["t"] < 1.0, (fault, dead)
 
 
@@ -328,8 +331,9 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
     combined = hashlib.sha256("".join(next(iter(shard[j])) for j in range(2)).encode()).hexdigest()
     assert combined == digests(groups_reference)[step]
     # the corruption fired on the slot the restore reads, was caught by its checksum and rebuilt from
-    # parity: the claim, and the path every run took (3 of 3 alone, 2026-12-05). The other path, the
-    # rebuild refused (parity still encoding) and an older step loaded, is printed and fails here.
+    # parity: the one path. The corruption waits until the agents have sealed what the crash left and hits
+    # the step the restore loads (chaos._restore_step: the newest sealed in every shard index), whose parity
+    # is encoded on every node; any other path (the rebuild refused, an older step loaded) fails here.
     (corrupt,) = [e for e in events if e["event"] == "fault" and e.get("kind") == "corrupt"]
     rejected = [(e["replica"], e["step"], e["rebuilt"]) for e in events if e["event"] == "shard_rejected"]
     path = ("rebuilt from parity" if rejected == [(1, corrupt["corrupted_step"], True)]
@@ -343,10 +347,10 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
 def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parity(tmp_path, groups_reference):
     """Node 1 (group 1's two ranks, its agent and its memory) lost as step 3 begins, while the agents may
     still be encoding step 2's parity: the survivors stop, every trainer restarts, node 1's shards of
-    each shard index are rebuilt from parity at one common step and every rank restores it from memory.
-    Where the shard indices hold no common step with parity (one skipped a snapshot: control.py), memory
-    would be given up (rebuild_failed) and the restart start over: this test fails on that path, naming
-    it, since it loses everything since the last checkpoint (issue 64). Every step record, of each
+    each shard index are rebuilt from parity at the newest step every shard index sealed (the two-phase
+    seal keeps one: control.py) and every rank restores it from memory. Memory given up (rebuild_failed,
+    the restart from scratch) fails here, naming it: it loses everything since the last checkpoint (issue
+    64); the loss inside an encode is made certain by the test after this one. Every step record, of each
     generation, is the failure-free run's. Once failed 1 in 5: the survivors read a decision that a read had only
     woken them for (epochwatch.DecisionWatch), or an encode left hanging by the lost node held the
     rebuild for the agents' 15 s timeout (operations.Rendezvous)."""

@@ -258,9 +258,7 @@ class SnapshotAgent:
             if answer.startswith("error") or took > SLOW_COMMAND_S:
                 print(f"[agent {self.node}] command {i} {cmd['op']} (step {cmd.get('step')}): "
                       f"{answer} after {took:.2f} s", file=sys.stderr, flush=True)
-            if cmd["op"] == "parity" and answer.startswith("ok"):  # sealed here (operations._parity)
-                self.store.set(self.keys.pdone(self.node), str(cmd["step"]))
-            elif cmd["op"] == "parity":
+            if cmd["op"] == "parity" and answer.startswith("error"):  # (an ok one sealed: operations._parity)
                 # the step has no parity here and never will (a peer node lost mid-encode, a rank's shard
                 # missing): it is never sealed, and trainers overwrite it rather than the older step, which
                 # is sealed in every family (what a rebuild needs)
