@@ -10,7 +10,7 @@ import json
 import pytest
 
 from unbroken.runtime.snapshot.client import SnapshotClient
-from unbroken.runtime.snapshot.control import rebuild_step, snapshot_keys
+from unbroken.runtime.snapshot.control import Topology, rebuild_step, snapshot_keys
 from unbroken.runtime.snapshot.shm import State
 
 pytestmark = pytest.mark.timeout(10)
@@ -30,7 +30,9 @@ class Store(dict):
 
 
 def client(store: Store) -> SnapshotClient:
-    return SnapshotClient(store, run_id=RUN, rank=0, world=2, siblings=(SIB,))
+    c = SnapshotClient(store, run_id=RUN, rank=0, world=2, siblings=(SIB,))
+    c.topo = Topology(2, 1, "xor", 1, 1)  # as node 0's agent publishes it
+    return c
 
 
 def seal(store: Store, step: int, *families: str) -> None:
@@ -83,3 +85,16 @@ def test_the_rebuild_step_is_the_newest_sealed_everywhere_and_held_with_parity_b
     assert rebuild_step(store, [RUN, SIB], [0, 2]) == 2
     store.set(snapshot_keys(SIB).parity(2), json.dumps([1]))  # a survivor no longer holds 2's parity
     assert rebuild_step(store, [RUN, SIB], [0, 2]) is None
+
+
+def test_a_step_a_rank_moved_past_without_committing_is_given_up():
+    """Rank 1 died before its copy of step 4 and its share moved on (its adopter saved step 5): 4 will never
+    be whole, so rank 0 overwrites it rather than skip every snapshot to the end of the run."""
+    store = Store()
+    c = client(store)
+    store.set(snapshot_keys(RUN).held(0), json.dumps({"0": [3, 4]}))
+    store.set(snapshot_keys(RUN).held(1), json.dumps({"1": [3]}))
+    assert c._overwritable([(C, 3), (C, 4)]) is None  # rank 1 may still commit 4
+    store.set(snapshot_keys(RUN).held(1), json.dumps({"1": [3, 5]}))
+    assert c._overwritable([(C, 3), (C, 4)]) == 1
+    assert store.check([snapshot_keys(SIB).incomplete(4)])  # the sibling family learns it too

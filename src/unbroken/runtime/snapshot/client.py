@@ -214,7 +214,7 @@ class SnapshotClient:
             return free[0]
         older, newer = sorted(held, key=lambda b: st[b][1])
         for b in (older, newer):
-            if st[b][0] == State.COMMITTED and self._incomplete(st[b][1]):
+            if st[b][0] == State.COMMITTED and (self._incomplete(st[b][1]) or self._abandoned(st[b][1])):
                 return b
         if st[older][0] == State.COMMITTED and st[newer][0] == State.COMMITTED and self._sealed(st[newer][1]):
             return older
@@ -223,6 +223,22 @@ class SnapshotClient:
     def _sealed(self, step: int) -> bool:
         """`step` is sealed in every shard index's family (this one and its siblings). One round trip."""
         return self.store.check([keys.sealed(step) for keys in self.marks])
+
+    def _abandoned(self, step: int) -> bool:
+        """`step` will never be whole: some rank committed a later step without it (it died before its copy
+        of `step`, or tore it, and its share moved on: its adopter's next save, or its own after a restart).
+        Marks it incomplete in every family, as a skip does, so the other ranks need not ask again. Reads
+        every node's published holdings: call only where the step is neither sealed nor marked."""
+        if self.store.check([self.keys.digest(step)]):
+            return False  # whole: it will be sealed, or its encode fails and marks it
+        held: dict[str, list[int]] = {}
+        for n in range(self._topology().nodes):
+            held.update(get_json(self.store, self.keys.held(n), {}))
+        if not any(step not in steps and max(steps, default=-1) > step for steps in held.values()):
+            return False
+        for keys in self.marks:
+            self.store.set(keys.incomplete(step), f"a rank moved past it without it (seen by rank {self.rank} of {self.run_id})")
+        return True
 
     def _incomplete(self, step: int) -> bool:
         """Some rank skipped its save of `step` (its agent was behind), or an agent's parity encode of
