@@ -354,8 +354,7 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     generation, is the failure-free run's. Once failed 1 in 5: the survivors read a decision that a read had only
     woken them for (epochwatch.DecisionWatch), or an encode left hanging by the lost node held the
     rebuild for the agents' 15 s timeout (operations.Rendezvous)."""
-    # the survivors are held in step 3 (sleep: no change to the arithmetic) so that the node's loss lands
-    # inside it under any load; unheld, a slow launcher once saw the fault after step 3, the last, committed
+    # survivors held in step 3 (sleep: arithmetic unchanged) so the loss lands inside it under any load
     hold = "slow:replica=0,from=3,to=4,factor=20,how=sleep; slow:replica=2,from=3,to=4,factor=20,how=sleep"
     out, events = run_faults(tmp_path, f"node:node=1,step=3; {hold}", *SNAPSHOTS, "--run.recovery=restart-memory")
     (fault,) = [e for e in events if e["event"] == "fault" and e["kind"] == "node"]
@@ -366,9 +365,7 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["reason"].startswith("1 of 3 replicas lost at step"), restart
     (mended,) = [e for e in events if e["event"] in ("rebuilt", "rebuild_failed")]
-    # the path this run took, printed and in every message below: the claim is the rebuild from parity
-    # and a restore from memory (3 of 3 runs alone, 2026-12-05; issue 64 found 10 of 10 unheld). A give-up
-    # (rebuild_failed, a restart from scratch) fails here: it loses everything since the last checkpoint.
+    # what the run did, printed and in every message below; a give-up (rebuild_failed) fails here
     path = (f"{mended['event']} at step {mended.get('step')}, restart from {restart['source']}"
             + (f" ({mended['error']})" if mended["event"] == "rebuild_failed" else ""))
     print(f"node loss with groups: {path}")
@@ -391,15 +388,11 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
 
 @pytest.mark.timeout(150)
 def test_a_node_lost_inside_a_parity_encode_is_rebuilt_at_the_step_every_shard_index_sealed(tmp_path):
-    """The window of issue 64, made certain: node 1's agent of shard index 1 stops inside its parity encode
-    of step 1's snapshot (its parity slot torn, its peers blocked in the collective) while shard index 0's
-    agents encode on and seal step 1; the node is lost once step 3 committed, two snapshots later. Shard
-    index 0's ranks could have dropped step 0 for step 1 there (a seal of their own family was enough),
-    and shard index 1 then held no step with parity that index 0 held: memory given up, the run started
-    over. With the two-phase seal every rank keeps step 0, sealed in both, until step 1 is sealed in both
-    (never: the node is lost first), so node 1 is rebuilt from parity at step 0 and every rank restores it
-    from memory; every step record is the failure-free run's. No sleep holds anyone: the hold is the
-    fault's, and where the kill lands is read from the store, not timed."""
+    """Issue 64's window, made certain: node 1's agent of shard index 1 stops inside its encode of step 1's
+    snapshot while shard index 0's agents seal step 1; the node is lost once step 3 committed. With its own
+    family's seal enough, shard index 0 dropped step 0 and no step was common: memory given up. With the
+    two-phase seal every rank keeps step 0 (sealed in both), so node 1 is rebuilt from parity at step 0,
+    every rank restores it from memory, every step record is the failure-free run's. No sleep holds anyone."""
     base = longer(GROUPS, 6)
     ref = tmp_path / "ref"
     r = unbroken("train", *base, "--out", str(ref))
