@@ -50,6 +50,8 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
             raise ConfigError(f"--faults: node={f.node} is out of range (0..{cfg.snapshot.nodes - 1}, snapshot.nodes)")
         if f.kind in ("node", "corrupt", "tear") and not cfg.snapshot.enabled:
             raise ConfigError(f"--faults: {f.kind} needs in-memory snapshots (--snapshot.enabled=true)")
+        if f.phase == "parity" and f.kind == "node" and cfg.snapshot.parity == "none":
+            raise ConfigError("--faults: phase=parity needs parity across nodes (--snapshot.parity=xor or rs)")
     check_paths(cfg)
     if cfg.parallel.device == "cuda":  # only then: the CPU path does not import torch (~2 s) here
         from unbroken.runtime.parallel.device import resolve

@@ -10,6 +10,8 @@
     slow:replica=0,from=5,for=0.5[,to=9]        sleep 0.5 s after each compute span (how=sleep only):
                                                 a fixed host-side stall, the same on a fast host and a slow one
     node:node=1,step=12                         lose node 1 (its snapshot agent, its memory, its trainers)
+    node:node=1,step=12,phase=parity            the same, inside the node's parity encode of the snapshot
+                                                of step 12 (or the first one after it): see launcher/chaos.py
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PHASES = ("compute", "allreduce", "commit", "optimizer")
+NODE_PHASES = ("parity",)  # node: lost inside its agent's parity encode (the snapshot agents' phase)
 
 
 class FaultSpecError(ValueError):
@@ -58,7 +61,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "kill": ({"replica", "step"}, {"phase", "rank"}),
     "hang": ({"replica", "step", "for"}, {"phase", "rank"}),
     "slow": ({"replica"}, {"factor", "for", "from", "to", "how", "rank"}),  # factor=, for= or both
-    "node": ({"node", "step"}, set()),
+    "node": ({"node", "step"}, {"phase"}),
     "crash-all": ({"step"}, set()),
     "corrupt": ({"replica", "step"}, set()),
     "tear": ({"replica", "step"}, set()),
@@ -133,8 +136,9 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, 
     if "step" in kv:
         f["step"] = _int(kv, "step", part, 0, steps)
     if "phase" in kv:
-        if kv["phase"] not in PHASES:
-            raise FaultSpecError(f"unknown phase {kv['phase']!r} in {part!r} (phases: {', '.join(PHASES)})")
+        phases = NODE_PHASES if kind == "node" else PHASES
+        if kv["phase"] not in phases:
+            raise FaultSpecError(f"unknown phase {kv['phase']!r} in {part!r} (phases: {', '.join(phases)})")
         f["phase"] = kv["phase"]
     elif kind in ("kill", "hang"):
         f["phase"] = "compute"

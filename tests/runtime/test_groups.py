@@ -236,7 +236,10 @@ def test_two_groups_lost_in_one_step_a_rank_each_in_compute_and_allreduce(tmp_pa
     # logged before the report then
     fault = next(e for e in events if e["event"] == "fault" and e["replica"] == 1)
     dead = next(e for e in events if e["event"] == "member_dead" and e["replica"] == 1)
-    if any(e["event"] == "group_broken" and e["replica"] == 1 for e in events):
+    reported = any(e["event"] == "group_broken" and e["replica"] == 1 for e in events)
+    print(f"group 1's loss: {'reported by its surviving rank' if reported else 'torchrun SIGTERMed the survivor first'}: "
+          f"{dead['reason']!r} {dead['t'] - fault['t']:.2f} s after the kill")
+    if reported:
         assert dead["reason"] == "process exited with code 4" and dead["t"] - fault["t"] < 1.0, (fault, dead)
 
 
@@ -328,8 +331,9 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
     combined = hashlib.sha256("".join(next(iter(shard[j])) for j in range(2)).encode()).hexdigest()
     assert combined == digests(groups_reference)[step]
     # the corruption fired on the slot the restore reads, was caught by its checksum and rebuilt from
-    # parity: the claim, and the path every run took (3 of 3 alone, 2026-12-05). The other path, the
-    # rebuild refused (parity still encoding) and an older step loaded, is printed and fails here.
+    # parity: the one path. The corruption waits until the agents have sealed what the crash left and hits
+    # the step the restore loads (chaos._restore_step: the newest sealed in every shard index), whose parity
+    # is encoded on every node; any other path (the rebuild refused, an older step loaded) fails here.
     (corrupt,) = [e for e in events if e["event"] == "fault" and e.get("kind") == "corrupt"]
     rejected = [(e["replica"], e["step"], e["rebuilt"]) for e in events if e["event"] == "shard_rejected"]
     path = ("rebuilt from parity" if rejected == [(1, corrupt["corrupted_step"], True)]
@@ -343,15 +347,14 @@ def test_crash_all_with_groups_restores_every_rank_from_memory(tmp_path, groups_
 def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parity(tmp_path, groups_reference):
     """Node 1 (group 1's two ranks, its agent and its memory) lost as step 3 begins, while the agents may
     still be encoding step 2's parity: the survivors stop, every trainer restarts, node 1's shards of
-    each shard index are rebuilt from parity at one common step and every rank restores it from memory.
-    Where the shard indices hold no common step with parity (one skipped a snapshot: control.py), memory
-    would be given up (rebuild_failed) and the restart start over: this test fails on that path, naming
-    it, since it loses everything since the last checkpoint (issue 64). Every step record, of each
+    each shard index are rebuilt from parity at the newest step every shard index sealed (the two-phase
+    seal keeps one: control.py) and every rank restores it from memory. Memory given up (rebuild_failed,
+    the restart from scratch) fails here, naming it: it loses everything since the last checkpoint (issue
+    64); the loss inside an encode is made certain by the test after this one. Every step record, of each
     generation, is the failure-free run's. Once failed 1 in 5: the survivors read a decision that a read had only
     woken them for (epochwatch.DecisionWatch), or an encode left hanging by the lost node held the
     rebuild for the agents' 15 s timeout (operations.Rendezvous)."""
-    # the survivors are held in step 3 (sleep: no change to the arithmetic) so that the node's loss lands
-    # inside it under any load; unheld, a slow launcher once saw the fault after step 3, the last, committed
+    # survivors held in step 3 (sleep: arithmetic unchanged) so the loss lands inside it under any load
     hold = "slow:replica=0,from=3,to=4,factor=20,how=sleep; slow:replica=2,from=3,to=4,factor=20,how=sleep"
     out, events = run_faults(tmp_path, f"node:node=1,step=3; {hold}", *SNAPSHOTS, "--run.recovery=restart-memory")
     (fault,) = [e for e in events if e["event"] == "fault" and e["kind"] == "node"]
@@ -362,9 +365,7 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["reason"].startswith("1 of 3 replicas lost at step"), restart
     (mended,) = [e for e in events if e["event"] in ("rebuilt", "rebuild_failed")]
-    # the path this run took, printed and in every message below: the claim is the rebuild from parity
-    # and a restore from memory (3 of 3 runs alone, 2026-12-05; issue 64 found 10 of 10 unheld). A give-up
-    # (rebuild_failed, a restart from scratch) fails here: it loses everything since the last checkpoint.
+    # what the run did, printed and in every message below; a give-up (rebuild_failed) fails here
     path = (f"{mended['event']} at step {mended.get('step')}, restart from {restart['source']}"
             + (f" ({mended['error']})" if mended["event"] == "rebuild_failed" else ""))
     print(f"node loss with groups: {path}")
@@ -381,6 +382,37 @@ def test_node_loss_with_groups_under_restart_memory_rebuilds_the_node_from_parit
     assert combined == digests(groups_reference)[step], path
     want = digests(groups_reference)
     copies = step_copies(events)
+    assert sorted(copies) == sorted(want)
+    assert all(r["param_digest"] == want[s] for s, rs in copies.items() for r in rs)
+
+
+@pytest.mark.timeout(150)
+def test_a_node_lost_inside_a_parity_encode_is_rebuilt_at_the_step_every_shard_index_sealed(tmp_path):
+    """Issue 64's window, made certain: node 1's agent of shard index 1 stops inside its encode of step 1's
+    snapshot while shard index 0's agents seal step 1; the node is lost once step 3 committed. With its own
+    family's seal enough, shard index 0 dropped step 0 and no step was common: memory given up. With the
+    two-phase seal every rank keeps step 0 (sealed in both), so node 1 is rebuilt from parity at step 0,
+    every rank restores it from memory, every step record is the failure-free run's. No sleep holds anyone."""
+    base = longer(GROUPS, 6)
+    ref = tmp_path / "ref"
+    r = unbroken("train", *base, "--out", str(ref))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out, events = run_faults(tmp_path, "node:node=1,step=1,phase=parity", *SNAPSHOTS,
+                             "--run.recovery=restart-memory", base=base)
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    # fired in that phase: the agent said it was inside its encode of step 1 before the node was lost
+    assert (fault["kind"], fault["node"], fault["phase"], fault["encoding"], fault["replicas"]) == \
+        ("node", 1, "parity", 1, [1]), fault
+    assert committed_before(events, fault) >= 3, timeline(events)
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    (mended,) = [e for e in events if e["event"] in ("rebuilt", "rebuild_failed")]
+    assert (mended["event"], mended["nodes"], mended.get("step")) == ("rebuilt", [1], 0), mended
+    restored = [e for e in events if e["event"] == "restored"]
+    assert restart["source"] == "memory" and sorted((e["replica"], e["rank"], e["source"], e["step"]) for e in restored) \
+        == [(g, j, "memory", 0) for g in range(3) for j in range(2)], restored
+    shard = [next(e["param_digest"] for e in restored if e["rank"] == j) for j in range(2)]
+    assert hashlib.sha256("".join(shard).encode()).hexdigest() == digests(ref)[0]
+    want, copies = digests(ref), step_copies(events)
     assert sorted(copies) == sorted(want)
     assert all(r["param_digest"] == want[s] for s, rs in copies.items() for r in rs)
 

@@ -272,7 +272,10 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
     shrink, or the stand-in computed a step, before torchrun stopped it depends on the host's load (the
     agent restarts within ~3-5 s): the test prints the path it took; on the second (seen in CI under
     load, never in 3 runs alone) it checks the grow back and is reported skipped, naming the path, since
-    the shrink it is about did not happen."""
+    the shrink it is about did not happen. Each path has a test that takes it every time: the shrink, then
+    the grow back, `test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan` (the host lost: no
+    torchrun restart races the shrink); the group restarted whole and healed,
+    `test_groups.py::test_a_group_restarted_by_torchrun_rejoins_healed_from_a_live_peer` (no re-plan)."""
     base = [a for a in GROW if not a.startswith("--parallel.replace_after")] + ["--run.restarts=1"]
     out, events = run_faults(tmp_path, f"kill:replica=1,rank=1,step=3,phase=compute;{STRETCH}", base=base)
     fault = one(events, "fault", kind="kill", replica=1, rank=1)
@@ -295,7 +298,8 @@ def test_a_rank_restarted_by_its_own_agent_grows_its_group_back(tmp_path):
         assert len(dead) == 1 and not shrunk, (path, dead)
     assert_grown_back(events, out, dead, shrank=bool(asked))
     if not asked:  # a grow back checked, but not the shrink before it that the test is about: said, not passed
-        pytest.skip(f"took the other path: {path}; the shrink then grow back was not exercised")
+        pytest.skip(f"took the other path: {path}; the shrink then grow back was not exercised here (it is, "
+                    f"every time, by test_a_replaced_rank_grows_the_shrunk_group_back_to_its_full_plan)")
 
 
 TENSOR = ["--replicas", "2", "--parallel.group_size=2", "--parallel.tp=2", "--steps", "16", "--microbatches", "4",

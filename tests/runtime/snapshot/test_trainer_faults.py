@@ -64,42 +64,50 @@ def test_agents_outlive_killed_trainers_and_new_processes_restore(agents_factory
     assert [p.returncode for p in new] == [0, 0]
 
 
-def test_a_skipped_save_keeps_a_step_every_rank_holds(agents_factory):
-    """Rank 0's agent falls two copies behind (SIGSTOPped: a real stalled process), so rank 0 skips its
-    save of step 4 while rank 1 saves it, and marks step 4 incomplete in its own family and its sibling's. At step 5 rank 1 must overwrite step 4 (never held by all)
-    and keep step 3, so the agents still hold two steps in common; overwriting step 3, the older, left
-    only step 5, and a resume limited to the log's step 4 found nothing to load (CI, etcd resume)."""
+def test_a_skipped_save_keeps_a_step_every_family_sealed(agents_factory):
+    """Two shard indices' families (a replica group's ranks 0 and 1), two ranks each. Family 0's agent of
+    node 0 falls behind (SIGSTOPped: a real stalled process): its rank 0 copies step 2 but skips step 3
+    (both slots busy), marking 3 incomplete in both families. Every other rank skips step 3 too: its step 2
+    is not sealed in family 0 (rank 0's copy of it is not committed), so the older step 1, sealed in every
+    family, is not overwritten (the two-phase seal). Once the agent is back, step 2 is sealed everywhere and
+    step 4 overwrites step 1: every rank of both families holds steps 2 and 4, sealed in both."""
     agents = agents_factory(Topology(2, 1, "none"))
-    sibling = f"{agents.run_id}.s1"  # another shard index's family, as a replica group's rank 1 has
-    c = [SnapshotClient(agents.store, run_id=agents.run_id, rank=r, world=2, shm_dir=agents.shm(r),
-                        siblings=(sibling,)) for r in range(2)]
-    for r in range(2):
-        c[r].save(1, state(1), {"step": 1})
-        c[r].wait_committed(1)
+    sibling = agents_factory(Topology(2, 1, "none"), run_id=f"{agents.run_id}.s1")
+    fams = [(agents, sibling.run_id), (sibling, agents.run_id)]
+    c = [[SnapshotClient(a.store, run_id=a.run_id, rank=r, world=2, shm_dir=a.shm(r), siblings=(other,))
+          for r in range(2)] for a, other in fams]
+    everyone = [x for fam in c for x in fam]
+    for x in everyone:
+        x.save(1, state(1), {"step": 1})
+    for x in everyone:
+        x.wait_committed(1)
     os.kill(agents.procs[0].pid, signal.SIGSTOP)
     try:
-        saved = []
-        for s in (2, 3, 4):
-            saved.append(c[0].save_async(s, state(s), {"step": s}, skip_if_busy=True))
-            c[0].wait()
+        saved = {}
+        for s in (2, 3):
+            for f, fam in enumerate(c):
+                for r, x in enumerate(fam):
+                    saved[f, r, s] = x.save_async(s, state(s), {"step": s}, skip_if_busy=True)
+                    x.wait()
+            for f, fam in enumerate(c):
+                for r, x in enumerate(fam):
+                    if s == 2 and (f, r) != (0, 0):
+                        x.wait_committed(2)
     finally:
         os.kill(agents.procs[0].pid, signal.SIGCONT)
-    assert saved == [True, True, False]  # 2 and 3 copied (not committed), 4 skipped
-    assert agents.store.check([c[0].keys.incomplete(4)])
-    # and in the sibling family's keys: its ranks then keep step 3 too, one step common to every shard index
-    assert agents.store.check([snapshot_keys(sibling).incomplete(4)])
-    assert not agents.store.check([snapshot_keys(sibling).incomplete(3)])
-    for s in (2, 3, 4):
-        c[1].save(s, state(s), {"step": s})
-        c[1].wait_committed(s)
-    c[0].wait_committed(3)
-    for r in range(2):
-        c[r].save(5, state(5), {"step": 5})
-        c[r].wait_committed(5)
-    held = {r: sorted(s.get("step") for s in (SlotFile.open(data_path(agents.shm(r), agents.run_id, r, b))
-                                                for b in (0, 1))) for r in range(2)}
-    assert held == {0: [3, 5], 1: [3, 5]}, held
-    assert c[1].committed_steps() == [3, 5]
+    assert saved == {**{(f, r, 2): True for f in range(2) for r in range(2)},
+                     **{(f, r, 3): False for f in range(2) for r in range(2)}}, saved
+    assert all(agents.store.check([snapshot_keys(a.run_id).incomplete(3)]) for a, _ in fams)
+    c[0][0].wait_committed(2)
+    for x in everyone:
+        x.save(4, state(4), {"step": 4})
+    for x in everyone:
+        x.wait_committed(4)
+    for a, _ in fams:
+        held = {r: sorted(s.get("step") for s in (SlotFile.open(data_path(a.shm(r), a.run_id, r, b))
+                                                    for b in (0, 1))) for r in range(2)}
+        assert held == {0: [2, 4], 1: [2, 4]}, (a.run_id, held)
+    assert [fam[1].committed_steps() for fam in c] == [[2, 4], [2, 4]]
 
 
 def test_a_replaced_agent_seals_a_step_whose_count_its_predecessor_never_made(agents_factory):

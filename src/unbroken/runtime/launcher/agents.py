@@ -20,7 +20,8 @@ from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.runtime.snapshot import AgentSpec, StateLoadError, Topology, request_rebuild, start_agent
 from unbroken.runtime.launcher.zygote import Forked, Zygote
-from unbroken.runtime.snapshot.control import node_dir, remove_run, shard_run_ids
+from unbroken.runtime.snapshot.control import node_dir, rebuild_step, remove_run, shard_run_ids
+from unbroken.runtime.snapshot.errors import Unrecoverable
 
 
 class AgentSet:
@@ -65,14 +66,15 @@ class AgentSet:
         if not (rebuild and lost):
             return None
         families = shard_run_ids(self.run_id, self.shards)
+        survivors = [n for n in range(self.cfg.snapshot.nodes) if n not in lost]
         try:
-            steps = [request_rebuild(self.store, r, sorted(lost)) for r in families]
-            # every shard index must hold the step a restore will load: where the agents of one family
-            # picked a newer step than another's (a snapshot one shard index skipped), rebuild the oldest
-            step = min(steps)
-            for r, got in zip(families, steps):
-                if got != step:
-                    request_rebuild(self.store, r, sorted(lost), step=step)
+            # one step for every shard index, the newest all of them sealed (control.py: the two-phase seal
+            # keeps it held, with its parity, by every survivor of every family)
+            step = rebuild_step(self.store, families, survivors)
+            if step is None:
+                raise Unrecoverable(f"no step sealed in every shard index and held with parity by nodes {survivors}")
+            for r in families:
+                request_rebuild(self.store, r, sorted(lost), step=step)
         except StateLoadError as e:
             self.log.emit("rebuild_failed", nodes=sorted(lost), error=str(e))
             return None

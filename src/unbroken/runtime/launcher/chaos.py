@@ -2,6 +2,11 @@
 
 Owns: firing `node`, `crash-all` and `corrupt` faults of the spec (worker-side kinds are faults.py's).
 node:node=n,step=s     once step s-1 is committed: SIGKILL node n's agent and trainers, delete its memory
+node:node=n,step=s,phase=parity   the same, inside a parity encode: node n's agent of the last shard
+                           index stops inside its encode of the first snapshot at or after step s (its
+                           parity slot torn, its peers blocked in the collective; the other shard indices
+                           encode on), and the node is lost once two more steps committed after that
+                           snapshot (the survivors have saved since: the window of a two-phase seal)
 crash-all:step=s       once step s-1 is committed: SIGKILL every trainer at once
 corrupt:replica=r,step=s   at the first restart after step s: flip bytes in replica r's stored shard
                            of the step a memory restore will read (the newest every replica holds
@@ -34,14 +39,28 @@ class Chaos:
         self.families = shard_run_ids(run_id, cfg.parallel.group_size)  # snapshot run ids, by shard index
         self.pending = [f for f in faults if f.kind in ("node", "crash-all", "corrupt")]
         self.lost_nodes: list[int] = []
+        for f in self.pending:
+            if f.phase == "parity" and agents is not None:  # the agent holds inside that encode (operations.py)
+                agents.store.set(snapshot_keys(self.families[-1]).hold(f.node), str(f.step))
+
+    def _in_encode(self, f: Fault, step: int) -> int | None:
+        """For a `node:...,phase=parity` fault: the snapshot step whose encode node f.node's agent holds, once
+        `step` (committed) is two past it; else None (not yet)."""
+        if self.agents is None:
+            return None
+        raw = get_json(self.agents.store, snapshot_keys(self.families[-1]).holding(f.node))
+        return raw if raw is not None and step >= raw + 2 else None
 
     def on_committed(self, step: int, workers: dict[int, subprocess.Popen]) -> None:
-        """Call for every committed step the launcher sees; fires faults scheduled for step + 1."""
-        for f in [f for f in self.pending if f.kind in ("node", "crash-all") and f.step == step + 1]:
+        """Call for every committed step the launcher sees; fires faults scheduled for step + 1 (a node lost
+        inside a parity encode: once the encode is held and two more steps committed)."""
+        for f in [f for f in self.pending if f.kind in ("node", "crash-all")
+                  and (f.step == step + 1 if f.phase != "parity" else self._in_encode(f, step) is not None)]:
             self.pending.remove(f)
             if f.kind == "node":
                 victims = [r for r in workers if self.cfg.topology().node_of(r) == f.node]
-                self.log.emit("fault", kind="node", node=f.node, step=f.step, replicas=victims)
+                where = {"phase": "parity", "encoding": self._in_encode(f, step)} if f.phase == "parity" else {}
+                self.log.emit("fault", kind="node", node=f.node, step=f.step, replicas=victims, **where)
             else:
                 victims = list(workers)
                 self.log.emit("fault", kind="crash-all", step=f.step, replicas=victims)
@@ -80,31 +99,41 @@ class Chaos:
                         self.log.emit("torn", replica=r, step=s.get("step"), **({"rank": j} if j else {}))
                     s.close()
 
-    def _restore_step(self, limit: int, timeout_s: float = 5.0) -> int | None:
-        """The step a memory restore will read (Persistence's rule: the newest every replica holds
-        committed, with its whole-state digest, at most `limit`, the log's last record; in replica
-        groups the oldest of those over the shard indices, as the restore agrees), once the agents have committed what the
-        dead trainers finished copying (no slot left COPIED), or after timeout_s."""
+    def _restore_step(self, limit: int, timeout_s: float = 10.0) -> int | None:
+        """The step a memory restore will read (persistence.py's rule: the newest step at most `limit`, the
+        log's last record, that every rank of every shard index holds committed, with its whole-state
+        digest, sealed in every family: with parity, encoded on every node), once the agents have settled
+        what the dead trainers left (no slot still COPIED, every whole step sealed or marked incomplete),
+        or after timeout_s. Bit rot hits a stored snapshot: bytes flipped while the agents still encoded
+        it would go into its parity too."""
+        store, keys = self.agents.store, [snapshot_keys(f) for f in self.families]
         t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
+        while True:
             states = []
             for r in range(self.cfg.run.replicas):
                 for j in range(len(self.families)):
                     for s in self._slots(r, j):
                         states.append(s.get("state"))
                         s.close()
-            if State.COPIED not in states:
+            whole = self._whole_steps(keys, limit)
+            open_ = [s for s in whole if not store.check([k.sealed(s) for k in keys])
+                     and not store.check([keys[0].incomplete(s)])]
+            if (State.COPIED not in states and not open_) or time.monotonic() - t0 > timeout_s:
                 break
             time.sleep(0.02)
-        newest = []
-        for family in self.families:
-            keys, store = snapshot_keys(family), self.agents.store
+        return max((s for s in whole if store.check([k.sealed(s) for k in keys])), default=None)
+
+    def _whole_steps(self, keys: list, limit: int) -> set[int]:
+        """The steps at most `limit` that every rank of every family holds committed, with their digests."""
+        store, common = self.agents.store, None
+        for k in keys:
             held: dict[str, list[int]] = {}
             for n in range(self.cfg.snapshot.nodes):
-                held.update(get_json(store, keys.held(n), {}))
-            common = set.intersection(*(set(held.get(str(r), [])) for r in range(self.cfg.run.replicas)))
-            newest.append(max((s for s in common if s <= limit and store.check([keys.digest(s)])), default=None))
-        return None if None in newest else min(newest)
+                held.update(get_json(store, k.held(n), {}))
+            for r in range(self.cfg.run.replicas):
+                mine = {s for s in held.get(str(r), []) if s <= limit and store.check([k.digest(s)])}
+                common = mine if common is None else common & mine
+        return common or set()
 
     def _corrupt(self, replica: int, limit: int) -> int | None:
         """Flip 64 payload bytes of the replica's committed slot of the step a restore will read;
@@ -112,35 +141,12 @@ class Chaos:
         target = self._restore_step(limit)
         slots = self._slots(replica)
         done = [s for s in slots if s.get("state") == State.COMMITTED and s.get("step") == target]
-        if not done:
-            for s in slots:
-                s.close()
-            return None
-        newest = done[0]
-        self._settle(self.cfg.topology().node_of(replica), newest.get("step"))
-        payload = newest.payload()
-        payload[:64] = payload[:64] ^ 0xFF
-        step = newest.get("step")
+        if done:
+            payload = done[0].payload()
+            payload[:64] = payload[:64] ^ 0xFF
         for s in slots:
             s.close()
-        return step
-
-    def _settle(self, node: int, step: int, timeout_s: float = 20.0) -> None:
-        """Wait until the node's agent has encoded the parity of `step`, if it will: bit rot hits a
-        stored snapshot. (Bytes flipped while the agents still encode would go into the parity too;
-        the rebuilt shard then fails its checksum and an older snapshot is used: also never loaded,
-        but not the rebuild path this fault is for.) A step that not every rank committed gets no
-        parity: after 2 s without its whole-state digest, go on."""
-        if self.agents is None or self.cfg.snapshot.parity == "none":
-            return
-        keys, store = snapshot_keys(self.families[0]), self.agents.store
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if int(get_json(store, keys.pdone(node), -1)) >= step or store.check([keys.incomplete(step)]):
-                return  # encoded, or never will be (an encode failed)
-            if time.monotonic() - t0 > 2 and not store.check([keys.digest(step)]):
-                return
-            time.sleep(0.02)
+        return target if done else None
 
     def take_lost_nodes(self) -> list[int]:
         lost, self.lost_nodes = self.lost_nodes, []

@@ -1,9 +1,10 @@
 """The snapshot agent: one process per node that owns the node's snapshot memory.
 
 Owns: the node's slot files in /dev/shm (two per local trainer rank, two parity files per layer),
-checksumming and committing copies the trainers finished, publishing what it holds, and running
-the command queue (parity encode, rebuild) with its peer agents. Does not own the trainers'
-copies (client.py) or the coding math (parity.py, erasure.py).
+checksumming and committing copies the trainers finished, publishing what it holds, sealing steps
+(`sealed/<step>`: with parity, once every node's encode of the step succeeded; without, once every rank
+committed it), and running the command queue (parity encode, rebuild) with its peer agents. Does not
+own the trainers' copies (client.py) or the coding math (parity.py, erasure.py).
 
 In replica groups of G ranks the one process per node runs G agents, a thread and a store client each,
 one per shard index (`--shards G`, `control.shard_run_id`): rank j of every group holds the same state.
@@ -103,11 +104,16 @@ class SnapshotAgent:
         return None
 
     def writable(self, slots: list[SlotFile | None], path_of, capacity: int, rank: int,
-                 kind: Kind, keep_step: int | None = None) -> SlotFile:
-        """A slot to overwrite: the one holding `keep_step` if given, else not the newest commit;
-        created or grown to `capacity` payload bytes."""
+                 kind: Kind, keep_step: int | None = None, spare: int | None = None) -> SlotFile:
+        """A slot to overwrite: the one holding `keep_step` if given, else the one not holding `spare`
+        (a step that must stay), else not the newest commit; created or grown to `capacity` payload bytes."""
         steps = [s.get("step") if s and s.get("state") == State.COMMITTED else -2 for s in slots]
-        b = steps.index(keep_step) if keep_step in steps else (0 if steps[0] <= steps[1] else 1)
+        if keep_step in steps:
+            b = steps.index(keep_step)
+        elif spare is not None and spare in steps:
+            b = 1 - steps.index(spare)
+        else:
+            b = 0 if steps[0] <= steps[1] else 1
         if slots[b] is None or slots[b].get("capacity") < capacity:
             if slots[b]:
                 slots[b].close()
@@ -188,13 +194,31 @@ class SnapshotAgent:
                 if not self.store.check([self.keys.digest(step)]) and self.store.check(
                         [self.keys.commit(step, r) for r in range(self.topo.world)]):
                     self._all_committed(step, slot.doc()["total"], encode=False)  # the same digest: idempotent
+        if self.topo.parity != "none":  # a fresh store (resume): the seals of the parity adopted with the slots
+            for step in operations.held_with_parity(self):
+                self.seal(step)
 
     def _all_committed(self, step: int, total: int, encode: bool = True) -> None:
         # The last rank to commit seals the step: whole-state digest, then parity across nodes.
         recs = [json.loads(self.store.get(self.keys.commit(step, r))) for r in range(self.topo.world)]
         self.store.set(self.keys.digest(step), str(folded_digest([r["checksum"] for r in recs], total)))
-        if encode and self.topo.parity != "none":
+        if self.topo.parity == "none":
+            self.store.set(self.keys.sealed(step), "whole")  # nothing to encode: whole is sealed
+        elif encode:
             post_command(self.store, self.run_id, {"op": "parity", "step": step})
+
+    def seal(self, step: int) -> None:
+        """Count this node's parity of `step` (once per node, so an agent that adopts its predecessor's
+        slots never counts twice); the last node to count seals the step in this family (`sealed/<step>`).
+        Call after a successful encode, before publishing it, or for parity adopted from slot files. A trainer overwrites its
+        older slot only once its newer step is sealed in every family (client._pick_slot): phase two."""
+        if self.store.add(self.keys.pfirst(step, self.node), 1) == 1 and \
+                self.store.add(self.keys.nsealed(step), 1) == self.topo.nodes:
+            self.store.set(self.keys.sealed(step), "parity")
+
+    def sealed(self, step: int) -> bool:
+        """`step` is sealed in every shard index's family (this agent's and its siblings'). One round trip."""
+        return self.store.check([keys.sealed(step) for keys in self.marks])
 
     def _requests(self) -> None:
         n = self.store.add(self.keys.req(self.node), 0)
@@ -234,13 +258,10 @@ class SnapshotAgent:
             if answer.startswith("error") or took > SLOW_COMMAND_S:
                 print(f"[agent {self.node}] command {i} {cmd['op']} (step {cmd.get('step')}): "
                       f"{answer} after {took:.2f} s", file=sys.stderr, flush=True)
-            if cmd["op"] == "parity" and answer.startswith("ok"):  # trainers may now overwrite the older
-                self.store.set(self.keys.pdone(self.node), str(cmd["step"]))  # slots (see client.py)
-            elif cmd["op"] == "parity":
+            if cmd["op"] == "parity" and answer.startswith("error"):  # (an ok one sealed: operations._parity)
                 # the step has no parity here and never will (a peer node lost mid-encode, a rank's shard
-                # missing): trainers overwrite it rather than the older step, which has its parity. (Saying
-                # pdone here instead let them overwrite the older, and a node lost now had nothing to be
-                # rebuilt from: "no step has data and parity on every survivor".)
+                # missing): it is never sealed, and trainers overwrite it rather than the older step, which
+                # is sealed in every family (what a rebuild needs)
                 for keys in self.marks:
                     self.store.set(keys.incomplete(cmd["step"]), f"parity failed on node {self.node}")
             self.store.set(self.keys.cmd(i, "done", self.node), answer)

@@ -63,7 +63,6 @@ class SnapshotClient:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._layout: Layout | None = None
-        self._pdone = -1
         self.rejected: list[tuple[int, int]] = []  # (rank, step) of each shard that failed its checksum
 
     @property
@@ -189,23 +188,8 @@ class SnapshotClient:
             return None
         deadline = time.monotonic() + self.timeout_s
         while True:
-            st = [(s.get("state"), s.get("step")) for s in slots]
-            live = [b for b in (0, 1) if st[b][0] in (State.COPIED, State.COMMITTED)]
-            newest = max(live, key=lambda b: st[b][1]) if live else 1
-            b = 1 - newest
-            # Overwrite the older slot only once the newer one's parity is complete: then at every
-            # moment one held step can be rebuilt, even if a node dies in the middle of encoding. A
-            # newer step that some rank skipped, or whose parity encode failed (a node lost in it), is
-            # never held by all with parity: overwrite that one instead, and keep the older, which every
-            # rank holds (with its parity: what a rebuild needs). With parity, a newer step not yet
-            # whole is overwritten too (were a node lost now, it has no parity to be rebuilt from).
-            # Without parity, that test raced: a peer whose agent lagged sealed the step a moment later,
-            # both had dropped the older, and a resume limited to the log's last record found no common
-            # step (the skip mark is what says a step will never be whole).
-            skipped = len(live) == 2 and self._incomplete(st[newest][1])
-            if len(live) == 2 and st[newest][0] == State.COMMITTED and (skipped or not self._whole(st[newest][1])):
-                return slots[newest]
-            if not skipped and st[b][0] != State.COPIED and (not live or self._released(st[newest])):
+            b = self._overwritable([(s.get("state"), s.get("step")) for s in slots])
+            if b is not None:
                 return slots[b]
             if not wait:
                 return None
@@ -213,28 +197,53 @@ class SnapshotClient:
                 raise TimeoutError(f"snapshot agent of node {self.node} is two snapshots behind")
             time.sleep(0.002)
 
-    def _whole(self, step: int) -> bool:
-        """Every rank committed `step` (the last to commit records the whole-state digest), or, without
-        parity, no matter (nothing to encode)."""
-        return self._topology().parity == "none" or self.store.check([self.keys.digest(step)])
+    def _overwritable(self, st: list[tuple[int, int]]) -> int | None:
+        """Which of the two slots (state, step) may be overwritten now, or None: the two-phase seal.
+
+        A slot that holds nothing (empty, or torn by a writer that died) is free. Of two held steps, one
+        marked incomplete (a rank skipped it, or an encode of it failed) is never sealed: overwrite it,
+        the older first. Otherwise the older goes only once the newer is sealed in every shard index's
+        family (`sealed/<step>`: with parity, every node encoded it; without, every rank committed it).
+        So a step that every family sealed stays held by every rank of every family, with its parity,
+        until a newer one is: a node lost at any moment, even inside one family's encode while another
+        family has finished, leaves one step that every family can rebuild and restore. A slot the agent
+        has not committed yet (COPIED) is never taken: the agent may be checksumming it."""
+        held = [b for b in (0, 1) if st[b][0] in (State.COPIED, State.COMMITTED)]
+        free = [b for b in (0, 1) if b not in held]
+        if free:
+            return free[0]
+        older, newer = sorted(held, key=lambda b: st[b][1])
+        for b in (older, newer):
+            if st[b][0] == State.COMMITTED and (self._incomplete(st[b][1]) or self._abandoned(st[b][1])):
+                return b
+        if st[older][0] == State.COMMITTED and st[newer][0] == State.COMMITTED and self._sealed(st[newer][1]):
+            return older
+        return None
+
+    def _sealed(self, step: int) -> bool:
+        """`step` is sealed in every shard index's family (this one and its siblings). One round trip."""
+        return self.store.check([keys.sealed(step) for keys in self.marks])
+
+    def _abandoned(self, step: int) -> bool:
+        """`step` will never be whole: some rank committed a later step without it (it died before its copy
+        of `step`, or tore it, and its share moved on: its adopter's next save, or its own after a restart).
+        Marks it incomplete in every family, as a skip does, so the other ranks need not ask again. Reads
+        every node's published holdings: call only where the step is neither sealed nor marked."""
+        if self.store.check([self.keys.digest(step)]):
+            return False  # whole: it will be sealed, or its encode fails and marks it
+        held: dict[str, list[int]] = {}
+        for n in range(self._topology().nodes):
+            held.update(get_json(self.store, self.keys.held(n), {}))
+        if not any(step not in steps and max(steps, default=-1) > step for steps in held.values()):
+            return False
+        for keys in self.marks:
+            self.store.set(keys.incomplete(step), f"a rank moved past it without it (seen by rank {self.rank} of {self.run_id})")
+        return True
 
     def _incomplete(self, step: int) -> bool:
         """Some rank skipped its save of `step` (its agent was behind), or an agent's parity encode of
         it failed: `step` will never be a whole snapshot with parity. One store round trip."""
         return self.store.check([self.keys.incomplete(step)])
-
-    def _released(self, st: tuple[int, int]) -> bool:
-        # True once the step in this slot has its parity (the agent announces pdone = last step it
-        # encoded), or will never get any (not committed by every rank, its encode failed, or no parity
-        # in this run). Without the failed encode here, a lone slot whose encode a node loss cut short
-        # (pdone never reaches it) held every later save back: all skipped, to the end of the run.
-        state, step = st
-        if state != State.COMMITTED or self._topology().parity == "none" or step <= self._pdone:
-            return True
-        if not self.store.check([self.keys.digest(step)]):
-            return True
-        self._pdone = int(get_json(self.store, self.keys.pdone(self.node), -1))
-        return step <= self._pdone or self._incomplete(step)
 
     # -- restore ----------------------------------------------------------------------------
     def latest_committed(self) -> int | None:
@@ -242,8 +251,10 @@ class SnapshotClient:
         return max(self.committed_steps(), default=None)
 
     def committed_steps(self) -> list[int]:
-        """The steps committed by every rank (sealed: whole-state digest written) and still held in
-        the agents' slots, ascending; at most two. Reads the store: call before a restore, not per step."""
+        """The steps committed by every rank (whole-state digest written), sealed in every shard index's
+        family (with parity: encoded on every node, so a shard that fails its checksum can be rebuilt)
+        and still held in the agents' slots, ascending; at most two. Reads the store: call before a
+        restore, not per step."""
         topo = self._topology()
         common: set[int] | None = None
         for n in range(topo.nodes):
@@ -251,7 +262,7 @@ class SnapshotClient:
             for r in topo.ranks_of(n):
                 steps = set(held.get(str(r), []))
                 common = steps if common is None else common & steps
-        return sorted(s for s in (common or ()) if self.store.check([self.keys.digest(s)]))
+        return sorted(s for s in (common or ()) if self.store.check([self.keys.digest(s)]) and self._sealed(s))
 
     def restore(self, step: int | None = None, *, group: dist.ProcessGroup | None = None,
                 out: Mapping[str, torch.Tensor] | None = None) -> Restored:

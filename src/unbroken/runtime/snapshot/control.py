@@ -13,8 +13,14 @@ peers waiting on that command to give it up at once rather than after their time
 skips its save of a step (its agent two copies behind) sets `incomplete/<step>` before the next step can
 commit, and so does an agent whose parity encode of the step failed; the ranks' next save then
 overwrites that step rather than the older one all still hold with its parity. With replica groups of
-several ranks the mark goes into every shard index's family (`shard_run_id`), so all of them keep the same
-older step: a restore or a rebuild after a node loss needs one step that every shard index holds.
+several ranks the mark goes into every shard index's family (`shard_run_id`).
+
+The seal, in two phases: a family seals a step (`sealed/<step>`) once every node's agent encoded its
+parity (each counts itself once: `pfirst/<step>/<node>`, `nsealed/<step>`), or, without parity, once
+every rank committed it; a trainer overwrites its older slot only once its newer step is sealed in every
+family (client.py). So a node lost at any moment, inside one family's encode while another's has
+finished included, leaves a step sealed in every family, held with its parity by every survivor: a
+rebuild (`rebuild_step`, then `request_rebuild` at that step in each family) and a restore load it.
 """
 
 from __future__ import annotations
@@ -157,6 +163,20 @@ def request_rebuild(store: dist.Store, run_id: str, lost: list[int], *, step: in
     i = post_command(store, run_id, {"op": "rebuild", "lost": sorted(lost), "step": step})
     involved = sorted(n for g in groups for n in range(g * gs, (g + 1) * gs))
     return wait_command(store, run_id, i, involved, timeout_s)[0]
+
+
+def rebuild_step(store: dist.Store, run_ids: list[str], survivors: list[int]) -> int | None:
+    """The step to rebuild lost nodes at: the newest that every family in `run_ids` sealed and every
+    survivor node publishes with parity (`parity/<node>`), or None. Call after the lost nodes' agents
+    were replaced (no trainer saving); pass the result to request_rebuild in every family."""
+    common: set[int] | None = None
+    for run_id in run_ids:
+        keys = snapshot_keys(run_id)
+        for n in survivors:
+            held = set(get_json(store, keys.parity(n), []))
+            common = held if common is None else common & held
+    sealed = [s for s in common or () if store.check([snapshot_keys(r).sealed(s) for r in run_ids])]
+    return max(sealed, default=None)
 
 
 @dataclass(frozen=True)

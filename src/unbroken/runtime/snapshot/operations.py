@@ -47,9 +47,13 @@ class SnapshotAgent(Protocol):
     def find(self, slots: list[SlotFile | None], step: int) -> SlotFile | None: ...
 
     def writable(self, slots: list[SlotFile | None], path_of: Callable[[int], Path], capacity: int, rank: int,
-                 kind: Kind, keep_step: int | None = None) -> SlotFile: ...
+                 kind: Kind, keep_step: int | None = None, spare: int | None = None) -> SlotFile: ...
 
     def publish(self) -> None: ...
+
+    def sealed(self, step: int) -> bool: ...
+
+    def seal(self, step: int) -> None: ...
 
 T = TypeVar("T")
 BARRIER_POLL_S = 0.02  # store round trips while waiting for peer agents (commands take 0.1-1 s)
@@ -203,9 +207,10 @@ def _parity(a: SnapshotAgent, i: int, step: int) -> int:
     peers = [n for n in members if n != a.node]
     for layer in range(P):
         ps = a.writable(a.parity[layer], lambda b, l=layer: parity_path(a.shm_dir, a.run_id, l, b),
-                        plan.m * c, layer, Kind.PARITY)
+                        plan.m * c, layer, Kind.PARITY, spare=_kept(a, a.parity[layer]))
         ps.set(state=int(State.WRITING))
         ps.set(step=step, length=plan.m * c, gen=ps.get("gen") + 1)
+        _fault_hold(a, i, step)
         shard = shards[layer].payload()[: shards[layer].get("length")]
         # encoded into a private buffer, watched: a node lost mid-encode held this family's agent in a gloo
         # recv for the whole collective timeout (15 s), and the rebuild of that node queued behind it (CI,
@@ -216,8 +221,37 @@ def _parity(a: SnapshotAgent, i: int, step: int) -> int:
         ps.payload()[: plan.m * c] = parity
         ps.set_doc(manifest)
         ps.set(state=int(State.COMMITTED))
+    a.seal(step)  # before publishing: a step listed with parity by every node is sealed
     a.publish()
     return step
+
+
+def _kept(a: SnapshotAgent, slots: list[SlotFile | None]) -> int | None:
+    """The step whose parity slot an encode must not overwrite: the newest held that is sealed in every
+    family. The trainers keep its data until a newer step is sealed everywhere (client._pick_slot), so a
+    node lost in this encode, or in any family's, leaves that step to be rebuilt from."""
+    held = sorted((s.get("step") for s in slots if s and s.get("state") == State.COMMITTED), reverse=True)
+    return next((step for step in held if a.sealed(step)), None)
+
+
+def _fault_hold(a: SnapshotAgent, i: int, step: int) -> None:
+    """A `node:...,phase=parity` fault (launcher/chaos.py): when the store names this node and a step at
+    or below `step`, say so (`holding/<node>` = step) and stay inside this encode, the parity slot torn and
+    the peers blocked in its collective, until the launcher loses the node. Once per agent and run."""
+    key = a.keys.hold(a.node)
+    if not a.store.check([key]) or int(a.store.get(key)) > step or a.store.check([a.keys.holding(a.node)]):
+        return
+    a.store.set(a.keys.holding(a.node), str(step))
+    deadline = time.monotonic() + 4 * a.timeout_s
+    while time.monotonic() < deadline:  # the node is lost (SIGKILL) long before
+        time.sleep(0.05)
+    raise errors.Unrecoverable(f"command {i}: held by a parity fault and the node was never lost")
+
+
+def held_with_parity(a: SnapshotAgent) -> set[int]:
+    """The steps whose data of every local rank and parity this agent holds committed (what it serves a
+    rebuild from)."""
+    return _avail(a)
 
 
 def _avail(a: SnapshotAgent) -> set[int]:
