@@ -1,0 +1,134 @@
+"""The fail-slow detector's noise model: how noisy each replica's step score is, and the thresholds and
+detection latency that follow from it.
+
+Owns: a robust estimate of the residual noise of each replica's normalized step score x (1.4826 x the
+median absolute deviation of its recent scores taken while Healthy, i.e. a standard deviation that a few
+outlying steps do not move), the fleet's noise (the same over its replicas' scores pooled), each replica's effective
+noise (its own, floored at the fleet's and capped at `cap` x the fleet's), the CUSUM thresholds at a
+given noise, and the latency they give. Does not own: the scores or the CUSUM (detection.py).
+
+Thresholds at noise s (log units; each fixed value is a floor, set for the design noise of ~0.05):
+    drift(s)      = max(drift, drift_sigmas * s)          allowance subtracted from every step's score
+    suspect_at(s) = max(suspect_at, suspect_sigmas * s)
+    slow_at(s)    = max(slow_at, slow_sigmas * s)
+    max_inc(s)    = max_increment * slow_at(s) / slow_at  one step adds at most this (never Slow alone)
+    recover(s)    = max(recover_below, recover_sigmas * s)
+With the defaults (1, 2, 6 and 1 standard deviations) the fixed values hold up to s = 0.064 (drift to
+0.077): at the design noise the detector behaves as with fixed thresholds. Above, the allowance and the
+Slow level grow with the noise, so a noisy host raises the bar instead of the alarm rate: for scores with
+independent Gaussian noise, a CUSUM with allowance 1 s and level 6 s crosses it about once in 10^5-10^6
+healthy steps (Siegmund's approximation), where the fixed thresholds at s = 0.15 (0.51 s and 3 s) cross it
+about once in 125.
+
+Latency: a sustained slowdown by factor f adds d = min(log f - drift(s), max_inc(s)) a step, so it is
+declared Slow on its n-th step, n = ceil(slow_at(s) / d), and never when log f <= drift(s). Noise spreads
+n: `latency(f, s, z)` is the first n with n d - z s sqrt(n) >= slow_at(s), by which a Gaussian-noise
+CUSUM has reached Slow in all but a tail of z standard deviations. At s <= 0.064: 1.3x in 3 steps, 1.6x
+and more in 2. At s = 0.10: drift 0.10, Slow 0.60, 1.3x in 4 steps, 1.5x and 2x in 2. At s = 0.15:
+drift 0.15, Slow 0.90, 1.3x in 9 steps, 1.5x in 4, 2x in 2. At s = 0.20: drift 0.20, Slow 1.20, 1.3x in
+20 steps, 1.5x in 6, 2x in 3; 1.2x (log 0.18) is below the allowance: never.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from unbroken.policy.predictor import median
+
+MAD_TO_SD = 1.4826  # a Gaussian's standard deviation over its median absolute deviation
+
+
+@dataclass(frozen=True, slots=True)
+class NoiseConfig:
+    """How the thresholds follow the measured noise (see the module docstring for the rule)."""
+    design_noise: float = 0.05  # the noise the fixed thresholds are set for (reported when none is measured)
+    window: int = 64  # a replica's recent Healthy scores its estimate is taken over
+    min_samples: int = 8  # scores a replica needs before its own estimate counts ...
+    fleet_min_samples: int = 12  # ... and a fleet (all its replicas' together) before its estimate does
+    every: int = 4  # new scores between re-estimates (a median of `window` values each)
+    cap: float = 2.0  # a replica's noise counts at most this x the fleet's: a replica whose slowness
+    # builds up while still Healthy must not raise its own bar out of reach
+    drift_sigmas: float = 1.0
+    suspect_sigmas: float = 2.0
+    slow_sigmas: float = 6.0
+    recover_sigmas: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """The CUSUM's levels at one noise (log units of observed / predicted time)."""
+    noise: float
+    drift: float
+    suspect_at: float
+    slow_at: float
+    max_increment: float
+    recover_below: float
+
+    def latency(self, factor: float, z: float = 0.0) -> float:
+        """Steps a sustained slowdown by `factor` takes to reach Slow (its onset step is the 1st):
+        the first n with n * d - z * noise * sqrt(n) >= slow_at, d = min(log factor - drift, max_increment).
+        z = 0: the noiseless latency; z = 3: by then in all but ~0.1% of episodes (Gaussian noise).
+        math.inf when the factor is within the allowance."""
+        d = min(math.log(factor) - self.drift, self.max_increment)
+        if d <= 0:
+            return math.inf
+        n = 1
+        while n * d - z * self.noise * math.sqrt(n) < self.slow_at:
+            n += 1
+        return n
+
+
+def thresholds(noise: float, base: Thresholds, cfg: NoiseConfig) -> Thresholds:
+    """The levels at `noise` (a standard deviation of the step score): each the larger of its fixed
+    value in `base` and its multiple of `noise`."""
+    slow = max(base.slow_at, cfg.slow_sigmas * noise)
+    return Thresholds(noise, max(base.drift, cfg.drift_sigmas * noise), max(base.suspect_at, cfg.suspect_sigmas * noise),
+                      slow, base.max_increment * slow / base.slow_at,
+                      max(base.recover_below, cfg.recover_sigmas * noise))
+
+
+class NoiseTracker:
+    """Per-replica robust noise of the step score, and the fleet's. Calling contract: `add(x)` once a
+    step with the replica's score while it is Healthy; `own()` any time (None until `min_samples`)."""
+
+    __slots__ = ("cfg", "scores", "fresh", "estimate")
+
+    def __init__(self, cfg: NoiseConfig):
+        self.cfg = cfg
+        self.scores: deque[float] = deque(maxlen=cfg.window)
+        self.fresh = 0  # scores since the last re-estimate
+        self.estimate: float | None = None
+
+    def add(self, x: float) -> None:
+        self.scores.append(x)
+        self.fresh += 1
+        if len(self.scores) >= self.cfg.min_samples and (self.estimate is None or self.fresh >= self.cfg.every):
+            xs = list(self.scores)
+            mid = median(xs)
+            self.estimate = MAD_TO_SD * median([abs(v - mid) for v in xs])
+            self.fresh = 0
+
+    def own(self) -> float | None:
+        return self.estimate
+
+
+def fleet_noise(trackers: list[NoiseTracker], min_samples: int) -> float | None:
+    """The fleet's noise: the robust spread of its replicas' recent Healthy scores pooled (so a fleet has
+    an estimate a few steps into a run, before any replica has `min_samples` of its own); None under
+    `min_samples` scores in all."""
+    xs = [v for t in trackers for v in t.scores]
+    if len(xs) < min_samples:
+        return None
+    mid = median(xs)
+    return MAD_TO_SD * median([abs(v - mid) for v in xs])
+
+
+def effective(own: float | None, fleet: float | None, cfg: NoiseConfig) -> float:
+    """A replica's noise as its thresholds take it: its own, floored at the fleet's and capped at `cap` x
+    the fleet's; the fleet's while it has no estimate of its own; the design noise before any estimate."""
+    if fleet is None:
+        return cfg.design_noise if own is None else own
+    if own is None:
+        return fleet
+    return min(max(own, fleet), cfg.cap * fleet)
