@@ -1,9 +1,9 @@
 """The fail-slow detector's noise model: how noisy each replica's step score is, and the thresholds and
 detection latency that follow from it.
 
-Owns: a robust estimate of the residual noise of each replica's normalized step score x (1.4826 x the
-median absolute deviation of its recent scores taken while Healthy, i.e. a standard deviation that a few
-outlying steps do not move), the fleet's noise (the same over its replicas' scores pooled), each replica's effective
+Owns: a robust estimate of the residual noise of each replica's normalized step score x (the standard
+deviation of its recent scores taken while Healthy, winsorized at 3 MAD-based sds, so that a few
+outlying steps move it little), the fleet's noise (the same over its replicas' scores pooled), each replica's effective
 noise (its own, floored at the fleet's and capped at `cap` x the fleet's), the CUSUM thresholds at a
 given noise, and the latency they give. Does not own: the scores or the CUSUM (detection.py).
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from unbroken.policy.predictor import median
 
 MAD_TO_SD = 1.4826  # a Gaussian's standard deviation over its median absolute deviation
+WINSOR = 3.0  # scores beyond this many MAD-based sds from the median count as if at that distance
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +105,7 @@ class NoiseTracker:
         self.scores.append(x)
         self.fresh += 1
         if len(self.scores) >= self.cfg.min_samples and (self.estimate is None or self.fresh >= self.cfg.every):
-            xs = list(self.scores)
-            mid = median(xs)
-            self.estimate = MAD_TO_SD * median([abs(v - mid) for v in xs])
+            self.estimate = robust_sd(list(self.scores))
             self.fresh = 0
 
     def own(self) -> float | None:
@@ -118,10 +117,20 @@ def fleet_noise(trackers: list[NoiseTracker], min_samples: int) -> float | None:
     an estimate a few steps into a run, before any replica has `min_samples` of its own); None under
     `min_samples` scores in all."""
     xs = [v for t in trackers for v in t.scores]
-    if len(xs) < min_samples:
-        return None
+    return robust_sd(xs) if len(xs) >= min_samples else None
+
+
+def robust_sd(xs: list[float]) -> float:
+    """The standard deviation of `xs` winsorized at WINSOR robust sds (1.4826 x MAD) from their median.
+    Not the MAD-based sd itself: scores normalized by a small fleet's median crowd near 0 (two of 4
+    replicas sit beside it every step), and their MAD read 0.80x their sd in trace replay, while the
+    CUSUM's false alarms come from the tail. Winsorized, a one-off hiccup of a step moves it little."""
     mid = median(xs)
-    return MAD_TO_SD * median([abs(v - mid) for v in xs])
+    mad = MAD_TO_SD * median([abs(v - mid) for v in xs])
+    lo, hi = mid - WINSOR * mad, mid + WINSOR * mad
+    clipped = [min(max(v, lo), hi) for v in xs]
+    mean = math.fsum(clipped) / len(clipped)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in clipped) / len(clipped))
 
 
 def effective(own: float | None, fleet: float | None, cfg: NoiseConfig) -> float:
