@@ -3,7 +3,7 @@
 Owns: per replica-step residuals of device time (each microbatch's log(seconds / predicted) under a cost
 model fit offline on the whole run's records, so sequence lengths are explained; a replica-step's
 residual is the median over its microbatches, less the median over the step's replicas), and from them
-the host's noise (their robust standard deviation over replica-steps free of injected slowness) and a
+the host's noise (their winsorized standard deviation over replica-steps free of injected slowness) and a
 replica's slowdown over a range of steps (exp of its median residual there). The detector's own
 estimate (policy/noise.py) is online, over Healthy steps, from its predictor's rolling fit; this one
 shares none of its state, so tests can state the host's premise with it and detect-eval can print both.
@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-from unbroken.policy.noise import MAD_TO_SD
+from unbroken.policy.noise import robust_sd
 from unbroken.policy.predictor import MicrobatchTiming, fit_cost_model, median
 
 
@@ -39,13 +39,10 @@ def residuals(records: Iterable[dict], skip_steps: int = 2) -> dict[int, dict[in
 
 
 def noise(res: dict[int, dict[int, float]], slowed: Callable[[int, int], bool] = lambda s, r: False) -> float:
-    """Robust sd (1.4826 x MAD) of the residuals of replica-steps where `slowed(step, replica)` is false;
-    nan if none."""
+    """Robust sd (policy/noise.py's estimator, without its margin) of the residuals of replica-steps where
+    `slowed(step, replica)` is false; nan if none."""
     xs = [x for s, by in res.items() for r, x in by.items() if not slowed(s, r)]
-    if not xs:
-        return math.nan
-    mid = median(xs)
-    return MAD_TO_SD * median([abs(x - mid) for x in xs])
+    return robust_sd(xs) if xs else math.nan
 
 
 def slowdown(res: dict[int, dict[int, float]], replica: int, steps: range) -> float:

@@ -2,8 +2,9 @@
 detection latency that follow from it.
 
 Owns: a robust estimate of the residual noise of each replica's normalized step score x (the standard
-deviation of its recent scores taken while Healthy, winsorized at 3 MAD-based sds, so that a few
-outlying steps move it little), the fleet's noise (the same over its replicas' scores pooled), each replica's effective
+deviation of its recent scores taken while Healthy, winsorized at 3 robust sds, so that a few
+outlying steps move it little, raised by two standard errors of the estimate, so that a young one errs
+high), the fleet's noise (the same over its replicas' scores pooled), each replica's effective
 noise (its own, floored at the fleet's and capped at `cap` x the fleet's), the CUSUM thresholds at a
 given noise, and the latency they give. Does not own: the scores or the CUSUM (detection.py).
 
@@ -34,10 +35,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from unbroken.policy.predictor import median
 
-MAD_TO_SD = 1.4826  # a Gaussian's standard deviation over its median absolute deviation
-WINSOR = 3.0  # scores beyond this many MAD-based sds from the median count as if at that distance
+WINSOR = 3.0  # scores beyond this many robust sds from the median count as if at that distance
+Q75_TO_SD = 1.15  # a Gaussian's 75th percentile of absolute deviations, in sds
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class NoiseConfig:
     window: int = 64  # a replica's recent Healthy scores its estimate is taken over
     min_samples: int = 8  # scores a replica needs before its own estimate counts ...
     fleet_min_samples: int = 12  # ... and a fleet (all its replicas' together) before its estimate does
-    every: int = 4  # new scores between re-estimates (a median of `window` values each)
+    every: int = 4  # new scores between re-estimates (a sort of `window` values each)
     cap: float = 2.0  # a replica's noise counts at most this x the fleet's: a replica whose slowness
     # builds up while still Healthy must not raise its own bar out of reach
     drift_sigmas: float = 1.0
@@ -105,7 +105,7 @@ class NoiseTracker:
         self.scores.append(x)
         self.fresh += 1
         if len(self.scores) >= self.cfg.min_samples and (self.estimate is None or self.fresh >= self.cfg.every):
-            self.estimate = robust_sd(list(self.scores))
+            self.estimate = upper(robust_sd(list(self.scores)), len(self.scores))
             self.fresh = 0
 
     def own(self) -> float | None:
@@ -117,20 +117,34 @@ def fleet_noise(trackers: list[NoiseTracker], min_samples: int) -> float | None:
     an estimate a few steps into a run, before any replica has `min_samples` of its own); None under
     `min_samples` scores in all."""
     xs = [v for t in trackers for v in t.scores]
-    return robust_sd(xs) if len(xs) >= min_samples else None
+    return upper(robust_sd(xs), len(xs)) if len(xs) >= min_samples else None
+
+
+def upper(sd: float, n: int) -> float:
+    """`sd` estimated from `n` scores, raised by two of its standard errors (relative error ~1/sqrt(2n)):
+    a young estimate (12 scores: x1.41; a window of 64: x1.18; 4 replicas' 256: x1.09) must not set the
+    bar low by chance. In trace replay at noise 0.15, point estimates of 0.09 after 8 steps (against
+    0.13 later) let a healthy replica reach Slow."""
+    return sd * (1.0 + math.sqrt(2.0 / n))
 
 
 def robust_sd(xs: list[float]) -> float:
-    """The standard deviation of `xs` winsorized at WINSOR robust sds (1.4826 x MAD) from their median.
-    Not the MAD-based sd itself: scores normalized by a small fleet's median crowd near 0 (two of 4
-    replicas sit beside it every step), and their MAD read 0.80x their sd in trace replay, while the
-    CUSUM's false alarms come from the tail. Winsorized, a one-off hiccup of a step moves it little."""
-    mid = median(xs)
-    mad = MAD_TO_SD * median([abs(v - mid) for v in xs])
-    lo, hi = mid - WINSOR * mad, mid + WINSOR * mad
-    clipped = [min(max(v, lo), hi) for v in xs]
-    mean = math.fsum(clipped) / len(clipped)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in clipped) / len(clipped))
+    """The standard deviation of `xs` winsorized at WINSOR robust sds from their median, the robust sd
+    being the 75th percentile of the absolute deviations over a Gaussian's (1.15 sd): up to a quarter of
+    outlying scores (a hiccup of a step, the first steps of replicas that are slow from the start) are
+    clipped. Not a MAD-based sd: scores normalized by a small fleet's median crowd near 0 (two of 4
+    replicas sit beside it every step; a fleet of 2 is normalized by its faster replica, at 0 exactly,
+    half the scores), their MAD read 0.80x their sd in trace replay, and the CUSUM's false alarms come
+    from the tail."""
+    srt = sorted(xs)
+    n = len(srt)
+    mid = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+    dev = sorted(abs(v - mid) for v in srt)
+    scale = dev[min(n - 1, (3 * n) // 4)] / Q75_TO_SD
+    lo, hi = (mid - WINSOR * scale, mid + WINSOR * scale) if scale > 0 else (-math.inf, math.inf)
+    clipped = [min(max(v, lo), hi) for v in srt]
+    mean = math.fsum(clipped) / n
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in clipped) / n)
 
 
 def effective(own: float | None, fleet: float | None, cfg: NoiseConfig) -> float:
