@@ -51,6 +51,7 @@ def test_three_failure_free_runs_of_the_demo_shape_declare_nobody_slow_and_move_
         print(f"seed {seed}: device-time noise {host.noise(host.residuals(events)):.3f} by the raw records, "
               f"{detector_noise(events):.3f} by the detector; verdicts (step, replica, new, noise): {verdicts}")
         assert not [v for v in verdicts if v[2] == "slow"], f"seed {seed}: declared slow: {verdicts}"
+        assert detector_noise(events) > 0  # the coordinator logged the noise its detector measured
         owners = [e["owners"] for e in events if e["event"] == "step"]
         assert len(owners) == steps
         assert all(sorted(len(v) for v in o.values()) == [2, 2, 2, 2] for o in owners), owners

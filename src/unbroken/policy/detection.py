@@ -15,7 +15,7 @@ subtract only the move all of them share). A move of most replicas beyond `regim
 adds evidence step by step; a single step adds at most `max_increment`, so one bad step never condemns.
 
 The thresholds adapt to the noise each replica's score shows (policy/noise.py): a robust estimate of it
-over the replica's recent Healthy steps, floored at the fleet's, sets drift, suspect_at, slow_at,
+over the replica's recent Healthy steps (erring high while young), floored at the fleet's, sets drift, suspect_at, slow_at,
 max_increment and recover_below to the larger of their fixed values (set for a noise of ~0.05) and a
 multiple of the noise, so a noisy host raises the bar instead of the alarm rate. Latency of a sustained
 slowdown by f at noise s: n = ceil(slow_at(s) / min(log f - drift(s), max_inc(s))) steps; with the
@@ -246,13 +246,15 @@ class Detector:
 
     def noise(self) -> dict[int, float]:
         """Every tracked replica's noise (a standard deviation of its step score, log units) as its
-        thresholds take it now: its own robust estimate over its recent Healthy steps, floored at its
-        fleet's and capped at `noise.cap` x it; the design noise before any is measured. Any time."""
+        thresholds take it now: its own robust estimate over its recent Healthy steps (raised by two
+        standard errors, policy/noise.py), floored at its fleet's and capped at `noise.cap` x it; the
+        design noise before any is measured. Any time."""
         return {r: self._noise_of(t) for r, t in sorted(self._tracks.items())}
 
     def fleet_noise(self) -> dict[str, float]:
-        """Each device class's noise (its replicas' recent Healthy scores pooled), for the classes that
-        have `noise.fleet_min_samples` of them ("default" without device classes). Any time."""
+        """Each device class's noise (its replicas' recent Healthy scores pooled, raised by two standard
+        errors), for the classes that have `noise.fleet_min_samples` of them ("default" without device
+        classes). Any time."""
         return {c: v for c, v in sorted(self._fleet.items()) if v is not None}
 
     def thresholds(self, replica: int) -> Thresholds:
