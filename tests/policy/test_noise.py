@@ -54,13 +54,13 @@ def test_at_the_design_noise_the_thresholds_are_the_fixed_ones():
     for noise in (0.0, 0.03, 0.05, 0.064):
         assert _levels(thresholds(noise, cfg.base(), cfg.noise)) == _levels(cfg.base()), noise
     noisy = thresholds(0.15, cfg.base(), cfg.noise)
-    assert (noisy.drift, noisy.suspect_at, noisy.slow_at, noisy.recover_below) == pytest.approx((0.15, 0.3, 0.9, 0.15))
-    assert noisy.max_increment == pytest.approx(0.6)  # one step alone still reaches 2/3 of Slow at most
+    assert (noisy.drift, noisy.suspect_at, noisy.slow_at, noisy.recover_below) == pytest.approx((0.15, 0.3, 1.05, 0.15))
+    assert noisy.max_increment == pytest.approx(0.7)  # one step alone still reaches 2/3 of Slow at most
     # the latencies the module docstring states
     assert [cfg.base().latency(f) for f in (1.3, 1.6, 3.0)] == [3, 2, 2]
-    assert [noisy.latency(f) for f in (1.3, 1.5, 2.0)] == [9, 4, 2]
+    assert [noisy.latency(f) for f in (1.3, 1.5, 2.0)] == [10, 5, 2]
     at_02 = thresholds(0.2, cfg.base(), cfg.noise)
-    assert [at_02.latency(f) for f in (1.2, 1.3, 1.5, 2.0)] == [math.inf, 20, 6, 3]
+    assert [at_02.latency(f) for f in (1.2, 1.3, 1.5, 2.0)] == [math.inf, 23, 7, 3]
 
 
 def _levels(th):
@@ -94,8 +94,9 @@ def test_a_noisy_healthy_fleet_is_measured_noisy_and_nobody_is_declared_slow(see
     det = Detector()
     assert run(det, Fleet(seed, replicas, 0.15), range(400)) == []
     # the score is the replica's against the fleet's median: its sd is a little under the noise put in
-    assert 0.1 <= det.fleet_noise()["default"] <= 0.16
-    assert all(0.1 <= v <= 0.16 * det.config.noise.cap for v in det.noise().values())
+    # (the fleet's estimate raised by its margin, x1.13 over 4 replicas' window of 64 steps)
+    assert 0.1 <= det.fleet_noise()["default"] <= 0.18
+    assert all(0.1 <= v <= 0.18 * det.config.noise.cap for v in det.noise().values())
 
 
 def test_a_1_3x_slowdown_at_the_design_noise_is_slow_within_3_steps():
@@ -120,7 +121,7 @@ def test_a_1_3x_slowdown_at_the_design_noise_is_slow_within_3_steps():
 def test_a_1_3x_slowdown_at_0_15_noise_takes_the_stated_latency():
     """Replica-step noise 0.15: each episode declared Slow after its onset, on the slowed replica, within
     `latency(1.3, z=3)` of the thresholds in force at the onset; their median near the noiseless
-    `latency(1.3)` (9 steps at a measured noise of 0.15; ~7 at the ~0.13 the fleet's median leaves)."""
+    `latency(1.3)` (10 steps at a measured noise of 0.15)."""
     latencies, stated = [], []
     for seed in range(8):
         det, fleet, victim = Detector(), Fleet(seed, 4, 0.15), seed % 4

@@ -315,7 +315,7 @@ class DetectorSection:
     """CUSUM allowance at measured noise s: the larger of drift_ratio's and this many s."""
     suspect_sigmas: float = 2.0
     """Suspect level at noise s: the larger of suspect_at and this many s."""
-    slow_sigmas: float = 6.0
+    slow_sigmas: float = 7.0
     """Slow level at noise s: the larger of slow_at and this many s (max_increment grows in proportion)."""
     recover_sigmas: float = 1.0
     """Calm-step bound at noise s: the larger of recover_below_ratio's and this many s."""

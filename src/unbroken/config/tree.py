@@ -290,7 +290,7 @@ def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.min_speed <= 1, f"detector.min_speed={d.min_speed}: must be <= 1"),
         (d.warmup_steps >= 0 and d.join_skip >= 0,
          f"detector.warmup_steps={d.warmup_steps}, detector.join_skip={d.join_skip}: must be >= 0"),
-        (d.noise_window >= 8, f"detector.noise_window={d.noise_window}: must be >= 8"),
+        (d.noise_window >= 16, f"detector.noise_window={d.noise_window}: must be >= 16"),
         (d.noise_cap >= 1, f"detector.noise_cap={d.noise_cap}: must be >= 1"),
         (3 <= d.min_samples <= d.predictor_window,
          f"detector.min_samples={d.min_samples}: must be in 3..detector.predictor_window={d.predictor_window}"),

@@ -19,7 +19,7 @@ over the replica's recent Healthy steps (erring high while young), floored at th
 max_increment and recover_below to the larger of their fixed values (set for a noise of ~0.05) and a
 multiple of the noise, so a noisy host raises the bar instead of the alarm rate. Latency of a sustained
 slowdown by f at noise s: n = ceil(slow_at(s) / min(log f - drift(s), max_inc(s))) steps; with the
-defaults, at s <= 0.064 1.3x in 3 steps, at s = 0.15 1.3x in 9 and 2x in 2 (table: policy/noise.py;
+defaults, at s <= 0.064 1.3x in 3 steps, at s = 0.15 1.3x in 10 and 2x in 2 (table: policy/noise.py;
 `Detector.thresholds(r).latency(f)` computes it). `noise()` reports what each replica's thresholds took.
 Pure and O(replicas + samples) per step.
 """
@@ -224,6 +224,7 @@ class Detector:
                 t.verdict, t.cusum, t.calm, t.run = Verdict.HEALTHY, 0.0, 0, 0
         elif t.cusum >= th.slow_at:
             t.verdict, t.calm = Verdict.SLOW, 0
+            t.noise.slow()
         elif t.cusum >= th.suspect_at:
             t.verdict = Verdict.SUSPECT
         elif old is Verdict.SUSPECT and t.cusum == 0.0:
@@ -246,13 +247,13 @@ class Detector:
 
     def noise(self) -> dict[int, float]:
         """Every tracked replica's noise (a standard deviation of its step score, log units) as its
-        thresholds take it now: its own robust estimate over its recent Healthy steps (raised by two
+        thresholds take it now: its own robust estimate over its recent Healthy steps (raised by three
         standard errors, policy/noise.py), floored at its fleet's and capped at `noise.cap` x it; the
         design noise before any is measured. Any time."""
         return {r: self._noise_of(t) for r, t in sorted(self._tracks.items())}
 
     def fleet_noise(self) -> dict[str, float]:
-        """Each device class's noise (its replicas' recent Healthy scores pooled, raised by two standard
+        """Each device class's noise (its replicas' recent Healthy scores pooled, raised by three standard
         errors), for the classes that have `noise.fleet_min_samples` of them ("default" without device
         classes). Any time."""
         return {c: v for c, v in sorted(self._fleet.items()) if v is not None}

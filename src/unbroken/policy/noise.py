@@ -2,11 +2,12 @@
 detection latency that follow from it.
 
 Owns: a robust estimate of the residual noise of each replica's normalized step score x (the standard
-deviation of its recent scores taken while Healthy, winsorized at 3 robust sds, so that a few
-outlying steps move it little, raised by two standard errors of the estimate, so that a young one errs
-high), the fleet's noise (the same over its replicas' scores pooled), each replica's effective
-noise (its own, floored at the fleet's and capped at `cap` x the fleet's), the CUSUM thresholds at a
-given noise, and the latency they give. Does not own: the scores or the CUSUM (detection.py).
+deviation of its recent scores taken while Healthy, counted once `lag` later steps passed without it
+reaching Slow (a slowdown's first steps are not its noise), winsorized at 3 robust sds, so that a few
+outlying steps move it little), the fleet's noise (the same over its replicas' scores pooled, raised by
+three standard errors of the estimate, so that a young one errs high), each replica's effective noise
+(its own, floored at the fleet's and capped at `cap` x the fleet's), the CUSUM thresholds at a given
+noise, and the latency they give. Does not own: the scores or the CUSUM (detection.py).
 
 Thresholds at noise s (log units; each fixed value is a floor, set for the design noise of ~0.05):
     drift(s)      = max(drift, drift_sigmas * s)          allowance subtracted from every step's score
@@ -14,10 +15,10 @@ Thresholds at noise s (log units; each fixed value is a floor, set for the desig
     slow_at(s)    = max(slow_at, slow_sigmas * s)
     max_inc(s)    = max_increment * slow_at(s) / slow_at  one step adds at most this (never Slow alone)
     recover(s)    = max(recover_below, recover_sigmas * s)
-With the defaults (1, 2, 6 and 1 standard deviations) the fixed values hold up to s = 0.064 (drift to
+With the defaults (1, 2, 7 and 1 standard deviations) the fixed values hold up to s = 0.064 (drift to
 0.077): at the design noise the detector behaves as with fixed thresholds. Above, the allowance and the
 Slow level grow with the noise, so a noisy host raises the bar instead of the alarm rate: for scores with
-independent Gaussian noise, a CUSUM with allowance 1 s and level 6 s crosses it about once in 10^5-10^6
+independent Gaussian noise, a CUSUM with allowance 1 s and level 7 s crosses it about once in 10^6
 healthy steps (Siegmund's approximation), where the fixed thresholds at s = 0.15 (0.51 s and 3 s) cross it
 about once in 125.
 
@@ -25,9 +26,9 @@ Latency: a sustained slowdown by factor f adds d = min(log f - drift(s), max_inc
 declared Slow on its n-th step, n = ceil(slow_at(s) / d), and never when log f <= drift(s). Noise spreads
 n: `latency(f, s, z)` is the first n with n d - z s sqrt(n) >= slow_at(s), by which a Gaussian-noise
 CUSUM has reached Slow in all but a tail of z standard deviations. At s <= 0.064: 1.3x in 3 steps, 1.6x
-and more in 2. At s = 0.10: drift 0.10, Slow 0.60, 1.3x in 4 steps, 1.5x and 2x in 2. At s = 0.15:
-drift 0.15, Slow 0.90, 1.3x in 9 steps, 1.5x in 4, 2x in 2. At s = 0.20: drift 0.20, Slow 1.20, 1.3x in
-20 steps, 1.5x in 6, 2x in 3; 1.2x (log 0.18) is below the allowance: never.
+and more in 2. At s = 0.10: drift 0.10, Slow 0.70, 1.3x in 5 steps, 1.5x in 3, 2x in 2. At s = 0.15:
+drift 0.15, Slow 1.05, 1.3x in 10 steps, 1.5x in 5, 2x in 2. At s = 0.20: drift 0.20, Slow 1.40, 1.3x
+in 23 steps, 1.5x in 7, 2x in 3; 1.2x (log 0.18) is below the allowance: never.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 WINSOR = 3.0  # scores beyond this many robust sds from the median count as if at that distance
 Q75_TO_SD = 1.15  # a Gaussian's 75th percentile of absolute deviations, in sds
+MARGIN_SE = 3.0  # standard errors an estimate is raised by (see `upper`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +47,18 @@ class NoiseConfig:
     """How the thresholds follow the measured noise (see the module docstring for the rule)."""
     design_noise: float = 0.05  # the noise the fixed thresholds are set for (reported when none is measured)
     window: int = 64  # a replica's recent Healthy scores its estimate is taken over
-    min_samples: int = 8  # scores a replica needs before its own estimate counts ...
+    min_samples: int = 16  # scores a replica needs before its own estimate counts ...
     fleet_min_samples: int = 12  # ... and a fleet (all its replicas' together) before its estimate does
+    lag: int = 4  # a score counts once this many later steps passed without the replica reaching Slow:
+    # a slowdown's first steps (Healthy until the CUSUM has its evidence) are not its noise. Counted at
+    # once, a 1.27x episode from step 6 of a real run raised its replica's noise from ~0.06 to 0.2 (its
+    # own 6 slow steps against 6 before) and was never declared.
     every: int = 4  # new scores between re-estimates (a sort of `window` values each)
     cap: float = 2.0  # a replica's noise counts at most this x the fleet's: a replica whose slowness
     # builds up while still Healthy must not raise its own bar out of reach
     drift_sigmas: float = 1.0
     suspect_sigmas: float = 2.0
-    slow_sigmas: float = 6.0
+    slow_sigmas: float = 7.0
     recover_sigmas: float = 1.0
 
 
@@ -90,42 +96,53 @@ def thresholds(noise: float, base: Thresholds, cfg: NoiseConfig) -> Thresholds:
 
 
 class NoiseTracker:
-    """Per-replica robust noise of the step score, and the fleet's. Calling contract: `add(x)` once a
-    step with the replica's score while it is Healthy; `own()` any time (None until `min_samples`)."""
+    """Per-replica robust noise of the step score. Calling contract: `add(x)` once a step with the
+    replica's score while it is Healthy; `slow()` when it is declared Slow (its scores of the last `lag`
+    steps were the slowdown's, not noise: dropped); `own()` any time (None until `min_samples`)."""
 
-    __slots__ = ("cfg", "scores", "fresh", "estimate")
+    __slots__ = ("cfg", "scores", "pending", "fresh", "estimate")
 
     def __init__(self, cfg: NoiseConfig):
         self.cfg = cfg
-        self.scores: deque[float] = deque(maxlen=cfg.window)
-        self.fresh = 0  # scores since the last re-estimate
+        self.scores: deque[float] = deque(maxlen=cfg.window)  # counted: `lag` steps old or more
+        self.pending: deque[float] = deque()  # the last `lag` Healthy steps' scores
+        self.fresh = 0  # scores counted since the last re-estimate
         self.estimate: float | None = None
 
     def add(self, x: float) -> None:
-        self.scores.append(x)
+        self.pending.append(x)
+        if len(self.pending) <= self.cfg.lag:
+            return
+        self.scores.append(self.pending.popleft())
         self.fresh += 1
         if len(self.scores) >= self.cfg.min_samples and (self.estimate is None or self.fresh >= self.cfg.every):
-            self.estimate = upper(robust_sd(list(self.scores)), len(self.scores))
+            self.estimate = robust_sd(list(self.scores))  # its point estimate: see `effective`
             self.fresh = 0
+
+    def slow(self) -> None:
+        self.pending.clear()
 
     def own(self) -> float | None:
         return self.estimate
 
 
 def fleet_noise(trackers: list[NoiseTracker], min_samples: int) -> float | None:
-    """The fleet's noise: the robust spread of its replicas' recent Healthy scores pooled (so a fleet has
-    an estimate a few steps into a run, before any replica has `min_samples` of its own); None under
-    `min_samples` scores in all."""
-    xs = [v for t in trackers for v in t.scores]
+    """The fleet's noise: the robust spread of its replicas' Healthy scores pooled, so a fleet has an
+    estimate 3 steps into a run (4 replicas), before any replica has `min_samples` of its own; None under
+    `min_samples` scores in all. The last `lag` steps' count too: one replica's slowdown is a share of the
+    pool, and without them the first steps after the run's warm-up were judged by the fixed thresholds
+    (trace replay at noise 0.15: a healthy replica Slow at step 6). Pooled about their common median,
+    not each replica's own: 3 scores a replica centred on their own median read 0.06 at noise 0.15."""
+    xs = [v for t in trackers for v in (*t.scores, *t.pending)]
     return upper(robust_sd(xs), len(xs)) if len(xs) >= min_samples else None
 
 
 def upper(sd: float, n: int) -> float:
-    """`sd` estimated from `n` scores, raised by two of its standard errors (relative error ~1/sqrt(2n)):
-    a young estimate (12 scores: x1.41; a window of 64: x1.18; 4 replicas' 256: x1.09) must not set the
-    bar low by chance. In trace replay at noise 0.15, point estimates of 0.09 after 8 steps (against
-    0.13 later) let a healthy replica reach Slow."""
-    return sd * (1.0 + math.sqrt(2.0 / n))
+    """`sd` estimated from `n` scores, raised by MARGIN_SE of its standard errors (relative error
+    ~1/sqrt(2n)): a young estimate (12 scores: x1.61; a window of 64: x1.27; 4 replicas' 256: x1.13)
+    must not set the bar low by chance. In trace replay at noise 0.15, point estimates of 0.09 after 8
+    steps (against 0.13 later) let a healthy replica reach Slow."""
+    return sd * (1.0 + MARGIN_SE * math.sqrt(0.5 / n))
 
 
 def robust_sd(xs: list[float]) -> float:
@@ -149,7 +166,10 @@ def robust_sd(xs: list[float]) -> float:
 
 def effective(own: float | None, fleet: float | None, cfg: NoiseConfig) -> float:
     """A replica's noise as its thresholds take it: its own, floored at the fleet's and capped at `cap` x
-    the fleet's; the fleet's while it has no estimate of its own; the design noise before any estimate."""
+    the fleet's; the fleet's while it has no estimate of its own; the design noise before any estimate.
+    The fleet's errs high (`upper`), the replica's own is its point estimate: raised by its larger
+    margin (x1.53 at its first 16 scores) it would lift a young replica's bar above the fleet's on every
+    host, where it is to do so only for a replica noisier than its peers."""
     if fleet is None:
         return cfg.design_noise if own is None else own
     if own is None:
