@@ -247,9 +247,9 @@ class Detector:
 
     def noise(self) -> dict[int, float]:
         """Every tracked replica's noise (a standard deviation of its step score, log units) as its
-        thresholds take it now: its own robust estimate over its recent Healthy steps (raised by three
-        standard errors, policy/noise.py), floored at its fleet's and capped at `noise.cap` x it; the
-        design noise before any is measured. Any time."""
+        thresholds take it now: its own robust estimate over its recent Healthy steps, floored at its
+        fleet's (`fleet_noise`) and capped at `noise.cap` x it; the design noise before any is measured
+        (policy/noise.py: `effective`). Any time."""
         return {r: self._noise_of(t) for r, t in sorted(self._tracks.items())}
 
     def fleet_noise(self) -> dict[str, float]:
