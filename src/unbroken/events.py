@@ -89,7 +89,10 @@ their fields:
                                                        plan's shard indices `shards`; `seconds` to replace
                                                        the broken process group with the plan's ranks')
   woke           replica, step, phase                 (a stopped process continued; it will fence)
-  verdict        step, replica, old, new, speed, score (fail-slow detector: healthy/suspect/slow)
+  verdict        step, replica, old, new, speed, score, noise (fail-slow detector: healthy/suspect/slow;
+                 noise: the log-sd of the replica's step score its thresholds took, policy/noise.py)
+  noise          step, fleet (device class -> log-sd), replicas (replica -> log-sd)   (the detector's
+                 measured noise: when it first shows and each time a class's moved by 20%)
   regime         step, device_class, factor, moved, replicas   (every cost moved: predictor rescaled)
   restart        generation, reason, source           (whole-job restart; source memory|disk|scratch)
                  resumed (true: `unbroken resume` continued the run after its launcher ended)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unbroken
-from tests.runtime._detector_targets import failing, once_more_if_the_host_moved
+from unbroken.eval import host
 from unbroken.events import read_events
 from unbroken.observe.runs import audit, compare
 
@@ -26,13 +26,8 @@ RUN = ["--replicas", "4", "--steps", str(STEPS), "--microbatches", "12", "--exac
 
 @pytest.mark.alone  # device time: its noise on a quiet host (as test_failslow_real.py)
 def test_slow_replica_is_declared_slow_gets_less_work_and_the_trajectory_is_unchanged(tmp_path):
-    """The detector's targets through the rule of tests/runtime/_detector_targets.py: at db88ff0 a full CI
-    run declared healthy replica 2 Slow (speed 0.84 at step 10) on a host whose device time spread 3x the
-    detector's design noise. The fault firing, the trajectory and the audit stay plain assertions."""
-    once_more_if_the_host_moved(lambda attempt: slow_run(tmp_path / f"attempt{attempt}"), 0)
-
-
-def slow_run(tmp_path) -> None:
+    """One try, no retry: the detector's thresholds follow the noise it measures (policy/noise.py), which
+    this test prints beside the noise of the raw records (unbroken/eval/host.py)."""
     ref, out = tmp_path / "reference", tmp_path / "slow"
     r = unbroken("train", *RUN, "--out", str(ref), timeout=90)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -45,14 +40,19 @@ def slow_run(tmp_path) -> None:
     ratio = per_token([e for e in computes if e["replica"] == SLOW]) / \
         per_token([e for e in computes if e["replica"] != SLOW])
     assert ratio > 2.0, ratio  # 3x by a CPU spin: 3.7x measured here (2026-11-27; the spin slows what follows it)
+    for name, events_of in (("slowed run", events), ("reference", read_events(ref))):
+        noise = [e["fleet"]["default"] for e in events_of if e["event"] == "noise"]
+        print(f"{name}: device-time noise {host.noise(host.residuals(events_of), lambda s, r: r == SLOW):.3f} "
+              f"by the raw records of the healthy replicas, {noise[-1] if noise else float('nan'):.3f} by the "
+              f"detector; verdicts: {[(e['step'], e['replica'], e['new']) for e in events_of if e['event'] == 'verdict']}")
 
     # Declared Slow from measured times alone (the coordinator never sees the fault spec), early enough
     # that later steps can show the new quotas: the earliest is step 3 (two steps of evidence, capped at
     # max_increment each); on this shared 2-core machine it has taken up to ~8.
     declared = [e["step"] for e in events if e["event"] == "verdict" and e["replica"] == SLOW and e["new"] == "slow"]
-    if not declared or declared[0] > STEPS - 4:
-        raise failing(f"replica {SLOW} declared slow at {declared}, not by step {STEPS - 4}: "
-                      f"{[e for e in events if e['event'] in ('verdict', 'regime')]}", events)
+    assert declared and declared[0] <= STEPS - 4, \
+        f"replica {SLOW} declared slow at {declared}, not by step {STEPS - 4}: " \
+        f"{[e for e in events if e['event'] in ('verdict', 'regime')]}"
 
     # Its speed is published after that commit and taken by a later step's plan: from then on it holds
     # fewer microbatches than every other replica (checked on the steps after the first such step, so a
@@ -69,8 +69,7 @@ def slow_run(tmp_path) -> None:
     # and this could not be asserted.)
     for events_of in (events, read_events(ref)):
         wrong = [e for e in events_of if e["event"] == "verdict" and e["new"] == "slow" and e["replica"] != SLOW]
-        if wrong:
-            raise failing(f"a healthy replica declared slow: {wrong}", events_of, wrong)
+        assert not wrong, f"a healthy replica declared slow: {wrong}"
 
     # Trajectory: bit for bit the failure-free run's, step by step.
     cmp = compare(ref, out)

@@ -6,6 +6,7 @@ import pytest
 from unbroken.policy import workload
 from unbroken.sim.runner import simulate
 from unbroken.sim.scenario import load
+from unbroken.sim.strategies.detect import STEP_NOISE
 
 
 @pytest.mark.timeout(30)
@@ -19,7 +20,8 @@ def test_detector_verdicts_drive_quotas():
     quotas = [r for r in recs if r["event"] == "quotas"]
     assert len(slows) == len(sc.trace)
     for r in verdicts:
-        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score", "false_alarm"}
+        assert set(r) == {"event", "t", "step", "replica", "old", "new", "speed", "score", "noise",
+                          "false_alarm"}
         assert r["false_alarm"] is False
     for onset in slows:
         after = [v for v in verdicts if v["replica"] == onset["replica"] and v["t"] >= onset["t"]]
@@ -58,4 +60,7 @@ def test_whole_run_on_measured_noise_no_slowness_no_alarm():
     assert 0.8 * end["steps_committed"] * sc.cluster.dp <= detector["observed_replica_steps"] <= \
         end["steps_committed"] * sc.cluster.dp
     assert detector["alarms"] == detector["false_alarms"] == 0
+    # the noise it measured is the simulated noise's: a replica-step log-sd of STEP_NOISE (plus the
+    # median of its microbatches' noise), within the estimate's spread
+    assert 0.6 * STEP_NOISE <= detector["noise"]["default"] <= 1.6 * STEP_NOISE, detector
     assert not [r for r in recs if r["event"] == "quotas" or (r["event"] == "verdict" and r["new"] == "slow")]

@@ -304,6 +304,21 @@ class DetectorSection:
     """CUSUM allowance during warm-up, as a slowdown ratio (start-up inflates healthy replicas' time)."""
     join_skip: int = 1
     """A member joining a running fleet: its first steps neither scored nor taught to the predictor."""
+    design_noise: float = 0.05
+    """Noise of the step score (log-sd) the fixed thresholds above are set for: they are the floors of
+    the adaptive ones (policy/noise.py), and in force until a noise is measured."""
+    noise_window: int = 64
+    """A replica's recent Healthy steps whose scores give its measured noise (a robust, MAD-based sd)."""
+    noise_cap: float = 2.0
+    """A replica's own noise counts at most this many times its fleet's (and at least the fleet's)."""
+    drift_sigmas: float = 1.0
+    """CUSUM allowance at measured noise s: the larger of drift_ratio's and this many s."""
+    suspect_sigmas: float = 2.0
+    """Suspect level at noise s: the larger of suspect_at and this many s."""
+    slow_sigmas: float = 7.0
+    """Slow level at noise s: the larger of slow_at and this many s (max_increment grows in proportion)."""
+    recover_sigmas: float = 1.0
+    """Calm-step bound at noise s: the larger of recover_below_ratio's and this many s."""
     predictor_window: int = 256
     """Microbatch timings per device class the time predictor fits over."""
     refit_every: int = 64

@@ -274,7 +274,8 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
 def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
     """[detector] and [hardware]: thresholds and figures the policy code divides by or counts with."""
     d, h = cfg.detector, cfg.hardware
-    positive = [("detector", k) for k in ("suspect_at", "slow_at", "max_increment", "min_speed")] + \
+    positive = [("detector", k) for k in ("suspect_at", "slow_at", "max_increment", "min_speed", "design_noise",
+                                          "drift_sigmas", "suspect_sigmas", "slow_sigmas", "recover_sigmas")] + \
         [("hardware", k) for k in ("tp_bytes_per_s", "pp_bytes_per_s", "peer_bytes_per_s", "state_budget_bytes")]
     checks = [(getattr(getattr(cfg, s), k) > 0, f"{s}.{k}={getattr(getattr(cfg, s), k)}: must be > 0")
               for s, k in positive]
@@ -289,6 +290,8 @@ def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.min_speed <= 1, f"detector.min_speed={d.min_speed}: must be <= 1"),
         (d.warmup_steps >= 0 and d.join_skip >= 0,
          f"detector.warmup_steps={d.warmup_steps}, detector.join_skip={d.join_skip}: must be >= 0"),
+        (d.noise_window >= 16, f"detector.noise_window={d.noise_window}: must be >= 16"),
+        (d.noise_cap >= 1, f"detector.noise_cap={d.noise_cap}: must be >= 1"),
         (3 <= d.min_samples <= d.predictor_window,
          f"detector.min_samples={d.min_samples}: must be in 3..detector.predictor_window={d.predictor_window}"),
         (h.reform_seconds >= 0, f"hardware.reform_seconds={h.reform_seconds}: must be >= 0"),

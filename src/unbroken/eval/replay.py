@@ -43,6 +43,8 @@ class TraceConfig:
     c: float = 5e-3  # s per microbatch
     tile: int = 128  # attention runs on 128-token tiles: a cost the predictor's features do not see
     noise: float = 0.03  # log-sd of per-microbatch timing noise (3%)
+    step_noise: float = 0.0  # log-sd of a replica-step component its microbatches share (a host's noise:
+    step_noise_lag1: float = 0.2  # 0.05-0.2 on real runs), AR(1) with this lag-1 correlation (as sim/)
     outlier_rate: float = 0.003  # share of microbatches hit by a one-off hiccup ...
     outlier_factor: tuple[float, float] = (1.5, 4.0)  # ... of this size
     device_spread: float = 0.02  # replicas' fixed speeds differ by up to +-2% (no two GPUs are equal)
@@ -112,11 +114,16 @@ def generate(cfg: TraceConfig, seed: int) -> Trace:
     per = cfg.microbatches // cfg.replicas
     mu = math.log(cfg.doc_median)
     steps = []
+    shared = [0.0] * cfg.replicas  # the replica-step noise, last step (stationary log-sd step_noise)
+    phi = cfg.step_noise_lag1
     for s in range(cfg.steps):
         scale = cfg.regime_factor if regime_at is not None and s >= regime_at else 1.0
         step: dict[int, tuple[MicrobatchTiming, ...]] = {}
         for r in range(cfg.replicas):
             slow = next((d.factor for d in slowdowns if d.replica == r and d.onset <= s < d.end), 1.0)
+            if cfg.step_noise:  # drawn only when asked: traces without it are those of before
+                shared[r] = phi * shared[r] + math.sqrt(1.0 - phi * phi) * rng.gauss(0.0, cfg.step_noise)
+                slow *= math.exp(shared[r])
             mbs = []
             for _ in range(per):
                 lens = _packed(cfg, mu, rng) if cfg.packed_rows else \
@@ -213,6 +220,7 @@ class Tally:
     detected: dict[tuple[float, float], int] = field(default_factory=lambda: {b: 0 for b in BUCKETS})
     latencies: list[int] = field(default_factory=list)
     ape: list[float] = field(default_factory=list)  # predictor error on held-out healthy microbatches
+    found: list[tuple[float, float]] = field(default_factory=list)  # per episode: factor, latency (nan: missed)
 
     def metrics(self) -> Metrics:
         eps, det = sum(self.episodes.values()), sum(self.detected.values())
@@ -274,7 +282,14 @@ def replay(trace: Trace, method: Method, tally: Tally | None = None) -> Tally:
         if hit is not None:
             tally.detected[b] += 1
             tally.latencies.append(hit - d.onset + 1)
+        tally.found.append((d.factor, math.nan if hit is None else hit - d.onset + 1))
     return tally
+
+
+def recall_above(tally: Tally, factor: float) -> float:
+    """Detected / episodes over the episodes of `factor` or more (nan if none)."""
+    lat = [n for f, n in tally.found if f >= factor]
+    return sum(not math.isnan(n) for n in lat) / len(lat) if lat else math.nan
 
 
 def evaluate(cfg: TraceConfig, seeds: Sequence[int], methods: Mapping[str, Callable[[], Method]] = METHODS,

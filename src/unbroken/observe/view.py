@@ -88,6 +88,7 @@ class RunView:
     health: dict[int, str] = field(default_factory=dict)  # detector verdict per replica
     speed: dict[int, float] = field(default_factory=dict)  # detector speed estimate per replica (1 = typical)
     verdicts: dict[str, int] = field(default_factory=dict)  # verdict changes by new state
+    noise: dict[int, float] = field(default_factory=dict)  # detector's measured noise per replica (last `noise`)
     snapshot: dict[str, Any] | None = None  # the latest `snapshot` record
     snapshots_skipped: int = 0
     checkpoint_step: int | None = None  # set by the reader (from disk), not from events
@@ -213,6 +214,9 @@ class RunView:
             return  # the detector judges committed steps, behind the run: a verdict may follow a death
         self.health[r["replica"]] = r["new"]
         self.speed[r["replica"]] = r["speed"]
+
+    def _on_noise(self, r):
+        self.noise = {int(k): float(v) for k, v in r["replicas"].items()}
 
     def _on_snapshot(self, r):
         if self.snapshot is None or r["step"] >= self.snapshot["step"]:

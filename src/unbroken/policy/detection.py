@@ -13,6 +13,14 @@ does not count), minus the fleet median (common-mode shifts cancel; fleets under
 subtract only the move all of them share). A move of most replicas beyond `regime_move` is a regime change
 (a new model size): the predictor is rescaled and restarts its window instead of anyone being flagged. The CUSUM S <- clamp(S + x - drift)
 adds evidence step by step; a single step adds at most `max_increment`, so one bad step never condemns.
+
+The thresholds adapt to the noise each replica's score shows (policy/noise.py): a robust estimate of it
+over the replica's recent Healthy steps (erring high while young), floored at the fleet's, sets drift, suspect_at, slow_at,
+max_increment and recover_below to the larger of their fixed values (set for a noise of ~0.05) and a
+multiple of the noise, so a noisy host raises the bar instead of the alarm rate. Latency of a sustained
+slowdown by f at noise s: n = ceil(slow_at(s) / min(log f - drift(s), max_inc(s))) steps; with the
+defaults, at s <= 0.064 1.3x in 3 steps, at s = 0.15 1.3x in 10 and 2x in 2 (table: policy/noise.py;
+`Detector.thresholds(r).latency(f)` computes it). `noise()` reports what each replica's thresholds took.
 Pure and O(replicas + samples) per step.
 """
 from __future__ import annotations
@@ -23,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from unbroken.policy.noise import NoiseConfig, NoiseTracker, Thresholds, effective, fleet_noise, thresholds
 from unbroken.policy.predictor import MicrobatchTiming, Predictor, median
 
 
@@ -34,7 +43,8 @@ class Verdict(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class DetectorConfig:
-    """Thresholds of the sequential test, in log units of observed/predicted time."""
+    """Thresholds of the sequential test, in log units of observed/predicted time. drift, suspect_at,
+    slow_at, max_increment and recover_below are the floors of the adaptive thresholds (`noise`)."""
     # CUSUM allowance: slowdowns under ~8% are tolerated, never accumulate. Measured on real runs (4
     # replicas on 2 shared cores, device = thread CPU time): a healthy replica's step score sits at
     # +0.15..+0.2 for several steps in a row at times (cache and memory contention from its neighbours
@@ -68,6 +78,12 @@ class DetectorConfig:
     # epoch's groups) and its next two 1.1-1.5x: judged like the others, it would be declared Slow and
     # lose its quota for good.
     join_skip: int = 1
+    noise: NoiseConfig = NoiseConfig()  # how the thresholds follow each replica's measured noise
+
+    def base(self) -> Thresholds:
+        """The fixed thresholds: those in force at or below the design noise."""
+        return Thresholds(self.noise.design_noise, self.drift, self.suspect_at, self.slow_at,
+                          self.max_increment, self.recover_below)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +95,7 @@ class VerdictChange:
     new: Verdict
     speed: float
     score: float  # this step's normalized log(observed/predicted)
+    noise: float = 0.0  # the replica's noise its thresholds took at this step (Detector.noise)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +122,7 @@ class _Track:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # step-sum log ratios
     joined: bool = False  # tracked first after the run's first step: it warms up on its own (join_skip)
     seen: int = 0  # steps observed with microbatches, skipped ones included
+    noise: NoiseTracker | None = None  # its scores while Healthy (set by the Detector: needs the config)
 
 
 class Detector:
@@ -125,6 +143,8 @@ class Detector:
         self._tracks: dict[int, _Track] = {}
         self._events: list[VerdictChange | RegimeChange] = []
         self._observed = 0  # steps observed so far (the warm-up counts them)
+        self._fleet: dict[str, float | None] = {}  # device class -> its fleet noise, re-estimated ...
+        self._fleet_age: dict[str, int] = {}  # ... every `noise.every` scored steps
 
     def observe(self, step: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> dict[int, Verdict]:
         """Score one step and update verdicts. Returns the verdict of every replica tracked."""
@@ -135,7 +155,8 @@ class Detector:
                 by_class.setdefault(self._classes.get(r, "default"), {})[r] = mbs
         for cls, group in sorted(by_class.items()):
             for r in group:
-                t = self._tracks.setdefault(r, _Track(cls, joined=self._observed > 1))
+                t = self._tracks.get(r) or self._tracks.setdefault(
+                    r, _Track(cls, joined=self._observed > 1, noise=NoiseTracker(self.config.noise)))
                 t.seen += 1
             # a joiner's first steps are its start-up, not its speed: out of the scores and the predictor
             group = {r: mbs for r, mbs in group.items()
@@ -177,29 +198,39 @@ class Detector:
         shift += median(rest) if n >= cfg.min_fleet else min(rest)
         for r in sorted(group):
             self._update(step, r, med[r] - shift, tot[r] - shift)
+        age = self._fleet_age.get(cls, 0) + 1
+        if self._fleet.get(cls) is None or age >= self.config.noise.every:
+            self._fleet[cls] = fleet_noise([t.noise for t in self._tracks.values() if t.device_class == cls],
+                                           self.config.noise.fleet_min_samples)
+            age = 0
+        self._fleet_age[cls] = age
 
     def _update(self, step: int, replica: int, x: float, total: float) -> None:
         cfg, t = self.config, self._tracks[replica]
         t.recent.append(total)
         # the run's first steps, and a joiner's own first ones
         warm = self._observed <= cfg.warmup_steps or (t.joined and t.seen <= cfg.warmup_steps)
-        drift = cfg.warmup_drift if warm else cfg.drift
-        t.cusum = min(max(0.0, t.cusum + min(x - drift, cfg.max_increment)), 2 * cfg.slow_at)
-        t.run = t.run + 1 if t.cusum >= cfg.suspect_at or t.verdict is Verdict.SLOW else 0
+        th = self.thresholds(replica)  # at the noise measured before this step
+        drift = max(cfg.warmup_drift, th.drift) if warm else th.drift
+        t.cusum = min(max(0.0, t.cusum + min(x - drift, th.max_increment)), 2 * th.slow_at)
+        t.run = t.run + 1 if t.cusum >= th.suspect_at or t.verdict is Verdict.SLOW else 0
         old = t.verdict
+        if old is Verdict.HEALTHY:
+            t.noise.add(x)  # its noise is measured on Healthy steps only: a slowdown is not noise
         if old is Verdict.SLOW:
-            t.calm = t.calm + 1 if x < cfg.recover_below else 0
+            t.calm = t.calm + 1 if x < th.recover_below else 0
             if t.calm >= cfg.recover_steps:
                 # the episode is over: a later one must not average in its steps (run counts anew)
                 t.verdict, t.cusum, t.calm, t.run = Verdict.HEALTHY, 0.0, 0, 0
-        elif t.cusum >= cfg.slow_at:
+        elif t.cusum >= th.slow_at:
             t.verdict, t.calm = Verdict.SLOW, 0
-        elif t.cusum >= cfg.suspect_at:
+            t.noise.slow()
+        elif t.cusum >= th.suspect_at:
             t.verdict = Verdict.SUSPECT
         elif old is Verdict.SUSPECT and t.cusum == 0.0:
             t.verdict = Verdict.HEALTHY
         if t.verdict is not old:
-            self._events.append(VerdictChange(step, replica, old, t.verdict, self._speed(t), x))
+            self._events.append(VerdictChange(step, replica, old, t.verdict, self._speed(t), x, th.noise))
 
     def _speed(self, t: _Track) -> float:
         if t.verdict is not Verdict.SLOW:
@@ -213,6 +244,29 @@ class Detector:
         """Relative speed of every tracked replica (1.0 = as predicted, 0.5 = half speed): quota weights.
         Only Slow replicas get an estimate below 1, so noise never moves work."""
         return {r: self._speed(t) for r, t in sorted(self._tracks.items())}
+
+    def noise(self) -> dict[int, float]:
+        """Every tracked replica's noise (a standard deviation of its step score, log units) as its
+        thresholds take it now: its own robust estimate over its recent Healthy steps, floored at its
+        fleet's (`fleet_noise`) and capped at `noise.cap` x it; the design noise before any is measured
+        (policy/noise.py: `effective`). Any time."""
+        return {r: self._noise_of(t) for r, t in sorted(self._tracks.items())}
+
+    def fleet_noise(self) -> dict[str, float]:
+        """Each device class's noise (its replicas' recent Healthy scores pooled, raised by three standard
+        errors), for the classes that have `noise.fleet_min_samples` of them ("default" without device
+        classes). Any time."""
+        return {c: v for c, v in sorted(self._fleet.items()) if v is not None}
+
+    def thresholds(self, replica: int) -> Thresholds:
+        """The thresholds `replica` is judged by now (the fixed ones for an unknown replica);
+        `.latency(factor)` is the steps a sustained slowdown by `factor` takes to reach Slow."""
+        t = self._tracks.get(replica)
+        noise = self._noise_of(t) if t is not None else self.config.noise.design_noise
+        return thresholds(noise, self.config.base(), self.config.noise)
+
+    def _noise_of(self, t: _Track) -> float:
+        return effective(t.noise.own(), self._fleet.get(t.device_class), self.config.noise)
 
     def verdicts(self) -> dict[int, Verdict]:
         return {r: t.verdict for r, t in sorted(self._tracks.items())}

@@ -200,6 +200,10 @@ class Exporter:
                                        "(detector verdict, or dead)", labels=["replica", "state"])
             speed = GaugeMetricFamily("unbroken_replica_speed", "Detector's speed estimate (1: typical)",
                                       labels=["replica"])
+            noise = GaugeMetricFamily("unbroken_replica_score_noise", "Detector's measured noise of the replica's "
+                                      "step score (log-sd; its thresholds follow it)", labels=["replica"])
+            for r, sd in sorted(v.noise.items()):
+                noise.add_metric([str(r)], sd)
             share = GaugeMetricFamily("unbroken_replica_microbatch_share", "Share of the latest committed "
                                       "step's microbatches the replica reduced", labels=["replica"])
             for r in range(v.replicas):
@@ -209,7 +213,7 @@ class Exporter:
                 speed.add_metric([str(r)], v.speed.get(r, 1.0))
                 if last:
                     share.add_metric([str(r)], len(last["owners"].get(str(r), ())) / last["microbatches"])
-            yield from (health, speed, share)
+            yield from (health, speed, noise, share)
             yield _labelled(CounterMetricFamily, "unbroken_detector_verdicts", "Fail-slow verdict changes, by "
                             "new state", "verdict", v.verdicts)
             snap = v.snapshot

@@ -19,6 +19,7 @@ from torch.distributed import TCPStore
 from unbroken.config import DetectorSection
 from unbroken.events import EventLog
 from unbroken.policy.detection import Detector, DetectorConfig, RegimeChange, VerdictChange
+from unbroken.policy.noise import NoiseConfig
 from unbroken.policy.predictor import MicrobatchTiming, Predictor
 from unbroken.policy.workload import worth_replanning
 from unbroken.runtime.store import keys
@@ -27,6 +28,8 @@ from unbroken.runtime.coordinator.replan_measure import Measurer, Pending, field
 from unbroken.policy.replan_plans import plans_from, plans_json
 from unbroken.runtime.coordinator.replan import GroupPlanner
 from unbroken.runtime.store.client import read
+
+NOISE_MOVE = 0.2  # a class's measured noise is logged again when it moved by this share of the last logged
 
 
 def detector_for(settings: DetectorSection | None = None) -> Detector:
@@ -40,7 +43,10 @@ def detector_for(settings: DetectorSection | None = None) -> Detector:
         recover_below=math.log(d.recover_below_ratio), recover_steps=d.recover_steps,
         regime_move=math.log(d.regime_move_ratio), regime_quorum=d.regime_quorum, min_fleet=d.min_fleet,
         speed_window=d.speed_window, min_speed=d.min_speed, warmup_steps=d.warmup_steps,
-        warmup_drift=math.log(d.warmup_drift_ratio), join_skip=d.join_skip),
+        warmup_drift=math.log(d.warmup_drift_ratio), join_skip=d.join_skip,
+        noise=NoiseConfig(design_noise=d.design_noise, window=d.noise_window, cap=d.noise_cap,
+                          drift_sigmas=d.drift_sigmas, suspect_sigmas=d.suspect_sigmas, slow_sigmas=d.slow_sigmas,
+                          recover_sigmas=d.recover_sigmas)),
         Predictor(d.predictor_window, d.refit_every, d.min_samples))
 
 
@@ -81,6 +87,7 @@ class SlownessMonitor:
         self.replayed = -1  # steps up to here are replayed (catch_up): their events were logged before
         self.measurer = Measurer()  # re-plans applied (not drops), until measured (coordinator/replan_measure.py)
         self.commit_epoch = -1  # the epoch the step `_timings` last read committed in
+        self.noise_logged: dict[str, float] = {}  # device class -> its noise in the last `noise` record
 
     def catch_up(self) -> None:
         """For a coordinator taking over (etcd standby): rebuild the detector from the last `replay_steps`
@@ -105,6 +112,7 @@ class SlownessMonitor:
                 self.detector.observe(self.next_step, timings)
                 changes = self.detector.take_events()
                 self._log(changes)
+                self._log_noise()
                 if self.planner is not None:
                     for group, why, r in self.planner.on_verdicts([c for c in changes if isinstance(c, VerdictChange)],
                                                                   timings, self.detector.predictor, sorted(timings)):
@@ -233,11 +241,21 @@ class SlownessMonitor:
             out.setdefault(m, []).append(json.loads(v))
         return {m: r for m, r in out.items() if len(r) == done[m]["ranks"] - 1}
 
+    def _log_noise(self) -> None:
+        """A `noise` record when a device class's measured noise first shows or moves by NOISE_MOVE from
+        the last one logged (a few records a run: the thresholds it gives are in policy/noise.py)."""
+        fleet = self.detector.fleet_noise()
+        if any(c not in self.noise_logged or abs(v - self.noise_logged[c]) > NOISE_MOVE * self.noise_logged[c]
+               for c, v in fleet.items()):
+            self.noise_logged = fleet
+            self.log.emit("noise", step=self.next_step, fleet={c: round(v, 4) for c, v in fleet.items()},
+                          replicas={str(r): round(v, 4) for r, v in self.detector.noise().items()})
+
     def _log(self, changes: list[VerdictChange | RegimeChange]) -> None:
         for c in changes:
             if isinstance(c, VerdictChange):
                 self.log.emit("verdict", step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
-                              speed=round(c.speed, 4), score=round(c.score, 4))
+                              speed=round(c.speed, 4), score=round(c.score, 4), noise=round(c.noise, 4))
             else:
                 self.log.emit("regime", step=c.step, device_class=c.device_class, factor=round(c.factor, 4),
                               moved=c.moved, replicas=c.replicas)

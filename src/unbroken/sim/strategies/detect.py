@@ -167,7 +167,8 @@ class LiveDetect(Live):
                 self.alarms += c.new is Verdict.SLOW
                 self.false_alarms += false_alarm
                 self.log.emit("verdict", t, step=c.step, replica=c.replica, old=str(c.old), new=str(c.new),
-                              speed=round(c.speed, 4), score=round(c.score, 4), false_alarm=false_alarm)
+                              speed=round(c.speed, 4), score=round(c.score, 4), noise=round(c.noise, 4),
+                              false_alarm=false_alarm)
             elif isinstance(c, RegimeChange):
                 self.log.emit("regime", t, step=c.step, device_class=c.device_class, factor=round(c.factor, 4),
                               moved=c.moved, replicas=c.replicas)
@@ -181,7 +182,8 @@ class LiveDetect(Live):
             self.flush(t)
         self.log.emit("detector", t, observed_replica_steps=self.observed, alarms=self.alarms,
                       false_alarms=self.false_alarms,
-                      false_per_1000=round(1000 * self.false_alarms / self.observed, 4) if self.observed else 0.0)
+                      false_per_1000=round(1000 * self.false_alarms / self.observed, 4) if self.observed else 0.0,
+                      noise={c: round(v, 4) for c, v in self.detector.fleet_noise().items()})
         return super().finish(t)
 
     def end_fields(self) -> dict[str, Any]:
