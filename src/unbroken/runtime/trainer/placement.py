@@ -46,12 +46,19 @@ class Factories:
     data(cfg) -> object with microbatch(step, i) -> (x, y, tokens, sumsq) and step_tokens(step, M);
     optimizer(params, cfg) -> torch.optim.Optimizer (the default: AdamW over model/optim.param_groups);
     lr_schedule(step) -> lr, the learning rate of committed step `step` for every parameter group (None:
-    the configured [optim] schedule, as a factor on each group's own lr).
+    the configured [optim] schedule, as a factor on each group's own lr);
+    plan: the model's parallel plan (model/plan.py; None: the one the model supplies, `plan_of`).
     """
     model: Callable[[Config], object]
     data: Callable[[Config], object]
     optimizer: Callable[[list, Config], object]
     lr_schedule: Callable[[int], float] | None = None
+    plan: object | None = None
+
+    def plan_of(self, model) -> object:
+        """The parallel plan of `model` (the whole model this process built): the user's, else the model's."""
+        from unbroken.model.plan import plan_of
+        return self.plan if self.plan is not None else plan_of(model)
 
 
 def in_worker() -> bool:
