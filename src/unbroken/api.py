@@ -58,15 +58,22 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
     return cfg
 
 
-def check_host(cfg: Config) -> None:
+def check_host(cfg: Config, model: Callable | None = None, plan: Any = None) -> None:
     """The checks of a run whose every group this host's launcher starts (`unbroken train`, `resume`, the
     demo, `unbroken.train`), before anything is touched; not the standalone coordinator's, whose groups
     run on other hosts: a group needs a GPU per rank here if its device resolves to CUDA
     (runtime/parallel/device.py: check_gpus), the token files of data.path must be readable, as long as
     one window and inside model.vocab_size (model/data/check.py), and parallel.cross_backend=nccl needs
-    CUDA here (runtime/parallel/crossgroup.py: check). Raises ConfigError (one line)."""
+    CUDA here (runtime/parallel/crossgroup.py: check); a group of several ranks needs a model whose
+    parallel plan (`plan`, else the model's) fits parallel.tp and parallel.pp (model/plan.py: `check`,
+    on the model built on the meta device: a user's `model` factory, else the built-in one). Raises
+    ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
+    if cfg.parallel.group_size > 1 and (model is not None or plan is not None or cfg.parallel.tp > 1
+                                        or cfg.parallel.pp > 1):
+        from unbroken.model.plan import check
+        check(cfg, model, plan)
     if cfg.parallel.cross_backend == "nccl":
         from unbroken.runtime.parallel.crossgroup import check
         check(cfg.parallel.cross_backend, cfg.parallel.device)  # CUDA here, or one line before anything starts
@@ -98,6 +105,6 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
-    check_host(cfg)
+    check_host(cfg, model)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd)

@@ -166,3 +166,20 @@ def problems(model: nn.Module, plan: ParallelPlan, tp: int = 1, pp: int = 1) -> 
             out.append(f"parallel.pp={pp}: more stages than the model's {len(plan.layer_container(model))} layers")
     return out
 
+
+def check(cfg, model: Callable | None = None, plan: ParallelPlan | None = None) -> None:
+    """Raise ConfigError (one line) where the plan cannot do what `cfg`'s parallel.tp and parallel.pp ask:
+    `plan` (else the model's own) on the model `model(cfg)` builds (else the built-in one), built on the
+    meta device (no memory, no initialisation). Call before any worker starts; a factory that cannot build
+    on the meta device is left to the workers, which check again (runtime/parallel/parallelize.py)."""
+    from unbroken.config import ConfigError
+    from unbroken.model import built_in
+
+    try:
+        with torch.device("meta"):
+            whole = model(cfg) if model is not None else built_in(cfg.model)
+    except Exception:  # noqa: BLE001 - a user's factory that needs real tensors: the workers check
+        return
+    wrong = problems(whole, plan or plan_of(whole), cfg.parallel.tp, cfg.parallel.pp)
+    if wrong:
+        raise ConfigError(wrong[0])

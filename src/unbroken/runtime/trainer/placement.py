@@ -2,7 +2,7 @@
 
 Owns: `Placement` (its coordinator, run directory, config, restart generation, restore source and
 device), read from the local launcher's environment or, on a cluster, from the coordinator's store
-(`placement`); the user's `Factories` and the default ones (the built-in GPT and corpus). Does not own:
+(`placement`); the user's `Factories` and the default ones (the built-in model that model.arch names, the corpus). Does not own:
 what the process does with them (lifecycle.py).
 
 Two ways in, one process. Under the local launcher, the environment (launch.py sets it):
@@ -129,11 +129,11 @@ def placement(env: dict[str, str] | None = None) -> Placement:
 
 
 def default_factories() -> Factories:
+    from unbroken.model import built_in
     from unbroken.model.data import DataSource
-    from unbroken.model.gpt import GPT
     from unbroken.model.optim import default_optimizer
 
-    return Factories(model=lambda cfg: GPT(cfg.model),
+    return Factories(model=lambda cfg: built_in(cfg.model),
                      data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed,
                                                   microbatches=cfg.run.microbatches),
                      optimizer=default_optimizer)
