@@ -182,3 +182,44 @@ def test_a_pipeline_group_re_forms_onto_its_survivor_from_the_llama_s_plan_bitwi
     want, _ = oracle(cfg, digest=staged(2))
     assert [digests(out)[s] for s in range(16)] == want
 
+
+USER_SCRIPT = '''
+"""A user's script with a torchtitan-style parallelize function for the built-in Llama."""
+import sys
+import unbroken
+from torch.distributed.fsdp import fully_shard
+
+
+def parallelize(model, mesh, dims):
+    for block in model.layers.values():  # one FSDP2 unit per transformer block, then the root
+        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=dims["mp_policy"])
+    return fully_shard(model, mesh=mesh["dp_shard"], mp_policy=dims["mp_policy"])
+
+
+if __name__ == "__main__":
+    r = unbroken.train(parallelize=parallelize, replicas=2, steps=4, microbatches=3, exact=True, progress=False,
+                       out=sys.argv[1], parallel__group_size=2, model__arch="llama", model__n_kv_head=2,
+                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+    print("ok" if r.ok else "failed")
+'''
+
+
+def test_a_user_s_torchtitan_style_parallelize_function_trains_on_the_oracle_s_trajectory(tmp_path):
+    """unbroken.train(parallelize=fn): the user's function shards the Llama (FSDP2 per block, then the root)
+    in 2 groups of 2 ranks; unbroken installs its reduce hooks after it, and every step's digest is the
+    oracle's, each microbatch's rows split into the 2 ranks' shares."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text(USER_SCRIPT)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
+    cfg = Config.from_json((out / "config.json").read_text())
+    assert (cfg.parallel.group_size, cfg.run.steps, cfg.model.arch) == (2, 4, "llama")
+    want, _ = oracle(cfg, shares=2, digest=sharded(2))
+    assert [digests(out)[s] for s in range(4)] == want
+    assert all(steps(read_events(out))[s]["ranks"] == 4 for s in range(4))

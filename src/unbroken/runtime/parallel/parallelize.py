@@ -38,6 +38,7 @@ import datetime
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -112,8 +113,8 @@ def unshared_store(env: dict[str, str], timeout: datetime.timedelta, relay: Stor
 
 def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
                 rank: int = 0, shape: tuple[int, int] | None = None, device: torch.device | None = None,
-                mixed_precision: str = "off", checkpointing: str = "none", plan: ParallelPlan | None = None
-                ) -> tuple[nn.Module, Stages | None]:
+                mixed_precision: str = "off", checkpointing: str = "none", plan: ParallelPlan | None = None,
+                custom: Callable[..., nn.Module] | None = None) -> tuple[nn.Module, Stages | None]:
     """(The module this rank trains, its pipeline stage or None). Call once, after the model's construction
     (seeded: identical on every rank) and before building the optimizer over the module's parameters.
     `group` is the replica group's own process group (`intra_group`; None for one-rank groups); `rank`
@@ -122,13 +123,18 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     None). `mixed_precision` ("bf16" or "off") and `checkpointing` ("none", "full", "selective"): what
     precision.py applies, checkpointing after TP and before FSDP2, bf16 through FSDP2's policy where it
     shards the model and autocast where it does not. `plan`: the modules each parallelism acts on
-    (`plan_of(model)` when None). Raises TopologyError for a layout it or the plan cannot apply."""
+    (`plan_of(model)` when None). `custom`: a user's torchtitan-style parallelize(model, mesh, dims) that
+    applies FSDP2 and TP itself in place of the plan's (`_custom`). Raises TopologyError for a layout it
+    or the plan cannot apply."""
     device = torch.device("cpu") if device is None else device
     plan = plan_of(model) if plan is None else plan
     if topology.group_size == 1:
         return autocast_forward(checkpoint_layers(model, checkpointing, plan), mixed_precision, device), None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
+    if custom is not None:
+        return _custom(model, custom, topology, _mesh(topology, group, device), precision_policy(mixed_precision,
+                                                                                                 exact)), None
     wrong = problems(model, plan, topology.tp, topology.pp)
     if wrong:
         raise TopologyError(wrong[0])
@@ -197,6 +203,31 @@ def _fully_shard(model: nn.Module, plan: ParallelPlan, mesh, policy) -> nn.Modul
         if has(model, path):
             _sum(fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy))
     return _sum(fully_shard(model, mesh=mesh, mp_policy=policy))
+
+
+def _custom(model: nn.Module, fn: Callable[..., nn.Module], topology: Topology, mesh, policy) -> nn.Module:
+    """A user's parallelize function applied as torchtitan calls its own: fn(model, mesh, dims) -> model,
+    where `mesh` is the group's DeviceMesh (dimensions "dp_shard" and "tp", those of degree 1 left out)
+    and `dims` = {"dp_shard": n, "tp": n, "mp_policy": the MixedPrecisionPolicy to give fully_shard}.
+    Then what the trainer needs: every FSDP2 unit reduce-scatters a SUM (`_sum`); with FSDP2 shards the
+    root is an FSDP2 module, and under --exact each unit reduces in the policy's float64. Raises
+    TopologyError (one line) otherwise. Not with pipeline stages (api.check_host refuses them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if topology.pp > 1:
+        raise TopologyError(f"parallel.pp={topology.pp} with a parallelize function")
+    model = fn(model, mesh, {"dp_shard": topology.dp_shard, "tp": topology.tp, "mp_policy": policy})
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if topology.dp_shard > 1 and not isinstance(model, FSDPModule):
+        raise TopologyError(f"parallel.group_size={topology.group_size}: the parallelize function must "
+                            f"fully_shard the model's root over mesh['dp_shard'] ({topology.dp_shard} shards)")
+    for unit in units:
+        reduce = unit._get_fsdp_state()._mp_policy.reduce_dtype
+        if policy.reduce_dtype is not None and reduce != policy.reduce_dtype:
+            raise TopologyError(f"the parallelize function's fully_shard reduces in {reduce}, the run in "
+                                f"{policy.reduce_dtype}: pass mp_policy=dims['mp_policy']")
+        _sum(unit)
+    return model
 
 
 def _tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh, tp: int) -> nn.Module:

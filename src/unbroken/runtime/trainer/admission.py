@@ -45,7 +45,7 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     model = factories.model(cfg).to(device)
     model, stages = parallelize(model, topology, group, cfg.run.exact, who.rank, shape, device,
                                 cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
-                                factories.plan_of(model))
+                                factories.plan_of(model), factories.parallelize)
     data = factories.data(cfg)
     return Parts(model, data, optimizer_for(factories, model, cfg), group, stages)
 

@@ -47,13 +47,16 @@ class Factories:
     optimizer(params, cfg) -> torch.optim.Optimizer (the default: AdamW over model/optim.param_groups);
     lr_schedule(step) -> lr, the learning rate of committed step `step` for every parameter group (None:
     the configured [optim] schedule, as a factor on each group's own lr);
-    plan: the model's parallel plan (model/plan.py; None: the one the model supplies, `plan_of`).
+    plan: the model's parallel plan (model/plan.py; None: the one the model supplies, `plan_of`);
+    parallelize(model, mesh, dims) -> model: a user's torchtitan-style function applying FSDP2 and TP in
+    place of the plan's (runtime/parallel/parallelize.py: `parallelize`'s `custom`).
     """
     model: Callable[[Config], object]
     data: Callable[[Config], object]
     optimizer: Callable[[list, Config], object]
     lr_schedule: Callable[[int], float] | None = None
     plan: object | None = None
+    parallelize: Callable | None = None
 
     def plan_of(self, model) -> object:
         """The parallel plan of `model` (the whole model this process built): the user's, else the model's."""
