@@ -76,7 +76,7 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
                           f"the model's parallel plan (pass plan=... instead)")
     if cfg.parallel.group_size > 1 and parallelize is None and (
             model is not None or plan is not None or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
-        from unbroken.model.plan import check
+        from unbroken.model.builtin import check
         check(cfg, model, plan)
     if cfg.parallel.cross_backend == "nccl":
         from unbroken.runtime.parallel.crossgroup import check

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from unbroken.config import ConfigError, ModelConfig, build
 from unbroken.model.llama import Llama, ffn_width
-from unbroken.model.plan import ParallelPlan, check, problems
+from unbroken.model.builtin import check
+from unbroken.model.plan import ParallelPlan, problems
 from unbroken.runtime.parallel.pipeline import split, stage_names
 from unbroken.runtime.parallel.standin import layout
 

@@ -76,14 +76,16 @@ def sharded(shards: int) -> Callable[[Llama], str]:
     return digest
 
 
-def oracle(cfg: Config, shares: int = 1, digest: Callable[[Llama], str] = whole) -> tuple[list[str], list[float]]:
-    """The Llama trained by a plain loop: each microbatch (or each of its `shares` row shares, as an FSDP2
-    group's ranks compute them) forward and backward in float32, its gradients summed in float64 over the
-    step and rounded to float32 once before AdamW. Returns each step's `digest` and loss."""
+def oracle(cfg: Config, shares: int = 1, digest: Callable[[Llama], str] = whole,
+           build: Callable[[Config], torch.nn.Module] = lambda cfg: Llama(cfg.model)) -> tuple[list[str], list[float]]:
+    """The Llama (or the model `build` makes) trained by a plain loop: each microbatch (or each of its
+    `shares` row shares, as an FSDP2 group's ranks compute them) forward and backward in float32, its
+    gradients summed in float64 over the step and rounded to float32 once before AdamW. Returns each
+    step's `digest` and loss."""
     torch.set_num_threads(1)
     data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    model = Llama(cfg.model)
+    model = build(cfg)
     params = [p for _, p in model.named_parameters()]
     opt = adamw(model, params, cfg.optim)
     out, losses = [], []

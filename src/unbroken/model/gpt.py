@@ -91,7 +91,7 @@ class GPT(nn.Module):
         tp = TensorPlan({"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                          "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()},
                         divides=(("model.n_head", cfg.n_head),), rewrite=_heads_contiguous, slicer=_qkv_slice)
-        return ParallelPlan(layers="blocks", fsdp=tuple(f"blocks.{i}" for i in range(cfg.n_layer)), tp=tp,
+        return ParallelPlan(stack="blocks", fsdp=tuple(f"blocks.{i}" for i in range(cfg.n_layer)), tp=tp,
                             pp=PipelinePlan(first=("tok", "pos", "drop"), last=("ln_f", "head"),
                                             hidden=cfg.n_embd, vocab=cfg.vocab_size),
                             loss=self.loss)

@@ -156,7 +156,7 @@ class Llama(nn.Module):
                          "feed_forward.w1": col, "feed_forward.w2": row, "feed_forward.w3": col},
                         divides=(("model.n_head", cfg.n_head), ("model.n_kv_head", kv_heads(cfg)),
                                  ("model.intermediate_size", ffn_width(cfg))))
-        return ParallelPlan(layers="layers", fsdp=tuple(f"layers.{i}" for i in range(cfg.n_layer)), tp=tp,
+        return ParallelPlan(stack="layers", fsdp=tuple(f"layers.{i}" for i in range(cfg.n_layer)), tp=tp,
                             pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output"),
                                             hidden=cfg.n_embd, vocab=cfg.vocab_size),
                             loss=self.loss)

@@ -96,9 +96,9 @@ class PipelinePlan:
 class ParallelPlan:
     """What each parallelism acts on, by module path in the whole model. Build one per model (its
     `parallel_plan()`); a value, read by runtime/parallel, never changed."""
-    layers: str = ""
-    """Path of the layers container: a ModuleDict of the transformer blocks keyed "0".."n-1" (activation
-    checkpointing wraps each, TP applies inside each, the pipeline splits them); "" for none."""
+    stack: str = ""
+    """Path of the layers container, the stack of transformer blocks: a ModuleDict keyed "0".."n-1"
+    (activation checkpointing wraps each, TP applies inside each, the pipeline splits them); "" for none."""
     fsdp: tuple[str, ...] = ()
     """FSDP2 units in order, each `fully_shard`ed on its own; the root follows and holds the rest."""
     tp: TensorPlan | None = None
@@ -113,17 +113,17 @@ class ParallelPlan:
 
     def layer_container(self, model: nn.Module) -> nn.ModuleDict | None:
         """The layers container of `model` (or of a pipeline stage of it), None without one."""
-        if not self.layers:
+        if not self.stack:
             return None
-        container = model.get_submodule(self.layers)
+        container = model.get_submodule(self.stack)
         if not isinstance(container, nn.ModuleDict):
-            raise TypeError(f"the plan's layers {self.layers!r} is a {type(container).__name__}, not a ModuleDict")
+            raise TypeError(f"the plan's stack {self.stack!r} is a {type(container).__name__}, not a ModuleDict")
         return container
 
     def named(self) -> list[str]:
         """Every module path the plan names in the whole model (the layers container included)."""
         pp = self.pp
-        return [*([self.layers] if self.layers else []), *self.fsdp,
+        return [*([self.stack] if self.stack else []), *self.fsdp,
                 *((*pp.first, *pp.last) if pp is not None else ())]
 
 
@@ -157,29 +157,12 @@ def problems(model: nn.Module, plan: ParallelPlan, tp: int = 1, pp: int = 1) -> 
         else:
             out += [f"parallel.tp={tp} does not divide {what}={n} (each TP rank takes whole ones)"
                     for what, n in plan.tp.divides if n % tp]
-            if not plan.layers:
+            if not plan.stack:
                 out.append(f"parallel.tp={tp}: the model's parallel plan names no layers container")
     if pp > 1:
-        if plan.pp is None or not plan.layers or plan.loss is None:
+        if plan.pp is None or not plan.stack or plan.loss is None:
             out.append(f"parallel.pp={pp}: the model's parallel plan has no pipeline part (layers, stages, loss)")
         elif pp > len(plan.layer_container(model)):
             out.append(f"parallel.pp={pp}: more stages than the model's {len(plan.layer_container(model))} layers")
     return out
 
-
-def check(cfg, model: Callable | None = None, plan: ParallelPlan | None = None) -> None:
-    """Raise ConfigError (one line) where the plan cannot do what `cfg`'s parallel.tp and parallel.pp ask:
-    `plan` (else the model's own) on the model `model(cfg)` builds (else the built-in one), built on the
-    meta device (no memory, no initialisation). Call before any worker starts; a factory that cannot build
-    on the meta device is left to the workers, which check again (runtime/parallel/parallelize.py)."""
-    from unbroken.config import ConfigError
-    from unbroken.model import built_in
-
-    try:
-        with torch.device("meta"):
-            whole = model(cfg) if model is not None else built_in(cfg.model)
-    except Exception:  # noqa: BLE001 - a user's factory that needs real tensors: the workers check
-        return
-    wrong = problems(whole, plan or plan_of(whole), cfg.parallel.tp, cfg.parallel.pp)
-    if wrong:
-        raise ConfigError(wrong[0])

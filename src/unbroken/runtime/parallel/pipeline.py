@@ -74,7 +74,7 @@ def split(model: nn.Module, stage: int, stages: int, bounds: list[int] | None = 
 def _pipeline_plan(model: nn.Module, stages: int, plan: ParallelPlan | None) -> ParallelPlan:
     """`plan` (or the model's), checked to have a pipeline part; TopologyError otherwise."""
     plan = plan_of(model) if plan is None else plan
-    if plan.pp is None or not plan.layers:
+    if plan.pp is None or not plan.stack:
         raise TopologyError(f"parallel.pp={stages}: the model's parallel plan has no pipeline part")
     return plan
 
@@ -101,8 +101,8 @@ def merged_bounds(model: nn.Module, stages: int, merged: list[range], plan: Para
 
 def stage_of(name: str, stages: int, bounds: list[int], plan: ParallelPlan) -> int | None:
     """The stage that holds parameter `name` of the whole model under `bounds`; None for one in no stage."""
-    if plan.layers and name.startswith(plan.layers + "."):
-        index = int(name[len(plan.layers) + 1:].partition(".")[0])
+    if plan.stack and name.startswith(plan.stack + "."):
+        index = int(name[len(plan.stack) + 1:].partition(".")[0])
         return next(s for s in range(stages) if bounds[s] <= index < bounds[s + 1])
     if any(name.startswith(m + ".") for m in plan.pp.first):
         return 0

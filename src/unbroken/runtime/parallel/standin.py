@@ -92,7 +92,7 @@ def layout(model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1,
     shard's rows fewer, or none, where dim 0 does not divide). `plan`: the model's (`plan_of` when None),
     whose TP part says how a TP rank's part of each parameter is cut."""
     plan = plan_of(model) if plan is None else plan
-    if tp > 1 and (plan.tp is None or not plan.layers):
+    if tp > 1 and (plan.tp is None or not plan.stack):
         raise TopologyError(f"parallel.tp={tp}: the model's parallel plan has no tensor-parallel part")
     named = dict(model.named_parameters(remove_duplicate=False))
     names = [stage_names(model, st, pp, plan) for st in range(pp)] if pp > 1 else \
@@ -126,7 +126,7 @@ def _tp_part(name: str, p: nn.Parameter, j: int, tp: int, plan: ParallelPlan) ->
     """(dim, index) of TP rank j's part of parameter `name` (the split `parallelize._tensor_parallel`
     makes, as the plan's `TensorPlan.part` cuts it) for a parameter inside a layer; everything else whole
     (embeddings, norms, the head: replicated on every TP rank)."""
-    prefix = plan.layers + "."
+    prefix = plan.stack + "."
     if not name.startswith(prefix):
         return 0, None
     inside = name[len(prefix):].partition(".")[2]  # the path inside its layer: "attn.qkv.weight"
@@ -225,7 +225,7 @@ class StandIn:
         if pp > 1:
             stages = sorted({j // (shards * tp) for j in self.held})  # the full stages it holds
             names = [stage_names(model, j, pp, plan) for j in stages[1:]]  # a stage's own start is seeded by it
-            prefix = plan.layers + "."
+            prefix = plan.stack + "."
             firsts = {int(ns[0][len(prefix):].split(".")[0]) for ns in names if ns and ns[0].startswith(prefix)}
             for key, block in plan.layer_container(model).items():
                 if int(key) in firsts:  # the first block of a later full stage: that stage seeded its dropout

@@ -132,7 +132,7 @@ def placement(env: dict[str, str] | None = None) -> Placement:
 
 
 def default_factories() -> Factories:
-    from unbroken.model import built_in
+    from unbroken.model.builtin import built_in
     from unbroken.model.data import DataSource
     from unbroken.model.optim import default_optimizer
 
