@@ -141,3 +141,49 @@ def test_a_user_model_and_plan_are_checked_on_the_meta_device_before_any_worker(
     with pytest.raises(ConfigError, match=r"names module 'blocks.0'"):
         check(cfg, lambda c: Llama(replace(c.model, arch="llama")), ParallelPlan(fsdp=("blocks.0",)))
     check(replace(cfg, model=replace(cfg.model, arch="llama")))  # raises nothing
+
+
+def test_document_positions_reach_the_rope_as_a_keyword_and_ranks_get_their_rows():
+    """A Llama fed positions 0..T-1 is the Llama without them, bit for bit; positions restarting at a
+    document boundary change the logits. The trainer hands a plan's inputs over as keywords, each a
+    share's rows (model_inputs over data.part); a pipeline refuses them (they would reach stage 0 only)."""
+    from unbroken.model.data import Microbatch, part
+    from unbroken.runtime.trainer.stepwork import model_inputs
+
+    torch.manual_seed(3)
+    model = Llama(CFG)
+    x = tokens(3)
+    plain = torch.arange(16).expand(2, 16)
+    assert torch.equal(model(x, positions=plain), model(x))
+    restarted = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16)
+    assert not torch.equal(model(x, positions=restarted), model(x))
+    mb = Microbatch(x, x, 32, 512, restarted.clone())
+    assert model_inputs(mb, (), torch.device("cpu")) == {}
+    share = model_inputs(part(mb, 1, 2), ("positions",), torch.device("cpu"))
+    assert list(share) == ["positions"] and torch.equal(share["positions"], restarted[1:])
+    plan = replace(model.parallel_plan(), inputs=("positions",))
+    assert problems(model, plan, pp=2) == ["parallel.pp=2: the model's extra inputs (positions) would reach only "
+                                           "the first pipeline stage"]
+
+
+def test_the_ignore_index_marks_padding_in_the_data_the_counts_and_the_loss():
+    """data.ignore_index=-100 (Hugging Face's): variable-length rows are padded with -100, a rank's share
+    counts its tokens without them, and the built-in models' losses leave them out (the same loss as
+    -1 padding gives on the same rows)."""
+    from unbroken.model.builtin import built_in
+    from unbroken.model.data import DataSource, part
+
+    cfg = build({}, {"data.seq_len": "8-64", "data.ignore_index": "-100", "model.arch": "llama"})
+    mb = next(m for m in (DataSource(cfg.data, cfg.model.block_size, 0).microbatch(0, i) for i in range(20))
+              if (m.y == -100).any())
+    assert mb.ignore_index == -100 and mb.tokens == int((mb.y != -100).sum()) and not (mb.y == -1).any()
+    halves = [part(mb, j, 2) for j in range(2)]
+    assert sum(h.tokens for h in halves) == mb.tokens and all(h.ignore_index == -100 for h in halves)
+    for arch in ("gpt", "llama"):
+        torch.manual_seed(0)
+        hf_style = built_in(replace(cfg.model, arch=arch, dropout=0.0), -100)
+        torch.manual_seed(0)
+        ours = built_in(replace(cfg.model, arch=arch, dropout=0.0), -1)
+        assert torch.equal(hf_style(mb.x, mb.y), ours(mb.x, torch.where(mb.y == -100, -1, mb.y)))
+    with pytest.raises(ConfigError, match=r"^data.ignore_index=3: must be negative"):
+        build({}, {"data.ignore_index": "3"})

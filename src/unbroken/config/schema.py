@@ -78,6 +78,9 @@ class DataConfig:
     there; position ids restart after it); -1: none (Megatron files mark theirs in the index)."""
     batch_size: int = 4
     """Sequences per microbatch."""
+    ignore_index: int = -1
+    """The target id that marks padding (neither counted nor in the loss): -1, or Hugging Face's -100;
+    the built-in models' losses take it."""
     seq_len: str = "64"
     """Tokens per sequence; "variable" or "MIN-MAX": lengths from document lengths."""
     max_files: int = 400

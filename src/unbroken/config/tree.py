@@ -204,6 +204,8 @@ def validate(cfg: Config) -> None:
          "model.intermediate_size and model.ffn_dim_multiplier must be >= 0, model.rope_theta > 0"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
         (cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size}: need at least 1"),
+        (cfg.data.ignore_index < 0, f"data.ignore_index={cfg.data.ignore_index}: must be negative (a token id "
+                                    f"would leave the loss)"),
         (cfg.parallel.group_size >= 1, f"parallel.group_size={cfg.parallel.group_size}: need at least 1 rank"),
         *_parallel_checks(cfg),
         (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),

@@ -15,9 +15,10 @@ from unbroken.model.llama import Llama
 from unbroken.model.plan import ParallelPlan, plan_of, problems
 
 
-def built_in(cfg) -> nn.Module:
-    """The built-in model that `cfg.arch` names (a ModelConfig): "gpt" or "llama". Call after seeding."""
-    return Llama(cfg) if cfg.arch == "llama" else GPT(cfg)
+def built_in(cfg, ignore_index: int = -1) -> nn.Module:
+    """The built-in model that `cfg.arch` names (a ModelConfig): "gpt" or "llama", its loss ignoring
+    targets of `ignore_index` (config data.ignore_index). Call after seeding."""
+    return Llama(cfg, ignore_index) if cfg.arch == "llama" else GPT(cfg, ignore_index)
 
 
 def check(cfg, model: Callable | None = None, plan: ParallelPlan | None = None) -> None:

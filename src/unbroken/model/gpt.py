@@ -60,9 +60,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ignore_index: int = -1):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ignore_index = cfg, ignore_index  # the padded targets' id (config data.ignore_index)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -110,17 +110,17 @@ class GPT(nn.Module):
         B, T = idx.shape
         return self.drop(self.tok(idx) + self.pos(torch.arange(T, device=idx.device)))
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != -1 (padding), in float32
-        (bf16 logits are widened first: a softmax over the vocabulary in bf16 loses the loss's digits)."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != ignore_index (padding), in
+        float32 (bf16 logits are widened first: a softmax over the vocabulary in bf16 loses the loss's digits)."""
         logits = logits.float()  # a no-op on float32 logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=self.ignore_index)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) int64 (on a pipeline stage without `tok`: hidden states (B, T, C)); targets: (B, T)
-        int64. Returns the mean cross-entropy over targets != -1; without targets the logits (B, T, vocab),
-        or on a stage without the head the hidden states (B, T, C)."""
+        int64. Returns the mean cross-entropy over targets != ignore_index; without targets the logits
+        (B, T, vocab), or on a stage without the head the hidden states (B, T, C)."""
         x = self.embed(idx) if self.tok is not None else idx
         for block in self.blocks.values():
             x = block(x)

@@ -8,7 +8,7 @@ prune and shard, and its plan (model/plan.py): FSDP2 one unit per decoder layer 
 the config's `base_model_tp_plan` ("colwise" / "rowwise" per decoder layer module); pipeline stages by
 decoder layers (embed_tokens on the first stage, norm and lm_head on the last). Does not own:
 transformers (an optional dependency: `pip install transformers`), loading pretrained weights, or the
-data (targets of -1 are padding, as unbroken's data marks them).
+data (its padded targets are `ignore_index`: config data.ignore_index).
 
 Why re-hosted: Hugging Face keeps the decoder layers in an nn.ModuleList under `model.`, and a pipeline
 stage that deleted some would renumber the rest; here they sit in a ModuleDict keyed by index, so each
@@ -27,10 +27,10 @@ from unbroken.model.plan import ParallelPlan, PipelinePlan, TensorPlan
 class CausalLM(nn.Module):
     """`hf`'s modules (a transformers *ForCausalLM of the Llama family), in unbroken's layout."""
 
-    def __init__(self, hf: nn.Module):
+    def __init__(self, hf: nn.Module, ignore_index: int = -1):
         super().__init__()
         inner = hf.model
-        self.config = hf.config
+        self.config, self.ignore_index = hf.config, ignore_index  # the padded targets' id (data.ignore_index)
         self.embed_tokens = inner.embed_tokens
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(inner.layers)})
         self.norm = inner.norm
@@ -58,11 +58,10 @@ class CausalLM(nn.Module):
         """The embedding table, and the head where the config ties it to it."""
         return {"embed_tokens.weight", *(("lm_head.weight",) if self.config.tie_word_embeddings else ())}
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != -1, in float32."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != ignore_index, in float32."""
         logits = logits.float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=self.ignore_index)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """As LlamaModel.forward without a cache: idx (B, T) token ids (hidden states (B, T, C) on a stage
@@ -82,10 +81,11 @@ class CausalLM(nn.Module):
         return logits if targets is None else self.loss(logits, targets)
 
 
-def causal_lm(config) -> CausalLM:
+def causal_lm(config, ignore_index: int = -1) -> CausalLM:
     """A transformers causal LM of the Llama family built from `config` (a PretrainedConfig: its
     initialisation, seeded by the caller), with SDPA attention, in unbroken's layout. Call after seeding,
-    once per process (every rank builds the same)."""
+    once per process (every rank builds the same). `ignore_index`: the padded targets' id, the run's
+    data.ignore_index (-100 where the data is Hugging Face's)."""
     from transformers import AutoModelForCausalLM
 
-    return CausalLM(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+    return CausalLM(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), ignore_index)

@@ -51,11 +51,13 @@ def rope_table(head_dim: int, length: int, theta: float) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, head_dim) with each pair (2i, 2i+1) rotated by position t's angle: the complex
-    product torchtitan's apply_rotary_emb takes, in real arithmetic."""
+    """x (B, T, heads, head_dim) with each pair (2i, 2i+1) rotated by its token's angle: the complex
+    product torchtitan's apply_rotary_emb takes, in real arithmetic. `table`: (T, head_dim / 2, 2) for
+    positions 0..T-1, or (B, T, head_dim / 2, 2) per token (`rope_rows`)."""
     B, T, H, D = x.shape
     pairs = x.float().reshape(B, T, H, D // 2, 2)
-    cos, sin = (table[:T, :, k].view(1, T, 1, D // 2) for k in (0, 1))
+    rows = table[:T].unsqueeze(0) if table.dim() == 3 else table
+    cos, sin = (rows[..., k].view(rows.shape[0], T, 1, D // 2) for k in (0, 1))
     a, b = pairs[..., 0], pairs[..., 1]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(3).type_as(x)
 
@@ -117,9 +119,9 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ignore_index: int = -1):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ignore_index = cfg, ignore_index  # the padded targets' id (config data.ignore_index)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         # keyed "0".."n_layer-1": a pipeline stage keeps its blocks' names when the others are deleted
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layer)})
@@ -166,19 +168,24 @@ class Llama(nn.Module):
         under this name): kept out of weight decay beside norms (model/optim.py)."""
         return {"tok_embeddings.weight", *(("output.weight",) if self.cfg.tie_embeddings else ())}
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != -1 (padding), in float32."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of (B, T, vocab) logits over (B, T) targets != ignore_index (padding), in
+        float32."""
         logits = logits.float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=self.ignore_index)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) int64 (on a pipeline stage without `tok_embeddings`: hidden states (B, T, C));
-        targets: (B, T) int64. Returns the mean cross-entropy over targets != -1; without targets the
-        logits (B, T, vocab), or on a stage without the head the hidden states (B, T, C)."""
+        targets: (B, T) int64; positions: (B, T) int64 position of each token in its document (a
+        microbatch's `positions`, where a plan with inputs=("positions",) passes them), else 0..T-1.
+        Returns the mean cross-entropy over targets != ignore_index; without targets the logits
+        (B, T, vocab), or on a stage without the head the hidden states (B, T, C)."""
         h = self.tok_embeddings(idx) if self.tok_embeddings is not None else idx
+        table = self.rope if positions is None else self.rope[positions]  # (B, T, head_dim / 2, 2) per token
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, table)
         if self.output is None:
             return h
         logits = self.output(self.norm(h))

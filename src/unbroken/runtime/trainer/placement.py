@@ -136,7 +136,7 @@ def default_factories() -> Factories:
     from unbroken.model.data import DataSource
     from unbroken.model.optim import default_optimizer
 
-    return Factories(model=lambda cfg: built_in(cfg.model),
+    return Factories(model=lambda cfg: built_in(cfg.model, cfg.data.ignore_index),
                      data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed,
                                                   microbatches=cfg.run.microbatches),
                      optimizer=default_optimizer)

@@ -164,7 +164,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
         stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
                         plan.loss, device, apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
     optimizer = optimizer_for(factories, model, cfg)
-    return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)
+    return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin, plan.inputs)
 
 
 def stale_parameters() -> dict:
