@@ -393,13 +393,9 @@ def model_module_names() -> set[str]:
     mechanics and the trainer must learn from a model's plan (model/plan.py), never spell."""
     from unbroken.config import ModelConfig
     from unbroken.model.gpt import GPT
+    from unbroken.model.llama import Llama
 
-    models = [GPT(ModelConfig())]
-    try:
-        from unbroken.model.llama import Llama
-        models.append(Llama(ModelConfig(arch="llama")))
-    except ImportError:
-        pass
+    models = [GPT(ModelConfig()), Llama(ModelConfig(arch="llama"))]
     return {atom for m in models for path, _ in m.named_modules() for atom in path.split(".")
             if atom and not atom.isdigit()}
 
@@ -437,7 +433,7 @@ def test_the_parallel_mechanics_and_the_trainer_name_no_module_of_a_model(packag
     """runtime/parallel applies a model's plan (model/plan.py) and the trainer hands it on; neither spells
     a module of the built-in models (a string or an attribute), so any model with a plan runs the same."""
     names = model_module_names()
-    assert {"blocks", "qkv", "tok", "head"} <= names
+    assert {"blocks", "qkv", "tok", "head", "layers", "wq", "tok_embeddings"} <= names
     spelled = {str(f.relative_to(SRC)): module_names_in(f.read_text(), names)
                for f in sorted((SRC / package).rglob("*.py"))}
     assert not {f: s for f, s in spelled.items() if s}, spelled
