@@ -187,3 +187,43 @@ def test_the_ignore_index_marks_padding_in_the_data_the_counts_and_the_loss():
         assert torch.equal(hf_style(mb.x, mb.y), ours(mb.x, torch.where(mb.y == -100, -1, mb.y)))
     with pytest.raises(ConfigError, match=r"^data.ignore_index=3: must be negative"):
         build({}, {"data.ignore_index": "3"})
+
+
+def test_a_user_s_parallelize_function_is_checked_after_it_runs():
+    """parallelize(model, mesh, dims) on a fake 2-rank group: a function that shards only the blocks, or
+    reduces in float32 under --exact, is one line; one that shards blocks and root as told gets every unit
+    reducing a SUM (no divide factor)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from unbroken.runtime.parallel.parallelize import _custom, _mesh
+    from unbroken.runtime.parallel.precision import policy
+    from unbroken.topology import Topology, TopologyError
+
+    def blocks_only(model, mesh, dims):
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp_shard"], mp_policy=dims["mp_policy"])
+        return model
+
+    def torchtitan(model, mesh, dims):
+        return fully_shard(blocks_only(model, mesh, dims), mesh=mesh["dp_shard"], mp_policy=dims["mp_policy"])
+
+    def float32(model, mesh, dims):
+        return fully_shard(model, mesh=mesh["dp_shard"])
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        topology = Topology(2, 2)
+        mesh = _mesh(topology, dist.group.WORLD, torch.device("cpu"))
+        with pytest.raises(TopologyError, match=r"must fully_shard the model's root over mesh\['dp_shard'\]"):
+            _custom(Llama(CFG), blocks_only, topology, mesh, policy("off", True))
+        with pytest.raises(TopologyError, match=r"reduces in None, the run in torch.float64: pass mp_policy"):
+            _custom(Llama(CFG), float32, topology, mesh, policy("off", True))
+        model = _custom(Llama(CFG), torchtitan, topology, mesh, policy("off", True))
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == CFG.n_layer + 1
+        groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+        assert all(g.force_sum_reduction_for_comms and g.gradient_divide_factor == 1.0 for g in groups)
+    finally:
+        dist.destroy_process_group()
