@@ -8,30 +8,30 @@ cross-group collectives (collectives.py) or the pipeline machinery (pipeline.py)
 
 The topology names the degrees and the model's plan (model/plan.py: `plan_of`, or a user's) names the
 modules; this module applies them, as torchtitan's `parallelize` does, and names no module of its own.
-One-rank groups get the model as it is. A group of G ranks shards it with FSDP2 (`fully_shard` over a
-1-D mesh of the group's ranks: each unit of the plan, then the root, which holds the rest: for the
-built-in models the embeddings and the head), the way torchtitan applies it. Gradients then leave a microbatch's backward as this rank's shard
-(dim 0, torch.chunk sizes) of the sum over the group's ranks: the reduce-scatter SUMs (gloo refuses
-the PREMUL_SUM that a divide factor would need unless the sum is forced: REFERENCE.md) and in exact
-mode runs in float64, so a microbatch's shard is the same bits whichever group computes it. The
-cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
+One-rank groups get the model as it is. A group of G ranks shards it with FSDP2 (`fully_shard` over a 1-D
+mesh of the group's ranks: each unit of the plan, then the root, which holds the rest: for the built-in
+models the embeddings and the head), the way torchtitan applies it. Gradients then leave a microbatch's
+backward as this rank's shard (dim 0, torch.chunk sizes) of the sum over the group's ranks: the
+reduce-scatter SUMs (gloo refuses the PREMUL_SUM that a divide factor would need unless the sum is forced:
+REFERENCE.md) and in exact mode runs in float64, so a microbatch's shard is the same bits whichever group
+computes it. The cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
 
 A group of tp tensor-parallel ranks (topology.tp = group_size) applies the plan's TP styles inside each
-layer (`_tensor_parallel`: attention heads and MLP units split); rank j of every group holds the same slices. With FSDP2 beside TP
-(group_size = dp_shard x tp), torchtitan's 2-D (dp_shard, tp) mesh, TP innermost: TP first over the "tp"
-dimension, then FSDP2 over "dp_shard" shards each rank's TP slices (dim 0); a TP team shares its shard's
-rows of each microbatch, and rank j's parameters are a 2-D DTensor's local piece, the same in every group.
-A group of pp pipeline stages (topology.pp = group_size) instead gives rank j stage j: the model pruned to
-its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
-trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
-the others over shard index j. With both (group_size = pp x tp, rank = stage x tp + tp index), each
-stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp index. With
-FSDP2 inside the stages (group_size = pp x dp_shard, rank = stage x dp_shard + shard: torchtitan's
-(pp, dp_shard) mesh), each stage's blocks are sharded over its dp_shard ranks, each fed its shard's rows,
-and the schedule runs over the ranks of one shard; its reduce-scatter comes once a batch, after the
-schedule's last backward (pipelining's REDUCE_GRAD), and reaches the trainer through `reduced_shards`.
-All three (group_size = pp x dp_shard x tp): the (pp, dp_shard, tp) mesh, TP then FSDP2 in each stage.
-"""
+layer (`_tensor_parallel`: attention heads and MLP units split); rank j of every group holds the same
+slices. With FSDP2 beside TP (group_size = dp_shard x tp), torchtitan's 2-D (dp_shard, tp) mesh, TP
+innermost: TP first over the "tp" dimension, then FSDP2 over "dp_shard" shards each rank's TP slices (dim
+0); a TP team shares its shard's rows of each microbatch, and rank j's parameters are a 2-D DTensor's local
+piece, the same in every group. A group of pp pipeline stages (topology.pp = group_size) instead gives rank
+j stage j: the model pruned to its blocks (pipeline.split) and a schedule over the group's process group
+(pipeline.Stages), which the trainer feeds the group's microbatches; rank j of every group holds the same
+stage and reduces it with the others over shard index j. With both (group_size = pp x tp, rank = stage x tp
++ tp index), each stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp
+index. With FSDP2 inside the stages (group_size = pp x dp_shard, rank = stage x dp_shard + shard:
+torchtitan's (pp, dp_shard) mesh), each stage's blocks are sharded over its dp_shard ranks, each fed its
+shard's rows, and the schedule runs over the ranks of one shard; its reduce-scatter comes once a batch,
+after the schedule's last backward (pipelining's REDUCE_GRAD), and reaches the trainer through
+`reduced_shards`. All three (group_size = pp x dp_shard x tp): the (pp, dp_shard, tp) mesh, TP then FSDP2 in
+each stage."""
 from __future__ import annotations
 
 import datetime
