@@ -44,7 +44,7 @@ def rank_main(rank: int, port: int, cfg: Config, out: Path) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from unbroken.model.data import DataSource, mix, part, seed_microbatch
-    from unbroken.model.gpt import GPT
+    from unbroken.model.builtin import built_in
     from unbroken.policy.workload import loss_weight
 
     R, G, M = cfg.run.replicas, cfg.parallel.group_size, cfg.run.microbatches
@@ -52,9 +52,10 @@ def rank_main(rank: int, port: int, cfg: Config, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R * G)
     mesh = init_device_mesh("cpu", (R, G), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model)
+    model = built_in(cfg.model)  # the GPT or the Llama (model.arch), as unbroken's side builds it
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float64) if cfg.run.exact else MixedPrecisionPolicy()
-    for m in [*model.blocks.values(), model]:
+    blocks = model.layers if cfg.model.arch == "llama" else model.blocks  # torchtitan's units: each block, the root
+    for m in [*blocks.values(), model]:
         fully_shard(m, mesh=mesh, mp_policy=mp)
         m.set_force_sum_reduction_for_comms(True)  # gloo: a SUM, as unbroken's (REFERENCE.md)
         m.set_gradient_divide_factor(1.0)

@@ -1,7 +1,7 @@
 """Failure-free overhead with replica groups: unbroken's HSDP step time against plain FSDP2 HSDP.
 
-Both sides do the same work (benchmarks/_hsdp_baseline.py): R replica groups of G ranks, the same GPT
-sharded with FSDP2 over each group's ranks, the same M microbatches a step (M/R a group, each rank its
+Both sides do the same work (benchmarks/_hsdp_baseline.py): R replica groups of G ranks, the same model
+(the GPT, or the Llama with --model llama) sharded with FSDP2 over each group's ranks, the same M microbatches a step (M/R a group, each rank its
 share of every microbatch's sequences), a SUM reduction with token loss weights, AdamW, one torch thread a
 process. unbroken runs through its own CLI and launcher: a coordinator, one real torchrun job per group,
 heartbeats and the store protocol on every rank, one reduce-scatter per step inside the group (on the
@@ -62,7 +62,8 @@ from unbroken.events import read_events  # noqa: E402
 
 def start_hsdp(tmp: Path, args: argparse.Namespace) -> Side:
     cfg = make_config(replicas=args.replicas, steps=LONG, microbatches=args.microbatches, launch__progress=False,
-                      model__n_layer=args.n_layer, model__n_embd=args.n_embd, parallel__group_size=args.group_size,
+                      model__n_layer=args.n_layer, model__n_embd=args.n_embd, model__arch=args.model,
+                      parallel__group_size=args.group_size,
                       exact=args.exact)
     return start_baseline("fsdp2 hsdp", _hsdp_baseline.start, cfg, tmp / "hsdp-times.txt")
 
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt", help="the built-in model (model.arch)")
     ap.add_argument("--exact", action="store_true", help="unbroken in --exact (float64 reduce-scatter and sums)")
     args = ap.parse_args()
     console = Console(width=120)
@@ -86,6 +88,7 @@ def main() -> None:
     # unbroken's equal quotas: M/R microbatches a group, the baseline's split
     # on CPU as the baseline's mesh, also where a GPU is visible (parallel.device=auto would take it)
     extra = ["--run.quotas=equal", f"--parallel.group_size={args.group_size}", "--parallel.device=cpu",
+             f"--model.arch={args.model}",
              *(["--exact"] if args.exact else [])]
     try:
         for name in ("unbroken", "fsdp2 hsdp"):
@@ -115,7 +118,7 @@ def main() -> None:
     ratios = [a / b for a, b in zip(med["unbroken"], med["fsdp2 hsdp"])]
     cores = len(os.sched_getaffinity(0))
     t = Table(title=f"failure-free step time: {args.replicas} groups x {args.group_size} ranks on {cores} cores, "
-                    f"{args.microbatches} microbatches/step, GPT {args.n_layer} x {args.n_embd}"
+                    f"{args.microbatches} microbatches/step, {args.model} {args.n_layer} x {args.n_embd}"
                     f"{', exact' if args.exact else ''}, {args.rounds} rounds of {args.window:g} s, time-sliced",
               title_justify="left")
     for col in ("system", "median step ms", "per-window medians ms", "intervals"):

@@ -384,3 +384,56 @@ def test_no_module_reads_the_environment_at_import():
     import-time read would see the server's environment, not the run's."""
     bad = {str(f.relative_to(SRC)): lines for f in MODULES if (lines := import_time_env_reads(f.read_text()))}
     assert not bad, bad
+
+
+# -- runtime/parallel applies a plan and never names a module -----------------------------------------------
+
+def model_module_names() -> set[str]:
+    """Every module name (one dotted atom, indices aside) of the built-in models: what the parallel
+    mechanics and the trainer must learn from a model's plan (model/plan.py), never spell."""
+    from unbroken.config import ModelConfig
+    from unbroken.model.gpt import GPT
+    from unbroken.model.llama import Llama
+
+    models = [GPT(ModelConfig()), Llama(ModelConfig(arch="llama"))]
+    return {atom for m in models for path, _ in m.named_modules() for atom in path.split(".")
+            if atom and not atom.isdigit()}
+
+
+def module_names_in(text: str, names: set[str]) -> list[str]:
+    """The string literals (docstrings aside) and attribute reads (method calls aside: `x.drop()` is no
+    module) of `text` that spell one of `names` as a dotted atom ("blocks", "attn.qkv", f"blocks.{i}",
+    `model.tok`), with their line numbers."""
+    tree = ast.parse(text)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            spelled = [a for a in node.value.split(".") if a in names]
+        elif isinstance(node, ast.Attribute) and id(node) not in calls:
+            spelled = [node.attr] if node.attr in names else []
+        else:
+            continue
+        found += [f"{node.lineno}: {a}" for a in spelled]
+    return found
+
+
+def test_the_module_name_scan_catches_what_it_claims():
+    names = {"blocks", "qkv", "tok"}
+    text = 'x = model.blocks\ny = "attn.qkv"\nz = f"blocks.{i}"\ndef f():\n    """tok here is prose."""\n'
+    assert sorted(module_names_in(text, names)) == ["1: blocks", "2: qkv", "3: blocks"]
+    assert module_names_in('w = "token"\nv = x.tokens\nu = x.tok()\n', names) == []
+
+
+@pytest.mark.parametrize("package", ["runtime/parallel", "runtime/trainer"])
+def test_the_parallel_mechanics_and_the_trainer_name_no_module_of_a_model(package):
+    """runtime/parallel applies a model's plan (model/plan.py) and the trainer hands it on; neither spells
+    a module of the built-in models (a string or an attribute), so any model with a plan runs the same."""
+    names = model_module_names()
+    assert {"blocks", "qkv", "tok", "head", "layers", "wq", "tok_embeddings"} <= names
+    spelled = {str(f.relative_to(SRC)): module_names_in(f.read_text(), names)
+               for f in sorted((SRC / package).rglob("*.py"))}
+    assert not {f: s for f, s in spelled.items() if s}, spelled

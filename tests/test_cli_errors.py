@@ -39,6 +39,12 @@ def assert_one_line_error(r, token: str) -> str:
     (["--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
     (["--data.seq_len=65"], "data.seq_len='65'"),  # longer than model.block_size: caught before start
     (["--epochs=3"], "'--epochs=3'"),
+    # the Llama's plan: a TP degree that does not divide the KV heads, or the SwiGLU width (the model's
+    # plan, checked on the meta device), more stages than layers
+    (["--model.arch=llama", "--model.n_kv_head=2", "--parallel.group_size=4", "--parallel.tp=4"], "model.n_kv_head=2"),
+    (["--model.arch=llama", "--model.intermediate_size=5", "--parallel.group_size=2", "--parallel.tp=2"],
+     "model.intermediate_size=5"),
+    (["--model.arch=llama", "--parallel.group_size=3", "--parallel.pp=3"], "parallel.pp=3"),
 ])
 def test_train_rejects_bad_input_before_starting(tmp_path, args, token):
     out = tmp_path / "run"

@@ -60,15 +60,26 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
     return cfg
 
 
-def check_host(cfg: Config) -> None:
+def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
+               parallelize: Callable | None = None) -> None:
     """The checks of a run whose every group this host's launcher starts (`unbroken train`, `resume`, the
     demo, `unbroken.train`), before anything is touched; not the standalone coordinator's, whose groups
     run on other hosts: a group needs a GPU per rank here if its device resolves to CUDA
     (runtime/parallel/device.py: check_gpus), the token files of data.path must be readable, as long as
     one window and inside model.vocab_size (model/data/check.py), and parallel.cross_backend=nccl needs
-    CUDA here (runtime/parallel/crossgroup.py: check). Raises ConfigError (one line)."""
+    CUDA here (runtime/parallel/crossgroup.py: check); a group of several ranks needs a model whose
+    parallel plan (`plan`, else the model's) fits parallel.tp and parallel.pp (model/plan.py: `check`,
+    on the model built on the meta device: a user's `model` factory, else the built-in one), unless a
+    user's `parallelize` function applies them (not with pipeline stages). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
+    if parallelize is not None and cfg.parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
+                          f"the model's parallel plan (pass plan=... instead)")
+    if cfg.parallel.group_size > 1 and parallelize is None and (
+            model is not None or plan is not None or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        from unbroken.model.builtin import check
+        check(cfg, model, plan)
     if cfg.parallel.cross_backend == "nccl":
         from unbroken.runtime.parallel.crossgroup import check
         check(cfg.parallel.cross_backend, cfg.parallel.device)  # CUDA here, or one line before anything starts
@@ -79,27 +90,33 @@ def check_host(cfg: Config) -> None:
 
 
 def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,
-          optimizer: Callable | None = None, lr_schedule: Callable[[int], float] | None = None, **run: Any):
+          optimizer: Callable | None = None, lr_schedule: Callable[[int], float] | None = None,
+          plan: Any = None, parallelize: Callable | None = None, **run: Any):
     """Train with fault tolerance; returns a `RunResult` in the launching process.
 
     model(cfg) -> nn.Module with forward(x, y) -> mean loss; data(cfg) -> object with
     microbatch(step, i) returning (x, y, tokens, sumsq) fields and step_tokens(step, M); optimizer(params,
     cfg) -> torch Optimizer; lr_schedule(step) -> the learning rate of committed step `step` (a pure
-    function of it), every parameter group's. Any of them None: the built-in GPT, corpus, AdamW over
-    parameter groups, the [optim] schedule. In a worker process this
+    function of it), every parameter group's. Any of them None: the built-in model (model.arch), corpus,
+    AdamW over parameter groups, the [optim] schedule. plan: the model's parallel plan
+    (unbroken.model.plan.ParallelPlan; None: the model's `parallel_plan()`, or FSDP2 over the root).
+    parallelize(model, mesh, dims) -> model: a torchtitan-style function that applies FSDP2 and TP itself
+    on a group of several ranks (runtime/parallel/parallelize.py says what it gets and what is checked
+    after it); not with pipeline stages. In a worker process this
     call trains and then ends the process (it never returns there). Raises ConfigError on bad input.
     """
     from unbroken.runtime.launcher import launch
     from unbroken.runtime.trainer import lifecycle, placement
 
-    custom = any(f is not None for f in (model, data, optimizer, lr_schedule))
+    custom = any(f is not None for f in (model, data, optimizer, lr_schedule, plan, parallelize))
     if placement.in_worker():
         d = placement.default_factories()
-        factories = type(d)(model or d.model, data or d.data, optimizer or d.optimizer, lr_schedule)
+        factories = type(d)(model or d.model, data or d.data, optimizer or d.optimizer, lr_schedule, plan,
+                            parallelize)
         code = lifecycle.run(factories)
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
-    check_host(cfg)
+    check_host(cfg, model, plan, parallelize)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd)

@@ -26,7 +26,10 @@ def literal_problem(tp: Any, value: Any, where: str) -> str | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The GPT trained: its shape and dropout."""
+    """The built-in model trained (a user's model factory reads what it likes): its shape and dropout."""
+    arch: Literal["gpt", "llama"] = "gpt"
+    """The built-in model: "gpt" (model/gpt.py: learned positions, LayerNorm, GELU MLP, tied head) or
+    "llama" (model/llama.py, Llama 3's: RMSNorm, RoPE, grouped-query attention, SwiGLU, no dropout)."""
     n_layer: int = 2
     """Transformer blocks."""
     n_head: int = 4
@@ -38,7 +41,18 @@ class ModelConfig:
     vocab_size: int = 256
     """Token vocabulary: 256 is byte-level."""
     dropout: float = 0.1
-    """Dropout probability, seeded per microbatch (seed, step, i), never per rank."""
+    """gpt: dropout probability, seeded per microbatch (seed, step, i), never per rank (llama has none)."""
+    n_kv_head: int = 0
+    """llama: key/value heads (grouped-query attention), a divisor of model.n_head; 0: model.n_head."""
+    ffn_dim_multiplier: float = 0.0
+    """llama: the SwiGLU hidden width is 2/3 x 4 x n_embd times this (0: 1), rounded up to a multiple of
+    256, as Llama 3 sizes it; model.intermediate_size, when set, instead."""
+    intermediate_size: int = 0
+    """llama: the SwiGLU hidden width (Hugging Face's name); 0: from model.ffn_dim_multiplier."""
+    rope_theta: float = 10000.0
+    """llama: the rotary embedding's base (Llama 3 uses 500000)."""
+    tie_embeddings: bool = False
+    """llama: the head shares the token embedding's weight (the GPT's always does)."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute each block's activations in the backward instead of keeping them: "full" (every block),
     "selective" (every other block: torchtitan's layer-wise selective checkpointing at a frequency of 2)
@@ -64,6 +78,9 @@ class DataConfig:
     there; position ids restart after it); -1: none (Megatron files mark theirs in the index)."""
     batch_size: int = 4
     """Sequences per microbatch."""
+    ignore_index: int = -1
+    """The target id that marks padding (neither counted nor in the loss): -1, or Hugging Face's -100;
+    the built-in models' losses take it."""
     seq_len: str = "64"
     """Tokens per sequence; "variable" or "MIN-MAX": lengths from document lengths."""
     max_files: int = 400

@@ -197,8 +197,15 @@ def validate(cfg: Config) -> None:
          f"launch.restarts={launch.restarts} needs --launch.launcher=torchrun (torchrun restarts a group)"),
         (m.n_embd % m.n_head == 0, f"model.n_embd={m.n_embd} is not a multiple of model.n_head={m.n_head}"),
         (m.block_size >= 2, f"model.block_size={m.block_size}: too short"),
+        (m.n_kv_head >= 0, f"model.n_kv_head={m.n_kv_head}: must be >= 0 (0: model.n_head)"),
+        (m.arch != "llama" or (m.n_embd // max(1, m.n_head)) % 2 == 0,
+         f"model.n_embd={m.n_embd} / model.n_head={m.n_head}: rotary embeddings need an even head width"),
+        (m.intermediate_size >= 0 and m.ffn_dim_multiplier >= 0 and m.rope_theta > 0,
+         "model.intermediate_size and model.ffn_dim_multiplier must be >= 0, model.rope_theta > 0"),
         (0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)"),
         (cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size}: need at least 1"),
+        (cfg.data.ignore_index < 0, f"data.ignore_index={cfg.data.ignore_index}: must be negative (a token id "
+                                    f"would leave the loss)"),
         (cfg.parallel.group_size >= 1, f"parallel.group_size={cfg.parallel.group_size}: need at least 1 rank"),
         *_parallel_checks(cfg),
         (cfg.coord.heartbeat_interval > 0, "coord.heartbeat_interval must be > 0"),
@@ -237,6 +244,7 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
     Each message names the offending key=value first."""
     p, m = cfg.parallel, cfg.model
     g, pp, tp = max(1, p.group_size), p.pp, p.tp
+    kv = (m.n_kv_head or m.n_head) if m.n_kv_head >= 0 and tp >= 1 else 0
     fsdp = g // (pp * tp) if pp >= 1 and tp >= 1 and g % (pp * tp) == 0 else 0
     fixed = cfg.data.seq_len.strip().isdigit()
     return [
@@ -246,6 +254,10 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
                     f"number of FSDP shards"),
         (m.n_head % tp == 0,
          f"parallel.tp={tp} does not divide model.n_head={m.n_head} (each rank takes whole heads)"),
+        (m.arch != "llama" or kv == 0 or m.n_head % kv == 0,
+         f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head} (grouped-query attention)"),
+        (m.arch != "llama" or kv == 0 or kv % tp == 0,
+         f"parallel.tp={tp} does not divide model.n_kv_head={kv} (each rank takes whole key/value heads)"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),

@@ -26,12 +26,14 @@ def seed_microbatch(seed: int) -> None:
 @dataclass(frozen=True)
 class Microbatch:
     x: torch.Tensor  # (B, T) int64 inputs
-    y: torch.Tensor  # (B, T) int64 targets, -1 where padded
+    y: torch.Tensor  # (B, T) int64 targets, `ignore_index` where padded
     tokens: int  # targets that count (not padding)
     sumsq: int  # sum over sequences of length**2: the attention work, for the predictor
     # (B, T) int64 position of each input inside its document (0 at the window's start and after each
-    # document boundary), where the data marks documents; None: 0..T-1. The model does not read it yet.
+    # document boundary), where the data marks documents; None: 0..T-1. A model reads it where its plan
+    # names it among its inputs (model/plan.py).
     positions: torch.Tensor | None = None
+    ignore_index: int = -1  # the target of a padded position (config data.ignore_index)
 
 
 def part(mb: Microbatch, rank: int, parts: int) -> Microbatch:
@@ -44,6 +46,6 @@ def part(mb: Microbatch, rank: int, parts: int) -> Microbatch:
     n = mb.x.shape[0] // parts
     rows = slice(rank * n, (rank + 1) * n)
     x, y = mb.x[rows], mb.y[rows]
-    lengths = (y != -1).sum(dim=1).tolist()  # targets that count, per sequence
+    lengths = (y != mb.ignore_index).sum(dim=1).tolist()  # targets that count, per sequence
     positions = None if mb.positions is None else mb.positions[rows]
-    return Microbatch(x, y, sum(lengths), sum(n * n for n in lengths), positions)
+    return Microbatch(x, y, sum(lengths), sum(n * n for n in lengths), positions, mb.ignore_index)

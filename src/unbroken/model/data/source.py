@@ -79,17 +79,18 @@ class DataSource:
         spans = self._spans(step, i)
         T = max(n for _, n in spans)
         x = torch.zeros(len(spans), T, dtype=torch.int64)
-        y = torch.full((len(spans), T), -1, dtype=torch.int64)
+        y = torch.full((len(spans), T), self.cfg.ignore_index, dtype=torch.int64)
         for row, (start, n) in enumerate(spans):
             chunk = torch.from_numpy(self.corpus.tokens[start:start + n + 1].astype(np.int64))
             x[row, :n] = chunk[:-1]
             y[row, :n] = chunk[1:]
-        return Microbatch(x, y, sum(n for _, n in spans), sum(n * n for _, n in spans))
+        return Microbatch(x, y, sum(n for _, n in spans), sum(n * n for _, n in spans),
+                          ignore_index=self.cfg.ignore_index)
 
     def _from_windows(self, rows: list[tuple[np.ndarray, int, np.ndarray | None]]) -> Microbatch:
         T = max(n for _, n, _ in rows)
         x = torch.zeros(len(rows), T, dtype=torch.int64)
-        y = torch.full((len(rows), T), -1, dtype=torch.int64)
+        y = torch.full((len(rows), T), self.cfg.ignore_index, dtype=torch.int64)
         marked = any(b is not None for _, _, b in rows)
         positions = torch.zeros(len(rows), T, dtype=torch.int64) if marked else None
         for row, (window, n, bounds) in enumerate(rows):
@@ -98,7 +99,8 @@ class DataSource:
             y[row, :n] = chunk[1:]
             if positions is not None:
                 positions[row, :n] = torch.from_numpy(_positions(n, bounds))
-        return Microbatch(x, y, sum(n for _, n, _ in rows), sum(n * n for _, n, _ in rows), positions)
+        return Microbatch(x, y, sum(n for _, n, _ in rows), sum(n * n for _, n, _ in rows), positions,
+                          self.cfg.ignore_index)
 
     def features(self, step: int, i: int) -> tuple[int, int]:
         """(tokens, sum of squared lengths) of microbatch (step, i), without building tensors."""

@@ -6,43 +6,46 @@ assume they hold the whole model. Does not own: building the model (the user's f
 group's own process group (trainer/lifecycle.py makes it from torchrun's environment: `intra_group`), the
 cross-group collectives (collectives.py) or the pipeline machinery (pipeline.py).
 
-The topology names the degrees; this module applies them, as torchtitan's `parallelize` does.
-One-rank groups get the model as it is. A group of G ranks shards it with FSDP2 (`fully_shard` over a
-1-D mesh of the group's ranks: each block, then the root, which holds the embeddings and the tied
-head), the way torchtitan applies it. Gradients then leave a microbatch's backward as this rank's shard
-(dim 0, torch.chunk sizes) of the sum over the group's ranks: the reduce-scatter SUMs (gloo refuses
-the PREMUL_SUM that a divide factor would need unless the sum is forced: REFERENCE.md) and in exact
-mode runs in float64, so a microbatch's shard is the same bits whichever group computes it. The
-cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
+The topology names the degrees and the model's plan (model/plan.py: `plan_of`, or a user's) names the
+modules; this module applies them, as torchtitan's `parallelize` does, and names no module of its own.
+One-rank groups get the model as it is. A group of G ranks shards it with FSDP2 (`fully_shard` over a 1-D
+mesh of the group's ranks: each unit of the plan, then the root, which holds the rest: for the built-in
+models the embeddings and the head), the way torchtitan applies it. Gradients then leave a microbatch's
+backward as this rank's shard (dim 0, torch.chunk sizes) of the sum over the group's ranks: the
+reduce-scatter SUMs (gloo refuses the PREMUL_SUM that a divide factor would need unless the sum is forced:
+REFERENCE.md) and in exact mode runs in float64, so a microbatch's shard is the same bits whichever group
+computes it. The cross-group reduction of each shard is the trainer's (per shard index, fault tolerant).
 
-A group of tp tensor-parallel ranks (topology.tp = group_size) splits each block's attention heads and MLP
-units over them (`_tensor_parallel`); rank j of every group holds the same slices. With FSDP2 beside TP
-(group_size = dp_shard x tp), torchtitan's 2-D (dp_shard, tp) mesh, TP innermost: TP first over the "tp"
-dimension, then FSDP2 over "dp_shard" shards each rank's TP slices (dim 0); a TP team shares its shard's
-rows of each microbatch, and rank j's parameters are a 2-D DTensor's local piece, the same in every group.
-A group of pp pipeline stages (topology.pp = group_size) instead gives rank j stage j: the model pruned to
-its blocks (pipeline.split) and a schedule over the group's process group (pipeline.Stages), which the
-trainer feeds the group's microbatches; rank j of every group holds the same stage and reduces it with
-the others over shard index j. With both (group_size = pp x tp, rank = stage x tp + tp index), each
-stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp index. With
-FSDP2 inside the stages (group_size = pp x dp_shard, rank = stage x dp_shard + shard: torchtitan's
-(pp, dp_shard) mesh), each stage's blocks are sharded over its dp_shard ranks, each fed its shard's rows,
-and the schedule runs over the ranks of one shard; its reduce-scatter comes once a batch, after the
-schedule's last backward (pipelining's REDUCE_GRAD), and reaches the trainer through `reduced_shards`.
-All three (group_size = pp x dp_shard x tp): the (pp, dp_shard, tp) mesh, TP then FSDP2 in each stage.
-"""
+A group of tp tensor-parallel ranks (topology.tp = group_size) applies the plan's TP styles inside each
+layer (`_tensor_parallel`: attention heads and MLP units split); rank j of every group holds the same
+slices. With FSDP2 beside TP (group_size = dp_shard x tp), torchtitan's 2-D (dp_shard, tp) mesh, TP
+innermost: TP first over the "tp" dimension, then FSDP2 over "dp_shard" shards each rank's TP slices (dim
+0); a TP team shares its shard's rows of each microbatch, and rank j's parameters are a 2-D DTensor's local
+piece, the same in every group. A group of pp pipeline stages (topology.pp = group_size) instead gives rank
+j stage j: the model pruned to its blocks (pipeline.split) and a schedule over the group's process group
+(pipeline.Stages), which the trainer feeds the group's microbatches; rank j of every group holds the same
+stage and reduces it with the others over shard index j. With both (group_size = pp x tp, rank = stage x tp
++ tp index), each stage's blocks are split over its tp ranks, and the schedule runs over the ranks of one tp
+index. With FSDP2 inside the stages (group_size = pp x dp_shard, rank = stage x dp_shard + shard:
+torchtitan's (pp, dp_shard) mesh), each stage's blocks are sharded over its dp_shard ranks, each fed its
+shard's rows, and the schedule runs over the ranks of one shard; its reduce-scatter comes once a batch,
+after the schedule's last backward (pipelining's REDUCE_GRAD), and reaches the trainer through
+`reduced_shards`. All three (group_size = pp x dp_shard x tp): the (pp, dp_shard, tp) mesh, TP then FSDP2 in
+each stage."""
 from __future__ import annotations
 
 import datetime
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import DistNetworkError, PrefixStore, ProcessGroup, Store, TCPStore
 
+from unbroken.model.plan import ParallelPlan, has, plan_of, problems
 from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
 from unbroken.runtime.parallel.precision import autocast_forward, checkpoint_layers, policy as precision_policy
@@ -110,7 +113,8 @@ def unshared_store(env: dict[str, str], timeout: datetime.timedelta, relay: Stor
 
 def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
                 rank: int = 0, shape: tuple[int, int] | None = None, device: torch.device | None = None,
-                mixed_precision: str = "off", checkpointing: str = "none") -> tuple[nn.Module, Stages | None]:
+                mixed_precision: str = "off", checkpointing: str = "none", plan: ParallelPlan | None = None,
+                custom: Callable[..., nn.Module] | None = None) -> tuple[nn.Module, Stages | None]:
     """(The module this rank trains, its pipeline stage or None). Call once, after the model's construction
     (seeded: identical on every rank) and before building the optimizer over the module's parameters.
     `group` is the replica group's own process group (`intra_group`; None for one-rank groups); `rank`
@@ -118,22 +122,30 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     stages pass activations of one static shape); `device` the rank's (the model already on it; CPU when
     None). `mixed_precision` ("bf16" or "off") and `checkpointing` ("none", "full", "selective"): what
     precision.py applies, checkpointing after TP and before FSDP2, bf16 through FSDP2's policy where it
-    shards the model and autocast where it does not. Raises TopologyError for a layout it cannot apply."""
+    shards the model and autocast where it does not. `plan`: the modules each parallelism acts on
+    (`plan_of(model)` when None). `custom`: a user's torchtitan-style parallelize(model, mesh, dims) that
+    applies FSDP2 and TP itself in place of the plan's (`_custom`). Raises TopologyError for a layout it
+    or the plan cannot apply."""
     device = torch.device("cpu") if device is None else device
+    plan = plan_of(model) if plan is None else plan
     if topology.group_size == 1:
-        return autocast_forward(checkpoint_layers(model, checkpointing), mixed_precision, device), None
+        return autocast_forward(checkpoint_layers(model, checkpointing, plan), mixed_precision, device), None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
+    if custom is not None:
+        return _custom(model, custom, topology, _mesh(topology, group, device), precision_policy(mixed_precision,
+                                                                                                 exact)), None
+    wrong = problems(model, plan, topology.tp, topology.pp)
+    if wrong:
+        raise TopologyError(wrong[0])
     policy = precision_policy(mixed_precision, exact)
     if topology.pp > 1:
         if shape is None:
             raise TopologyError(f"pp={topology.pp}: the stages need a static microbatch shape")
         if mixed_precision != "off":  # config.tree refuses it first: the stages pass float32 tensors
             raise TopologyError(f"parallel.mixed_precision={mixed_precision} with pp={topology.pp}")
-        # (vocab, C), read before the split prunes the embedding away (a model without one: split refuses it)
-        vocab, width = model.tok.weight.shape if hasattr(model, "tok") else (0, 0)
         stage, shard, _ = topology.coords(rank)
-        model, tied = split(model, stage, topology.pp)
+        model, tied = split(model, stage, topology.pp, plan=plan)
         pipe, sharded = group, None
         if topology.tp > 1 or topology.dp_shard > 1:
             # each stage's tp ranks split its blocks (TP first), its dp_shard teams shard them with FSDP2,
@@ -142,29 +154,30 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             mesh = _mesh(topology, group, device)
             pipe = mesh.get_group("pp")
             if topology.tp > 1:
-                model = _tensor_parallel(model, mesh["tp"], topology.tp)
-        model = checkpoint_layers(model, checkpointing)  # the stage's own blocks, inside their FSDP2 units
+                model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)
+        model = checkpoint_layers(model, checkpointing, plan)  # the stage's own blocks, inside their FSDP2 units
         if topology.dp_shard > 1:
-            model = _fully_shard(model, mesh["dp_shard"], policy)
+            model = _fully_shard(model, plan, mesh["dp_shard"], policy)
             sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
-        return model, Stages(model, stage, topology.pp, pipe, tied, shape, width, vocab, model.loss, device, sharded)
+        return model, Stages(model, stage, topology.pp, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
+                             plan.loss, device, sharded)
     mesh = _mesh(topology, group, device)
     if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
-        model = _tensor_parallel(model, mesh["tp"], topology.tp)
-    model = checkpoint_layers(model, checkpointing)
+        model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)
+    model = checkpoint_layers(model, checkpointing, plan)
     if topology.dp_shard > 1:
-        return _fully_shard(model, mesh["dp_shard"], policy), None
+        return _fully_shard(model, plan, mesh["dp_shard"], policy), None
     return autocast_forward(model, mixed_precision, device), None
 
 
-def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device
-                    ) -> tuple[nn.Module, ProcessGroup]:
+def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device,
+                    plan: ParallelPlan) -> tuple[nn.Module, ProcessGroup]:
     """(`model` split over the "tp" dimension of `topology`'s mesh on `group`, the process group its
     pipeline runs over: the "pp" dimension's, or `group` itself without stages). For a re-formed TP team
     (replan_reform.build), on the whole model before its stand-in takes the parameters and the pipeline split
     prunes them. Call once, on every rank of `group` together (the mesh's sub-groups are collective)."""
     mesh = _mesh(topology, group, device)
-    return _tensor_parallel(model, mesh["tp"], topology.tp), (mesh.get_group("pp") if topology.pp > 1 else group)
+    return _tensor_parallel(model, plan, mesh["tp"], topology.tp), (mesh.get_group("pp") if topology.pp > 1 else group)
 
 
 def _mesh(topology: Topology, group: ProcessGroup, device: torch.device):
@@ -181,44 +194,58 @@ def _mesh(topology: Topology, group: ProcessGroup, device: torch.device):
         return init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=names)
 
 
-def _fully_shard(model: nn.Module, mesh, policy) -> nn.Module:
-    """FSDP2 over `mesh` (1-D), as torchtitan applies it: each block, then the root (the embeddings, the
-    tied head: what is left), each reduce-scattering a SUM (`_sum`)."""
+def _fully_shard(model: nn.Module, plan: ParallelPlan, mesh, policy) -> nn.Module:
+    """FSDP2 over `mesh` (1-D), as torchtitan applies it: each of the plan's units that `model` holds (a
+    pipeline stage holds some), then the root (what is left), each reduce-scattering a SUM (`_sum`)."""
     from torch.distributed.fsdp import fully_shard
 
-    blocks = getattr(model, "blocks", ())  # a user's model without `blocks` is sharded as one unit
-    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
-        _sum(fully_shard(block, mesh=mesh, mp_policy=policy))
+    for path in plan.fsdp:
+        if has(model, path):
+            _sum(fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy))
     return _sum(fully_shard(model, mesh=mesh, mp_policy=policy))
 
 
-def _tensor_parallel(model: nn.Module, mesh, tp: int) -> nn.Module:
-    """Megatron's split of each block, as torchtitan's `apply_tp`: attention by heads (qkv column-wise,
-    proj row-wise) and the MLP by its hidden units (mlp.0 column-wise, mlp.2 row-wise); each row-wise
-    layer all-reduces its partial sums, so a block's output is whole on every rank again. The
-    embeddings, norms and head stay whole on every rank (their gradients come out the same on each).
+def _custom(model: nn.Module, fn: Callable[..., nn.Module], topology: Topology, mesh, policy) -> nn.Module:
+    """A user's parallelize function applied as torchtitan calls its own: fn(model, mesh, dims) -> model,
+    where `mesh` is the group's DeviceMesh (dimensions "dp_shard" and "tp", those of degree 1 left out)
+    and `dims` = {"dp_shard": n, "tp": n, "mp_policy": the MixedPrecisionPolicy to give fully_shard}.
+    Then what the trainer needs: every FSDP2 unit reduce-scatters a SUM (`_sum`); with FSDP2 shards the
+    root is an FSDP2 module, and under --exact each unit reduces in the policy's float64. Raises
+    TopologyError (one line) otherwise. Not with pipeline stages (api.check_host refuses them)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    The GPT's fused qkv holds [q | k | v] rows, and a column-wise split hands rank r a contiguous run of
-    rows; its rows are first reordered so that run is [q | k | v] of rank r's heads (the forward reads the
-    widths off the tensors). TP reorders float32 sums (a row-wise layer adds the ranks' partial sums), so a
+    if topology.pp > 1:
+        raise TopologyError(f"parallel.pp={topology.pp} with a parallelize function")
+    model = fn(model, mesh, {"dp_shard": topology.dp_shard, "tp": topology.tp, "mp_policy": policy})
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if topology.dp_shard > 1 and not isinstance(model, FSDPModule):
+        raise TopologyError(f"parallel.group_size={topology.group_size}: the parallelize function must "
+                            f"fully_shard the model's root over mesh['dp_shard'] ({topology.dp_shard} shards)")
+    for unit in units:
+        reduce = unit._get_fsdp_state()._mp_policy.reduce_dtype
+        if policy.reduce_dtype is not None and reduce != policy.reduce_dtype:
+            raise TopologyError(f"the parallelize function's fully_shard reduces in {reduce}, the run in "
+                                f"{policy.reduce_dtype}: pass mp_policy=dims['mp_policy']")
+        _sum(unit)
+    return model
+
+
+def _tensor_parallel(model: nn.Module, plan: ParallelPlan, mesh, tp: int) -> nn.Module:
+    """Megatron's split of each layer, as torchtitan's `apply_tp`: the plan's styles (attention by heads,
+    the MLP by its hidden units, for the built-in models) applied inside each layer `model` holds, after
+    the plan's rewrite of it; each row-wise layer all-reduces its partial sums, so a layer's output is
+    whole on every rank again. Modules outside the layers stay whole on every rank (their gradients come
+    out the same on each). TP reorders float32 sums (a row-wise layer adds the ranks' partial sums), so a
     run stays within float32 tolerance of a one-rank run, not bitwise."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleDict) or not all(hasattr(b, "attn") and hasattr(b, "mlp")
-                                                        for b in blocks.values()):
-        raise TopologyError(f"parallel.tp={tp} needs a GPT-like model (blocks with attn.qkv/proj and mlp.0/2)")
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-    for block in blocks.values():
-        qkv = block.attn.qkv
-        width = qkv.in_features // tp  # rows of q (and of k, of v) per rank: its heads x head_dim
-        order = torch.cat([torch.arange(r * width, (r + 1) * width) + part * qkv.in_features
-                           for r in range(tp) for part in range(3)])
-        with torch.no_grad():
-            qkv.weight.copy_(qkv.weight[order])
-            qkv.bias.copy_(qkv.bias[order])
-        parallelize_module(block, mesh, plan)
+    container = plan.layer_container(model) if plan.tp is not None else None
+    if container is None:
+        raise TopologyError(f"parallel.tp={tp}: the model's parallel plan has no tensor-parallel part")
+    for layer in container.values():
+        if plan.tp.rewrite is not None:
+            plan.tp.rewrite(layer, tp)
+        parallelize_module(layer, mesh, dict(plan.tp.layer))
     return model
 
 

@@ -1,5 +1,6 @@
-"""Pipeline parallelism inside a replica group: the GPT's blocks split over the group's ranks, and a batch
-of microbatches fed through them with `torch.distributed.pipelining`.
+"""Pipeline parallelism inside a replica group: a model's layers split over the group's ranks as its plan
+says (model/plan.py: `PipelinePlan`), and a batch of microbatches fed through them with
+`torch.distributed.pipelining`.
 
 Owns: `split` (prune a model to one stage's part, parameter names kept, as torchtitan's pipeline split
 does) and `Stages` (this rank's `PipelineStage` and schedule over the group's own process group; each
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from unbroken.model.data import Microbatch
+from unbroken.model.plan import ParallelPlan, plan_of
 from unbroken.runtime.parallel.accumulator import unique_parameters
 from unbroken.topology import TopologyError
 
@@ -41,75 +43,86 @@ from unbroken.topology import TopologyError
 Tied = list[tuple[tuple[str, ...], tuple[int, ...]]]  # (names sharing one tensor, its shape)
 
 
-def split(model: nn.Module, stage: int, stages: int, bounds: list[int] | None = None) -> tuple[nn.Module, Tied]:
+def split(model: nn.Module, stage: int, stages: int, bounds: list[int] | None = None,
+          plan: ParallelPlan | None = None) -> tuple[nn.Module, Tied]:
     """Prune `model` in place to pipeline stage `stage` of `stages` and return (it, the tied names).
-    `bounds`: where each stage's blocks start, then the block count (`merged_bounds`); the even split
-    when None.
+    `bounds`: where each stage's layers start, then the layer count (`merged_bounds`); the even split
+    when None. `plan`: the model's (`plan_of(model)` when None).
 
-    The model must be prunable as `model.gpt.GPT` is: `tok`, `pos`, `drop` (before the blocks), `blocks`
-    (a ModuleDict keyed by index), `ln_f`, `head` (after them). Stage 0 keeps the embeddings, the last
-    stage the final norm and the head; blocks go in contiguous runs, earlier stages taking one more when
-    they do not divide evenly. Tied: the groups of parameter names that share one tensor in the whole
-    model (the GPT's tok.weight and head.weight) and its shape, for `Stages` to sum across stages.
-    Raises TopologyError for a model it cannot split."""
-    missing = [a for a in ("tok", "pos", "drop", "blocks", "ln_f", "head") if not hasattr(model, a)]
-    if missing or not isinstance(model.blocks, nn.ModuleDict):
-        raise TopologyError(f"parallel.pp={stages} needs a GPT-like model (tok, pos, drop, blocks as a "
-                            f"ModuleDict, ln_f, head); this one lacks {', '.join(missing) or 'a ModuleDict'}")
-    bounds = _bounds(model, stages) if bounds is None else bounds
+    Stage 0 keeps the plan's `first` modules, the last stage its `last` ones (the others are set to
+    None); layers go in contiguous runs of the layers container, earlier stages taking one more when they
+    do not divide evenly. Tied: the groups of parameter names that share one tensor in the whole model
+    (an embedding and a head tied to it) and its shape, for `Stages` to sum across stages.
+    Raises TopologyError for a model its plan cannot split."""
+    plan = _pipeline_plan(model, stages, plan)
+    bounds = _bounds(model, stages, plan) if bounds is None else bounds
     by_tensor: dict[int, tuple[list[str], tuple[int, ...]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), ([], tuple(p.shape)))[0].append(name)
     tied = [(tuple(names), shape) for names, shape in by_tensor.values() if len(names) > 1]
-    for key in list(model.blocks.keys()):
+    layers = plan.layer_container(model)
+    for key in list(layers.keys()):
         if not bounds[stage] <= int(key) < bounds[stage + 1]:
-            del model.blocks[key]
-    if stage > 0:
-        model.tok = model.pos = model.drop = None
-    if stage < stages - 1:
-        model.ln_f = model.head = None
+            del layers[key]
+    pruned = (plan.pp.first if stage > 0 else ()) + (plan.pp.last if stage < stages - 1 else ())
+    for path in pruned:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, None)
     return model, tied
 
 
-def _bounds(model: nn.Module, stages: int) -> list[int]:
-    """Block index where each stage starts, then the number of blocks: contiguous runs, earlier stages
+def _pipeline_plan(model: nn.Module, stages: int, plan: ParallelPlan | None) -> ParallelPlan:
+    """`plan` (or the model's), checked to have a pipeline part; TopologyError otherwise."""
+    plan = plan_of(model) if plan is None else plan
+    if plan.pp is None or not plan.stack:
+        raise TopologyError(f"parallel.pp={stages}: the model's parallel plan has no pipeline part")
+    return plan
+
+
+def _bounds(model: nn.Module, stages: int, plan: ParallelPlan) -> list[int]:
+    """Layer index where each stage starts, then the number of layers: contiguous runs, earlier stages
     taking one more when they do not divide evenly."""
-    n = len(model.blocks)
+    n = len(plan.layer_container(model))
     if not 1 <= stages <= n:
-        raise TopologyError(f"parallel.pp={stages}: the model has {n} blocks")
+        raise TopologyError(f"parallel.pp={stages}: the model has {n} layers")
     return [s * (n // stages) + min(s, n % stages) for s in range(stages + 1)]
 
 
-def merged_bounds(model: nn.Module, stages: int, merged: list[range]) -> list[int]:
+def merged_bounds(model: nn.Module, stages: int, merged: list[range], plan: ParallelPlan | None = None) -> list[int]:
     """The `bounds` of a pipeline whose stage k is the full split's stages `merged[k]` (consecutive, in
     order, covering 0 .. stages-1 once): a group's surviving ranks re-formed into fewer stages, each
     holding whole stages of the full split (policy.plans.coarsen says why). Raises TopologyError
     otherwise. Call on the whole model, before `split`."""
     if [j for r in merged for j in r] != list(range(stages)) or any(len(r) == 0 for r in merged):
         raise TopologyError(f"stages {[list(r) for r in merged]} do not merge the {stages} stages in order")
-    full = _bounds(model, stages)
+    full = _bounds(model, stages, _pipeline_plan(model, stages, plan))
     return [full[r.start] for r in merged] + [full[-1]]
 
 
-def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:
+def stage_of(name: str, stages: int, bounds: list[int], plan: ParallelPlan) -> int | None:
+    """The stage that holds parameter `name` of the whole model under `bounds`; None for one in no stage."""
+    if plan.stack and name.startswith(plan.stack + "."):
+        index = int(name[len(plan.stack) + 1:].partition(".")[0])
+        return next(s for s in range(stages) if bounds[s] <= index < bounds[s + 1])
+    if any(name.startswith(m + ".") for m in plan.pp.first):
+        return 0
+    if any(name.startswith(m + ".") for m in plan.pp.last):
+        return stages - 1
+    return None
+
+
+def stage_names(model: nn.Module, stage: int, stages: int, plan: ParallelPlan | None = None) -> list[str]:
     """The parameter names `split(model, stage, stages)` would keep, in the order its `unique_parameters`
     lists them (a tied weight under the name this stage holds it by), without pruning anything: what a
     rank holding several stages (standin.py) reduces, digests and heals as shard index `stage`."""
-    bounds = _bounds(model, stages)
-
-    def kept(name: str) -> bool:
-        top, _, rest = name.partition(".")
-        if top == "blocks":
-            return bounds[stage] <= int(rest.partition(".")[0]) < bounds[stage + 1]
-        if top in ("tok", "pos", "drop"):
-            return stage == 0
-        if top in ("ln_f", "head"):
-            return stage == stages - 1
-        raise TopologyError(f"parallel.pp={stages}: parameter {name!r} belongs to no stage")
-
+    plan = _pipeline_plan(model, stages, plan)
+    bounds = _bounds(model, stages, plan)
     out, seen = [], set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        if p.requires_grad and kept(name) and id(p) not in seen:  # a stage holds a tied tensor once
+        held = stage_of(name, stages, bounds, plan)
+        if held is None:
+            raise TopologyError(f"parallel.pp={stages}: parameter {name!r} belongs to no stage")
+        if p.requires_grad and held == stage and id(p) not in seen:  # a stage holds a tied tensor once
             seen.add(id(p))
             out.append(name)
     return out

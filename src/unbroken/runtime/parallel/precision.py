@@ -3,7 +3,7 @@
 Owns: the FSDP2 `MixedPrecisionPolicy` of a group of shards (`policy`), autocast around the forward of a
 model FSDP2 does not wrap (`autocast_forward`: one-rank groups, tensor parallelism without shards, a
 shrunk group's stand-in), and torch.utils.checkpoint around each transformer block
-(`checkpoint_layers`). Does not own: which modules are the blocks (the model says: its `layers()`), the
+(`checkpoint_layers`). Does not own: which modules are the blocks (the model's plan says: its layers container), the
 order of TP, checkpointing and FSDP2 (parallelize.py applies them as torchtitan does: TP, then
 checkpointing, then FSDP2), or the accumulator's dtype (accumulator.py: float32, float64 under --exact,
 whatever the compute dtype).
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from unbroken.model.plan import ParallelPlan, plan_of
 from unbroken.topology import TopologyError
 
 
@@ -69,16 +70,18 @@ def checkpointed(mode: str, n: int) -> list[int]:
     return []
 
 
-def checkpoint_layers(model: nn.Module, mode: str) -> nn.Module:
-    """`model` with each block that `mode` picks (`checkpointed`) recomputed in the backward. Call once,
+def checkpoint_layers(model: nn.Module, mode: str, plan: ParallelPlan | None = None) -> nn.Module:
+    """`model` with each block that `mode` picks (`checkpointed`) recomputed in the backward: the entries
+    of `plan`'s layers container (`plan_of(model)` when None; those a pipeline stage kept). Call once,
     before fully_shard (inside each block's FSDP2 unit, as torchtitan applies it) and after tensor
-    parallelism. Raises TopologyError for a model without `layers()` when `mode` is not "none"."""
+    parallelism. Raises TopologyError for a plan without layers when `mode` is not "none"."""
     if mode == "none":
         return model
-    layers = getattr(model, "layers", None)
-    if not callable(layers):
-        raise TopologyError(f"model.activation_checkpointing={mode} needs a model with layers() (its blocks)")
-    blocks = layers()
+    container = (plan or plan_of(model)).layer_container(model)
+    if container is None:
+        raise TopologyError(f"model.activation_checkpointing={mode} needs a model whose parallel plan names its "
+                            f"layers")
+    blocks = list(container.values())
     for i in checkpointed(mode, len(blocks)):
         blocks[i].forward = _recomputed(blocks[i].forward)
     return model
@@ -93,8 +96,9 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
     return checkpointed_forward
 
 
-def prepare(model: nn.Module, mixed_precision: str, checkpointing: str, device: torch.device) -> nn.Module:
+def prepare(model: nn.Module, mixed_precision: str, checkpointing: str, device: torch.device,
+            plan: ParallelPlan | None = None) -> nn.Module:
     """A model FSDP2 does not shard, as parallelize leaves one: its blocks checkpointed, then its forward
     under autocast. For a shrunk group's stand-in (trainer/admission.py, trainer/replan_reform.py), built
     apart from parallelize."""
-    return autocast_forward(checkpoint_layers(model, checkpointing), mixed_precision, device)
+    return autocast_forward(checkpoint_layers(model, checkpointing, plan), mixed_precision, device)

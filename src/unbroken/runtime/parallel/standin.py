@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from unbroken.model.data import seed_microbatch
+from unbroken.model.plan import ParallelPlan, plan_of
 from unbroken.runtime.parallel.accumulator import Accumulator, local
 from unbroken.runtime.parallel.pipeline import stage_names
 from unbroken.topology import TopologyError
@@ -82,24 +83,27 @@ class Slice:
                     full.index_copy_(self.dim, self.index, columns)
 
 
-def layout(model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1) -> list[list[Slice]]:
+def layout(model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1,
+           plan: ParallelPlan | None = None) -> list[list[Slice]]:
     """Every shard index's part of the whole model, in topology.coords' rank order (rank = (stage x shards
     + FSDP2 shard) x tp + TP index), each in the order that rank lists its parameters: stage s's (all of
     them when pp is 1; pipeline.stage_names), TP rank t's part of each (`_tp_part`), and FSDP2 shard k's
     rows of that part (torch.chunk's k-th along dim 0, as fully_shard cuts a rank's local tensor; the last
-    shard's rows fewer, or none, where dim 0 does not divide)."""
-    if tp > 1 and not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
-        raise TopologyError(f"parallel.tp={tp}: a shrunk group needs a GPT-like model (blocks)")
+    shard's rows fewer, or none, where dim 0 does not divide). `plan`: the model's (`plan_of` when None),
+    whose TP part says how a TP rank's part of each parameter is cut."""
+    plan = plan_of(model) if plan is None else plan
+    if tp > 1 and (plan.tp is None or not plan.stack):
+        raise TopologyError(f"parallel.tp={tp}: the model's parallel plan has no tensor-parallel part")
     named = dict(model.named_parameters(remove_duplicate=False))
-    names = [stage_names(model, st, pp) for st in range(pp)] if pp > 1 else \
+    names = [stage_names(model, st, pp, plan) for st in range(pp)] if pp > 1 else \
         [[n for n, p in model.named_parameters() if p.requires_grad]]
-    return [[_part(n, named[n], t, tp, k, shards) for n in names[st]]
+    return [[_part(n, named[n], t, tp, k, shards, plan) for n in names[st]]
             for st in range(pp) for k in range(shards) for t in range(tp)]
 
 
-def _part(name: str, p: nn.Parameter, t: int, tp: int, k: int, shards: int) -> Slice:
+def _part(name: str, p: nn.Parameter, t: int, tp: int, k: int, shards: int, plan: ParallelPlan) -> Slice:
     """TP rank t's part of parameter `name`, and of it FSDP2 shard k's rows."""
-    dim, index = _tp_part(name, p, t, tp) if tp > 1 else (0, None)
+    dim, index = _tp_part(name, p, t, tp, plan) if tp > 1 else (0, None)
     rows = None
     if shards > 1:
         # dim 0 of the TP rank's tensor (its local one where TP already split it: a re-formed TP team)
@@ -118,23 +122,15 @@ def _part(name: str, p: nn.Parameter, t: int, tp: int, k: int, shards: int) -> S
     return Slice(p, dim, index.to(p.device), torch.empty(shape, dtype=p.dtype, device=p.device), rows)
 
 
-def _tp_part(name: str, p: nn.Parameter, j: int, tp: int) -> tuple[int, torch.Tensor | None]:
+def _tp_part(name: str, p: nn.Parameter, j: int, tp: int, plan: ParallelPlan) -> tuple[int, torch.Tensor | None]:
     """(dim, index) of TP rank j's part of parameter `name` (the split `parallelize._tensor_parallel`
-    makes): qkv's rows of its heads ([q | k | v] of them), mlp.0's rows of its units (weights and
-    biases), proj's and mlp.2's columns; everything else whole (embeddings, norms, row-wise biases:
-    replicated on every TP rank)."""
-    parts = name.split(".")
-    layer = ".".join(parts[2:-1]) if parts[0] == "blocks" else ""
-    if layer == "attn.qkv":  # rows of heads j: q, then k, then v (the order _tensor_parallel makes)
-        width = p.shape[0] // 3 // tp
-        return 0, torch.cat([torch.arange(j * width, (j + 1) * width) + part * (p.shape[0] // 3) for part in range(3)])
-    if layer == "mlp.0":
-        n = p.shape[0] // tp
-        return 0, torch.arange(j * n, (j + 1) * n)
-    if layer in ("attn.proj", "mlp.2") and parts[-1] == "weight":
-        n = p.shape[1] // tp
-        return 1, torch.arange(j * n, (j + 1) * n)
-    return 0, None
+    makes, as the plan's `TensorPlan.part` cuts it) for a parameter inside a layer; everything else whole
+    (embeddings, norms, the head: replicated on every TP rank)."""
+    prefix = plan.stack + "."
+    if not name.startswith(prefix):
+        return 0, None
+    inside = name[len(prefix):].partition(".")[2]  # the path inside its layer: "attn.qkv.weight"
+    return plan.tp.part(inside, tuple(p.shape), j, tp)
 
 
 class ShardedAccumulator:
@@ -202,17 +198,19 @@ class StandIn:
     (`shares`: the trainer computes each FSDP2 shard's rows of a microbatch in turn)."""
 
     def __init__(self, model: nn.Module, pp: int = 1, tp: int = 1, shards: int = 1,
-                 held: tuple[int, ...] | None = None, tensor_parallel: bool = False):
+                 held: tuple[int, ...] | None = None, tensor_parallel: bool = False, plan: ParallelPlan | None = None):
         """`held`: the shard indices this rank holds, in order, when it holds some of them (a rank of a
         group re-formed into fewer pipeline stages: the indices of the full stages its stage merged);
         every index when None. `model` is the whole model, split (pipeline.split) after this, if at all.
         `tensor_parallel`: `model` is already split over a TP team of `tp` ranks (a re-formed TP team,
         replan_reform.build), so shard index (s x shards + f) x tp + t, held by TP rank t only, is FSDP2 shard
         f's rows (torch.chunk's, as fully_shard cuts them) of stage s's parameters' local tensors: their
-        DTensors' local shards are rank t's slices (all of them without FSDP2)."""
+        DTensors' local shards are rank t's slices (all of them without FSDP2). `plan`: the model's
+        (`plan_of(model)` when None)."""
         if pp * tp * shards == 1:
             raise TopologyError(f"a shrunk group stands in for several ranks (pp={pp}, tp={tp}, FSDP2 shards=1)")
-        every = layout(model, pp, 1, shards) if tensor_parallel else layout(model, pp, tp, shards)
+        plan = plan_of(model) if plan is None else plan
+        every = layout(model, pp, 1, shards, plan) if tensor_parallel else layout(model, pp, tp, shards, plan)
         if tensor_parallel:  # (stage s, FSDP2 shard f)'s rows of the local tensors under each TP index t
             every = [every[j // tp] for j in range(pp * shards * tp)]
         self.held = tuple(range(len(every))) if held is None else tuple(held)
@@ -226,9 +224,10 @@ class StandIn:
         self.seed: int | None = None  # the microbatch computing now (trainer.compute sets it)
         if pp > 1:
             stages = sorted({j // (shards * tp) for j in self.held})  # the full stages it holds
-            names = [stage_names(model, j, pp) for j in stages[1:]]  # a stage's own start is seeded by it
-            firsts = {int(ns[0].split(".")[1]) for ns in names if ns and ns[0].startswith("blocks.")}
-            for key, block in model.blocks.items():
+            names = [stage_names(model, j, pp, plan) for j in stages[1:]]  # a stage's own start is seeded by it
+            prefix = plan.stack + "."
+            firsts = {int(ns[0][len(prefix):].split(".")[0]) for ns in names if ns and ns[0].startswith(prefix)}
+            for key, block in plan.layer_container(model).items():
                 if int(key) in firsts:  # the first block of a later full stage: that stage seeded its dropout
                     block.register_forward_pre_hook(self._reseed)
 

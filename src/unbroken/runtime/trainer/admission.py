@@ -42,10 +42,13 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     topology = cfg.topology()
     shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len)) if topology.pp > 1 else None
     # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
-    model, stages = parallelize(factories.model(cfg).to(device), topology, group, cfg.run.exact, who.rank,
-                                shape, device, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing)
+    model = factories.model(cfg).to(device)
+    plan = factories.plan_of(model)
+    model, stages = parallelize(model, topology, group, cfg.run.exact, who.rank, shape, device,
+                                cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
+                                plan, factories.parallelize)
     data = factories.data(cfg)
-    return Parts(model, data, optimizer_for(factories, model, cfg), group, stages)
+    return Parts(model, data, optimizer_for(factories, model, cfg), group, stages, inputs=plan.inputs)
 
 
 def optimizer_for(factories: Factories, model, cfg: Config):
@@ -64,10 +67,13 @@ def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
 
     torch.manual_seed(cfg.run.seed)
     device = torch.device("cpu") if device is None else device
-    model = prepare(factories.model(cfg).to(device), cfg.parallel.mixed_precision,
-                    cfg.model.activation_checkpointing, device)  # unsharded: autocast, not FSDP2's policy
-    standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard)
-    return Parts(model, factories.data(cfg), optimizer_for(factories, model, cfg), None, None, standin)
+    model = factories.model(cfg).to(device)
+    plan = factories.plan_of(model)
+    model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device,
+                    plan)  # unsharded: autocast, not FSDP2's policy
+    standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard, plan=plan)
+    return Parts(model, factories.data(cfg), optimizer_for(factories, model, cfg), None, None, standin,
+                 plan.inputs)
 
 
 def agree(group, joining: bool, restart: int, me: int) -> tuple[bool, str]:

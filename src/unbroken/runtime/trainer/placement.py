@@ -2,7 +2,7 @@
 
 Owns: `Placement` (its coordinator, run directory, config, restart generation, restore source and
 device), read from the local launcher's environment or, on a cluster, from the coordinator's store
-(`placement`); the user's `Factories` and the default ones (the built-in GPT and corpus). Does not own:
+(`placement`); the user's `Factories` and the default ones (the built-in model that model.arch names, the corpus). Does not own:
 what the process does with them (lifecycle.py).
 
 Two ways in, one process. Under the local launcher, the environment (launch.py sets it):
@@ -46,12 +46,22 @@ class Factories:
     data(cfg) -> object with microbatch(step, i) -> (x, y, tokens, sumsq) and step_tokens(step, M);
     optimizer(params, cfg) -> torch.optim.Optimizer (the default: AdamW over model/optim.param_groups);
     lr_schedule(step) -> lr, the learning rate of committed step `step` for every parameter group (None:
-    the configured [optim] schedule, as a factor on each group's own lr).
+    the configured [optim] schedule, as a factor on each group's own lr);
+    plan: the model's parallel plan (model/plan.py; None: the one the model supplies, `plan_of`);
+    parallelize(model, mesh, dims) -> model: a user's torchtitan-style function applying FSDP2 and TP in
+    place of the plan's (runtime/parallel/parallelize.py: `parallelize`'s `custom`).
     """
     model: Callable[[Config], object]
     data: Callable[[Config], object]
     optimizer: Callable[[list, Config], object]
     lr_schedule: Callable[[int], float] | None = None
+    plan: object | None = None
+    parallelize: Callable | None = None
+
+    def plan_of(self, model) -> object:
+        """The parallel plan of `model` (the whole model this process built): the user's, else the model's."""
+        from unbroken.model.plan import plan_of
+        return self.plan if self.plan is not None else plan_of(model)
 
 
 def in_worker() -> bool:
@@ -122,11 +132,11 @@ def placement(env: dict[str, str] | None = None) -> Placement:
 
 
 def default_factories() -> Factories:
+    from unbroken.model.builtin import built_in
     from unbroken.model.data import DataSource
-    from unbroken.model.gpt import GPT
     from unbroken.model.optim import default_optimizer
 
-    return Factories(model=lambda cfg: GPT(cfg.model),
+    return Factories(model=lambda cfg: built_in(cfg.model, cfg.data.ignore_index),
                      data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed,
                                                   microbatches=cfg.run.microbatches),
                      optimizer=default_optimizer)

@@ -144,27 +144,27 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
 
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg).to(device)
+    plan = factories.plan_of(model)  # the modules each parallelism acts on (model/plan.py)
     topology = cfg.topology()
     pipe = dist.group.WORLD
     if reform.tp > 1:  # TP before the stand-in takes its parameters: TP replaces them with DTensors
-        plan = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
-        model, pipe = tensor_parallel(model, plan, dist.group.WORLD, device)
+        team = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
+        model, pipe = tensor_parallel(model, team, dist.group.WORLD, device, plan)
     # unsharded: autocast rather than FSDP2's policy (bf16 never has stages: config.tree refuses it)
-    model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device)
+    model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device, plan)
     # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it; with FSDP2,
     # every shard's rows of that part (it computes each shard's rows of a microbatch in turn)
     standin = StandIn(model, topology.pp, topology.tp, topology.dp_shard, held=reform.held,
-                      tensor_parallel=reform.tp > 1)
-    vocab, width = model.tok.weight.shape
+                      tensor_parallel=reform.tp > 1, plan=plan)
     stages = None
     if reform.stages > 1:
-        bounds = merged_bounds(model, topology.pp, list(reform.merged))
-        model, tied = split(model, reform.stage, reform.stages, bounds)
+        bounds = merged_bounds(model, topology.pp, list(reform.merged), plan)
+        model, tied = split(model, reform.stage, reform.stages, bounds, plan)
         shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len))  # one FSDP2 share's rows
-        stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, width, vocab, model.loss, device,
-                        apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
+        stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
+                        plan.loss, device, apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
     optimizer = optimizer_for(factories, model, cfg)
-    return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin)
+    return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin, plan.inputs)
 
 
 def stale_parameters() -> dict:

@@ -55,7 +55,7 @@ from unbroken.runtime.trainer.optimizing import Optimizing
 from unbroken.runtime.trainer.role import RankRole
 from unbroken.runtime.trainer.sidecar import Sidecar
 from unbroken.runtime.trainer.speculation import Pipeline, Rollback, limit
-from unbroken.runtime.trainer.stepwork import GradientSink, OwnShard, Parts, StepWork
+from unbroken.runtime.trainer.stepwork import GradientSink, OwnShard, Parts, StepWork, model_inputs
 
 
 class Restart(str, Enum):
@@ -81,7 +81,7 @@ class Trainer:
         self.cfg, self.me, self.coord, self.log = cfg, who.group, coord, log
         self.hb, self.faults, self.persist = heartbeat, injector, persist
         self.model, self.data, self.optimizer, self.group = parts.model, parts.data, parts.optimizer, parts.group
-        self.stages = parts.stages
+        self.stages, self.inputs = parts.stages, parts.inputs
         self.params = unique_parameters(self.model)
         self.optimizing = Optimizing(cfg, parts, self.params, lr_schedule)
         # A replica group of G ranks (FSDP2, tensor parallel or pipeline stages inside): its ranks run this
@@ -351,7 +351,8 @@ class Trainer:
                 mb = part(whole, share, role.shares)  # this share's sequences
                 seed_microbatch(seed := mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
                 self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
-                loss = self.model(mb.x.to(self.device), mb.y.to(self.device)) * loss_weight(mb.tokens, work.tokens)
+                loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
+                                  **model_inputs(mb, self.inputs, self.device)) * loss_weight(mb.tokens, work.tokens)
                 loss.backward()
                 work.acc.add(loss if role.counts_loss else loss.new_zeros(()), share)  # the record sums shares
             if len(role.computes) > 1:

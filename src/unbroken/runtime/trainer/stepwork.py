@@ -33,6 +33,13 @@ class Parts:
     group: dist.ProcessGroup | None = None  # the replica group's own ranks (parallelize.intra_group)
     stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
     standin: StandIn | None = None  # a shrunk group's rank holding several shard indices (standin.py)
+    inputs: tuple[str, ...] = ()  # microbatch fields the model's forward takes as keywords (its plan's)
+
+
+def model_inputs(mb, names: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a forward over microbatch (or share) `mb`: each field of `names` that `mb`
+    holds (not None), on `device`. A share's fields are its rows (data.part cuts them with x and y)."""
+    return {n: getattr(mb, n).to(device) for n in names if getattr(mb, n, None) is not None}
 
 
 @dataclass
