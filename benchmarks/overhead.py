@@ -229,6 +229,39 @@ def parts(out: Path, settle: int) -> dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in got.items() if v}
 
 
+def worker_pids(out: Path) -> set[int]:
+    """The trainer processes of an unbroken run: each rank's `worker_start` record names its pid."""
+    return {r["pid"] for r in read_events(out / "events.jsonl") if r["event"] == "worker_start"}
+
+
+def cpu_per_step(side: Side, trainers: set[int]) -> dict[str, float]:
+    """CPU seconds a step by role (_cpu.by_role) over all of `side`'s windows: their CPU over the steps
+    that ended inside them."""
+    times = sorted(side.times())
+    steps = sum(sum(1 for t in times if a <= t <= b) for a, b in side.windows)
+    total = dict.fromkeys(_cpu.ROLES, 0.0)
+    for used in side.cpu:
+        for k, v in _cpu.by_role(used, trainers).items():
+            total[k] += v
+    return {k: v / max(1, steps) for k, v in total.items()}
+
+
+def cpu_breakdown(console: Console, cpu: dict[str, dict[str, float]]) -> None:
+    """The CPU table by role and side, then one `breakdown` line: where unbroken's extra CPU a step goes
+    against DDP, role by role (ms a step summed over processes)."""
+    c = Table(title="CPU ms a step, summed over processes (every window; /proc, benchmarks/_cpu.py)",
+              title_justify="left")
+    for col in ("system", *_cpu.ROLES, "total"):
+        c.add_column(col, justify="left" if col == "system" else "right")
+    for name, v in cpu.items():
+        c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in _cpu.ROLES), f"{1e3 * sum(v.values()):.1f}")
+    console.print(c)
+    for name in [n for n in cpu if n != "ddp"]:
+        diff = {k: 1e3 * (cpu[name][k] - cpu["ddp"][k]) for k in _cpu.ROLES}
+        print(f"breakdown {name.replace(' ', '_')} - ddp, CPU ms a step: " +
+              ", ".join(f"{k} {v:+.1f}" for k, v in diff.items()) + f", total {sum(diff.values()):+.1f}")
+
+
 def bootstrap_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median of `ratios` (rounds resampled with replacement)."""
     rng = random.Random(seed)
@@ -305,6 +338,8 @@ def main() -> None:
     console.print(f"unbroken, per replica and step (medians): forward/backward {m['compute']:.1f} ms, all-reduce "
                   f"incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, optimizer, digest, "
                   f"events) {m['rest']:.1f} ms, of which waiting for a commit decision {m['waited']:.2f} ms")
+    cpu_breakdown(console, {s.name: cpu_per_step(s, {p.pid for p in s.procs} if s is ddp else
+                                                  worker_pids(tmp / s.name.replace(" ", "-"))) for s in sides})
     lo, hi = bootstrap_ci(ratios["unbroken"])
     console.print(f"pooled intervals: unbroken / DDP {pooled['unbroken'] / pooled['ddp']:.3f}; median of rounds "
                   f"{statistics.median(ratios['unbroken']):.3f} (95% bootstrap interval {lo:.3f}-{hi:.3f})")
