@@ -160,15 +160,15 @@ def run(factories: Factories) -> int:
 
 def born() -> float | None:
     """When this process started (time.time() seconds; a forked worker: its fork), from /proc: the
-    starttime field of /proc/self/stat (clock ticks after boot) plus the boot time; None off Linux."""
+    starttime field of /proc/self/stat (clock ticks after boot) against /proc/uptime; None off Linux."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    except (OSError, StopIteration, ValueError, IndexError):
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return round(boot + ticks / os.sysconf("SC_CLK_TCK"), 2)
+    return round(time.time() - (up - ticks / os.sysconf("SC_CLK_TCK")), 3)
 
 
 def start_up() -> tuple[Placement, Identity]:
