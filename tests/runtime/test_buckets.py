@@ -65,9 +65,10 @@ def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
 
     faults = SimpleNamespace(at=lambda *a, **k: None)
     role = SimpleNamespace(ranks=1, indices=1, holds=(0,), group=0, timed=1, shard_tag=lambda _: {})
-    coord = SimpleNamespace(moved=lambda e: False, stage=lambda *a: None)
+    moving = []  # non-empty: the epoch reads as moved (a member marked to overlap must then not arm)
+    coord = SimpleNamespace(moved=lambda e: bool(moving), stage=lambda *a: None)
     runs = []
-    for overlap in (False, True):
+    for overlap in (False, True, "moved"):
         model, params, acc = build()
         reducer = Reducer(role, coord, EventLog(tmp_path / f"{overlap}.jsonl"), faults,
                           SimpleNamespace(at=lambda *a, **k: None), SimpleNamespace(save_early=lambda: None),
@@ -76,17 +77,19 @@ def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
         work = StepWork(0, acc, 96, 0.0)
         acc.zero()
         state = SimpleNamespace(epoch=0, members=(0,))
-        reducer.target(work, state, [rec.Compute(0, (0, 1, 2))], settled=overlap)
+        reducer.target(work, state, [rec.Compute(0, (0, 1, 2))], settled=bool(overlap))
+        moving[:] = [1] if overlap == "moved" else []
         for i in range(3):
             x, y = microbatch(0, i)
             loss = model(x, y) * (1 / 3)
             reducer.backward(work, loss, loss, 0, last=i == 2)
-        early = work.overlap[1].early if overlap else 0
+        moving.clear()  # moved back, as a reform that kept the members would not: the plain path reduces
+        early = work.overlap.reduce.early if overlap is True else 0
         kept = acc.buffer.clone()
         assert isinstance(reducer.reduce(work, 0, 0, (0,)), rec.Reduced)
         assert torch.equal(acc.buffer, kept)  # the reduction wrote its copy, never the buffer
         assert work.reduced[0].data_ptr() != acc.buffer.data_ptr() and torch.equal(work.reduced[0], kept)
         runs.append((kept, early, len(reducer.layout.ranges)))
-    (plain, none, _), (overlapped, early, buckets) = runs
+    (plain, none, _), (overlapped, early, buckets), (unarmed, _, _) = runs
     assert none == 0 and early == buckets  # every bucket went out inside the last backward
-    assert torch.equal(plain, overlapped)  # bit for bit, the loss element included
+    assert torch.equal(plain, overlapped) and torch.equal(plain, unarmed)  # bit for bit, the loss included

@@ -33,6 +33,13 @@ from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, E
 from unbroken.runtime.trainer.stepwork import StepWork
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A step's reduction issued from its last backward: the group's key and its buckets."""
+    key: tuple[int, tuple[int, ...], int]  # (epoch, members, shard)
+    reduce: BucketedReduce
+
+
 @dataclass
 class _Armed:
     """The overlap of one step's last backward: its accumulator and its bucketed reduction."""
@@ -83,7 +90,7 @@ class Reducer:
         """`loss.backward()` and fold the microbatch into `work.acc` (`counted`: the loss it adds). The
         last microbatch of a step marked by `target` overlaps its reduction: its loss is added first
         (the same sum in the same order), then its gradients bucket by bucket from the hooks."""
-        if not (last and isinstance(work.overlap, tuple)) or self.coord.moved(work.overlap[0]):
+        if not (last and isinstance(work.overlap, tuple)) or self.coord.moved(work.overlap[0]):  # marked: (e, m)
             loss.backward()
             work.acc.add(counted, share)
             return
@@ -95,7 +102,7 @@ class Reducer:
             return
         into = self._into(work, self.role.holds[0], work.acc.buffer)
         reduce = BucketedReduce(self.layout, group, work.acc.buffer, into, lambda: self.coord.moved(epoch))
-        work.overlap = ((epoch, members, self.role.holds[0]), reduce)
+        work.overlap = InFlight((epoch, members, self.role.holds[0]), reduce)
         work.acc.add_loss(counted)
         self.armed = _Armed(work.step, work.acc, reduce)
         try:
@@ -115,14 +122,14 @@ class Reducer:
         """All-reduce a copy of the accumulator in the group of the step's `members` in `epoch` (a group
         admitted in the epoch joins at the next step); the accumulator stays intact."""
         self.hb.at(step, "allreduce", epoch=epoch)
-        overlapped, work.overlap = work.overlap if isinstance(work.overlap, tuple) else None, None
-        if overlapped is not None and overlapped[0] != (epoch, members, self.role.holds[0]):
-            overlapped[1].abandon()  # not the group this reduction runs in: its copy is dropped too
+        overlapped, work.overlap = work.overlap if isinstance(work.overlap, InFlight) else None, None
+        if overlapped is not None and overlapped.key != (epoch, members, self.role.holds[0]):
+            overlapped.reduce.abandon()  # not the group this reduction runs in: its copy is dropped too
             work.copies.clear()
             overlapped = None
         if self.coord.moved(epoch):  # an epoch that only admits joiners leaves the step in its own
             if overlapped is not None:
-                overlapped[1].abandon()
+                overlapped.reduce.abandon()
                 work.copies.clear()
             return rec.EpochChanged(self.coord.chain_after(epoch))
         held = work.held()
@@ -144,7 +151,8 @@ class Reducer:
             extra = {}
             try:
                 if self.bucketed and isinstance(group, EpochGroup):
-                    bucketed = overlapped[1] if overlapped else BucketedReduce(self.layout, group, buffer, into, moved)
+                    bucketed = overlapped.reduce if overlapped else BucketedReduce(self.layout, group, buffer, into,
+                                                                                   moved)
                     result = bucketed.finish(on_issued)
                     extra = dict(buckets=len(self.layout.ranges), overlapped=bucketed.early)
                 else:

@@ -58,8 +58,8 @@ class StepWork:
     # reduction is abandoned, since the abandoned collective may still write into them.
     copies: dict[int, torch.Tensor] = field(default_factory=dict)
     # its reduction overlapped with its last backward (reduction.py): (epoch, members) once marked, then
-    # ((epoch, members, shard), the BucketedReduce in flight) once armed; None: not overlapped
-    overlap: tuple | None = None
+    # the reduction issued from the backward (reduction.InFlight) once armed; None: not overlapped
+    overlap: object | None = None
 
     def held(self) -> tuple[int, ...]:
         """The microbatches this member computed in the step (the policy's `held`), in order."""
