@@ -88,8 +88,18 @@ def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
         kept = acc.buffer.clone()
         assert isinstance(reducer.reduce(work, 0, 0, (0,)), rec.Reduced)
         assert torch.equal(acc.buffer, kept)  # the reduction wrote its copy, never the buffer
-        assert work.reduced[0].data_ptr() != acc.buffer.data_ptr() and torch.equal(work.reduced[0], kept)
+        # one member: the sum is the buffer itself; float64 (--exact) comes back rounded to the float32
+        # gradient, reduced in a ring of bucket slots, and its float64 loss apart
+        assert work.reduced[0].data_ptr() != acc.buffer.data_ptr()
+        assert torch.equal(work.reduced[0], kept.to(torch.float32))
+        if dtype == torch.float64:
+            assert len(work.reduced) == 2 and torch.equal(work.reduced[1], kept[-1:])
+            assert acc.load_reduced(work.reduced) == float(kept[-1])
+            assert all(p.grad.data_ptr() == work.reduced[0].data_ptr() + 4 * off
+                       for p, off in zip(params, acc.offsets))  # `.grad` is the rounded result itself
         runs.append((kept, early, len(reducer.layout.ranges)))
     (plain, none, _), (overlapped, early, buckets), (unarmed, _, _) = runs
-    assert none == 0 and early == buckets  # every bucket went out inside the last backward
+    # inside the last backward: every bucket (float32); under --exact at least the ring's first two, the
+    # rest as soon as a slot's bucket has come back (a loaded host may not have returned one yet)
+    assert none == 0 and (early == buckets if dtype == torch.float32 else 2 <= early <= buckets)
     assert torch.equal(plain, overlapped) and torch.equal(plain, unarmed)  # bit for bit, the loss included

@@ -102,8 +102,9 @@ def test_kill_during_the_overlapped_reduction(reference, tmp_path):
     fault = next(e for e in events if e["event"] == "fault")
     assert 1 <= fault["issued"] < fault["buckets"], fault  # mid-reduction, backward still going
     reduced = {(e["replica"], e["step"]): e for e in events if e["event"] == "reduce" and e["ok"]}
-    # the overlap ran: the step before, every bucket of every replica went out inside its last backward
-    assert all(reduced[g, 3]["overlapped"] == reduced[g, 3]["buckets"] > 1 for g in range(4)), reduced
+    # the overlap ran: the step before, buckets of every replica went out inside its last backward (under
+    # --exact at least the two of its float64 ring, the rest as slots come back)
+    assert all(2 <= reduced[g, 3]["overlapped"] <= reduced[g, 3]["buckets"] for g in range(4)), reduced
     # step 4 retried: each survivor recovered in it and reduced in a later epoch than step 3's
     assert {e["replica"] for e in events if e["event"] == "recovery" and e["step"] == 4} == {0, 2, 3}
     assert all(reduced[g, 4]["epoch"] > reduced[g, 3]["epoch"] for g in (0, 2, 3))

@@ -132,13 +132,16 @@ class Accumulator:
         return [self.buffer]
 
     def load_reduced(self, reduced: list[torch.Tensor]) -> float:
-        """`load_grads` of the reduced copies of `buffers`, in order; the step's loss."""
-        return self.load_grads(reduced[0])
+        """`load_grads` of the reduced copies of `buffers`, in order; the step's loss. A one-rank group's
+        bucketed --exact reduction gives two: the float32 gradient, then the float64 loss (1,)."""
+        return self.load_grads(reduced[0], reduced[1] if len(reduced) > 1 else None)
 
-    def load_grads(self, reduced: torch.Tensor) -> float:
-        """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced
-        (step) loss. The views of the last buffer given are kept: the all-reduce reuses one."""
-        if self.views:
+    def load_grads(self, reduced: torch.Tensor, loss: torch.Tensor | None = None) -> float:
+        """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode; a float32 one itself
+        where the reduction rounded it already, its loss in `loss`); returns the reduced (step) loss.
+        The views of the last buffer given are kept: the all-reduce reuses one."""
+        rounded = not self.sharded and self.uniform and reduced.dtype == self.params[0].dtype
+        if self.views or rounded:
             if self._loaded is None or self._loaded[0] is not reduced:
                 self._loaded = (reduced, self._split(reduced))
             for p, view in zip(self.params, self._loaded[1]):
@@ -156,7 +159,7 @@ class Accumulator:
         else:
             for p, view in zip(self.params, self._split(reduced)):
                 p.grad = view.to(p.dtype)
-        return float(reduced[-1])
+        return float(reduced[-1] if loss is None else loss[0])
 
     @staticmethod
     def _as_grad(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:

@@ -60,22 +60,34 @@ class Layout:
 class BucketedReduce:
     """One all-reduce of `buffer` into `into` over `group`, bucket by bucket. Call `ready(i)` as parameter
     i's part of the buffer is final (from a hook, any thread holding the GIL), then `finish` once.
-    `moved` is the epoch watch's cheap read."""
+    `moved` is the epoch watch's cheap read.
+
+    With `ring` (--exact: `buffer` float64, `into` the float32 gradient the optimizer reads), each bucket
+    is copied into one of the ring's float64 slots (each as long as the longest bucket) and reduced
+    there, then rounded into its slice of `into`, its slot free for the bucket len(ring) later; the
+    reduced float64 loss element goes to `loss` (1,). So the copy the reduction works on is len(ring)
+    buckets, not the whole float64 buffer, and no float32 gradient is made apart from `into`: rounding
+    a slice is the same float64 -> float32 rounding as rounding the whole."""
 
     def __init__(self, layout: Layout, group: EpochGroup, buffer: torch.Tensor, into: torch.Tensor,
-                 moved: Callable[[], bool]):
+                 moved: Callable[[], bool], ring: list[torch.Tensor] | None = None,
+                 loss: torch.Tensor | None = None):
         self.layout, self.group, self.buffer, self.into, self.moved = layout, group, buffer, into, moved
+        self.ring, self.loss = ring, loss
         self.final = [0] * len(layout.ranges)  # parameters final, per bucket
         self.issued: list[Issued] = []
+        self.narrowed = 0  # with a ring: buckets reduced and rounded into `into`, in order
+        self.broken = False  # a bucket failed while backward went on: the rest waits for `finish`
         self.early = 0  # buckets issued before `finish`: during backward
-        self.t0 = time.perf_counter()
+        self.watch_every_s = 0.005
 
     def ready(self, i: int) -> bool:
-        """Parameter i's slice is final; issue every bucket now complete whose predecessors are issued.
-        Returns whether this call issued any (the caller's fault point: the first one out)."""
+        """Parameter i's slice is final; issue every bucket now complete whose predecessors are issued
+        (and, with a ring, whose slot is free). Returns whether this call issued any (the caller's fault
+        point: the first one out). Never raises a collective's failure: `finish` does."""
         self.final[self.layout.of[i]] += 1
         before = len(self.issued)
-        if self.group.formed and not self.moved():  # else everything goes at `finish`
+        if self.group.formed and not self.broken and not self.moved():  # else everything goes at `finish`
             self._issue(all_=False)
         self.early = len(self.issued)
         return len(self.issued) > before
@@ -83,15 +95,56 @@ class BucketedReduce:
     def _issue(self, all_: bool) -> None:
         ranges, count = self.layout.ranges, self.layout.count
         while len(self.issued) < len(ranges) and (all_ or self.final[len(self.issued)] >= count[len(self.issued)]):
-            a, b = ranges[len(self.issued)]
-            self.issued.append(self.group.issue(self.into[a:b].copy_(self.buffer[a:b])))
+            k = len(self.issued)
+            if not self._free(k, wait=all_):
+                return
+            a, b = ranges[k]
+            copy = self.into[a:b] if self.ring is None else self.ring[k % len(self.ring)][:b - a]
+            self.issued.append(self.group.issue(copy.copy_(self.buffer[a:b])))
+
+    def _free(self, k: int, wait: bool) -> bool:
+        """Whether bucket k's slot is free (always, without a ring): every bucket up to k - len(ring)
+        reduced and rounded into `into`. wait=False (in backward): only what has finished, False on a
+        failure (kept for `finish` to raise); wait=True: waits, raising as EpochGroup.wait."""
+        if self.ring is None:
+            return True
+        while self.narrowed <= k - len(self.ring):
+            one = self.issued[self.narrowed]
+            if wait:
+                self._wait(one)
+            elif not one.finished.is_set():
+                return False
+            else:
+                try:
+                    one.work.wait()  # finished: returns at once, or raises its failure
+                except RuntimeError:
+                    self.broken = True
+                    return False
+            self._narrow(self.narrowed)
+        return True
+
+    def _narrow(self, k: int) -> None:
+        a, b = self.layout.ranges[k]
+        slot = self.ring[k % len(self.ring)][:b - a]
+        if b == self.buffer.numel():  # the bucket holding the loss element: kept in float64
+            self.loss.copy_(slot[-1:])
+        self.into[a:b].copy_(slot)
+        self.narrowed = k + 1
+
+    def _wait(self, one: Issued) -> None:
+        try:
+            self.group.wait([one], self.moved, self.watch_every_s)
+        except BaseException:
+            self.group.abandon(self.issued)
+            raise
 
     def finish(self, on_issued: Callable[[], None] | None = None, watch_every_s: float = 0.005) -> ReduceResult:
         """Issue what is left (the group formed first), run `on_issued`, wait for every bucket. Raises
         EpochMoved (every bucket abandoned) or CollectiveError as EpochGroup.allreduce; either way
-        `into` must not be reused, and `buffer` is intact. `seconds`: from this call to the end, what
-        backward did not hide, formation included."""
+        `into` (and the ring) must not be reused, and `buffer` is intact. `seconds`: from this call to
+        the end, what backward did not hide, formation included."""
         t0 = time.perf_counter()
+        self.watch_every_s = watch_every_s
         try:
             self.group.wait_formed(self.moved, watch_every_s)
         except BaseException:
@@ -100,7 +153,12 @@ class BucketedReduce:
         self._issue(all_=True)
         if on_issued is not None:
             on_issued()
-        self.group.wait(self.issued, self.moved, watch_every_s)
+        if self.ring is None:
+            self.group.wait(self.issued, self.moved, watch_every_s)
+        else:
+            while self.narrowed < len(self.issued):
+                self._wait(self.issued[self.narrowed])
+                self._narrow(self.narrowed)
         return ReduceResult(self.into, time.perf_counter() - t0)
 
     def abandon(self) -> None:

@@ -29,8 +29,10 @@ from unbroken.events import EventLog
 from unbroken.policy import recovery as rec
 from unbroken.runtime.parallel.accumulator import Accumulator
 from unbroken.runtime.parallel.buckets import BUCKET_BYTES, BucketedReduce, Layout
-from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved
+from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, EpochMoved, ReduceResult
 from unbroken.runtime.trainer.stepwork import StepWork
+
+RING = 2  # --exact: float64 bucket slots the reduction works in (a bucket in flight while one is rounded)
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,7 @@ class Reducer:
             loss.backward()
             work.acc.add(counted, share)
             return
-        into = self._into(work, self.role.holds[0], work.acc.buffer)
-        reduce = BucketedReduce(self.layout, group, work.acc.buffer, into, lambda: self.coord.moved(epoch))
+        reduce = self._bucketed(work, group, self.role.holds[0], work.acc.buffer, lambda: self.coord.moved(epoch))
         work.overlap = InFlight((epoch, members, self.role.holds[0]), reduce)
         work.acc.add_loss(counted)
         self.armed = _Armed(work.step, work.acc, reduce)
@@ -112,11 +113,29 @@ class Reducer:
         work.acc.add(None, share)  # what no hook folded (a parameter without a gradient: nothing)
 
     @staticmethod
-    def _into(work: StepWork, shard: int, buffer: torch.Tensor) -> torch.Tensor:
+    def _into(work: StepWork, shard: int, buffer: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The reduction's copy of `buffer` (in `dtype`: the narrowed result under --exact), kept in the
+        trainer's pool from step to step."""
         into = work.copies.get(shard)
-        if into is None or into.dtype != buffer.dtype:
-            into = work.copies[shard] = torch.empty_like(buffer)
+        if into is None or into.dtype != (dtype or buffer.dtype) or into.numel() != buffer.numel():
+            into = work.copies[shard] = torch.empty(buffer.numel(), dtype=dtype or buffer.dtype, device=buffer.device)
         return into
+
+    def _bucketed(self, work: StepWork, group: EpochGroup, shard: int, buffer: torch.Tensor,
+                  moved: Callable[[], bool]) -> BucketedReduce:
+        """The bucketed reduction of `buffer`. Under --exact (a float64 buffer for float32 parameters) it
+        is reduced in a ring of RING float64 bucket slots and rounded into the float32 gradient
+        (BucketedReduce says how); the slots, the result and the float64 loss live in `work.copies`."""
+        narrow = work.acc.params[0].dtype
+        if buffer.dtype == narrow:
+            return BucketedReduce(self.layout, group, buffer, self._into(work, shard, buffer), moved)
+        longest = max(b - a for a, b in self.layout.ranges)
+        ring = [work.copies.get((shard, "ring", k)) for k in range(RING)]
+        if any(t is None or t.numel() != longest for t in ring):
+            ring = [torch.empty(longest, dtype=buffer.dtype, device=buffer.device) for _ in range(RING)]
+            work.copies.update({(shard, "ring", k): t for k, t in enumerate(ring)})
+        loss = work.copies.setdefault((shard, "loss"), torch.empty(1, dtype=buffer.dtype, device=buffer.device))
+        return BucketedReduce(self.layout, group, buffer, self._into(work, shard, buffer, narrow), moved, ring, loss)
 
     def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:
         """All-reduce a copy of the accumulator in the group of the step's `members` in `epoch` (a group
@@ -144,19 +163,20 @@ class Reducer:
         for shard, buffer in zip(self.role.holds, work.acc.buffers):  # a stand-in: each index it holds
             key = (epoch, members, shard)
             group = self.group_of(*key)
-            into = self._into(work, shard, buffer)
             tag = self.role.shard_tag(shard)
             moved = lambda: self.coord.moved(epoch)  # noqa: E731
             on_issued = issued if not results else None
             extra = {}
             try:
                 if self.bucketed and isinstance(group, EpochGroup):
-                    bucketed = overlapped.reduce if overlapped else BucketedReduce(self.layout, group, buffer, into,
-                                                                                   moved)
+                    bucketed = overlapped.reduce if overlapped else self._bucketed(work, group, shard, buffer, moved)
                     result = bucketed.finish(on_issued)
                     extra = dict(buckets=len(self.layout.ranges), overlapped=bucketed.early)
+                    if bucketed.loss is not None:  # --exact: the float32 gradient, then the float64 loss
+                        results.append(result.tensor)
+                        result = ReduceResult(bucketed.loss, result.seconds)
                 else:
-                    result = group.allreduce(buffer, moved, on_issued=on_issued, into=into)
+                    result = group.allreduce(buffer, moved, on_issued=on_issued, into=self._into(work, shard, buffer))
             except EpochMoved:
                 work.copies.clear()  # the abandoned collective may still write them
                 return rec.EpochChanged(self.coord.chain_after(epoch))
