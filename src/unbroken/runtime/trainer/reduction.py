@@ -17,6 +17,11 @@ under a proposal not yet agreed, or beside a pipelined previous step) the same b
 the compute, in the same order: every member issues the same sequence either way. Groups of several
 ranks (FSDP2, TP, PP: one all-reduce of each shard index's buffer after the group's reduce-scatter) and
 NCCL groups keep one all-reduce of the whole buffer.
+
+Under --exact the float64 buckets are reduced in a ring of RING slots and each rounded into the float32
+gradient as it comes back (parallel/buckets.py): the copy is RING buckets, not the whole float64 buffer
+(8 bytes a parameter), at the price of a bucket waiting, inside the backward, for the slot of the one
+RING before it: fewer of --exact's buckets overlap the backward than float32's.
 """
 from __future__ import annotations
 
