@@ -49,7 +49,8 @@ def install(out_dir: str) -> None:
     """Call once at start-up (sitecustomize). In a trainer worker: wrap, and write totals every second."""
     with open("/proc/self/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
-    if b"unbroken.runtime.trainer" not in argv or b"torch.distributed.run" in argv:  # a worker, not its agent
+    worker = any(a.startswith(b"unbroken.runtime.trainer") for a in argv)  # -m unbroken.runtime.trainer[.lifecycle]
+    if not worker or b"torch.distributed.run" in argv:  # a worker, not its agent
         return
     import torch
     import torch.distributed.fsdp as fsdp

@@ -54,10 +54,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead.py and the baseline, from anywhere
 import _cpu  # noqa: E402
 import _hsdp_baseline  # noqa: E402
-from overhead import LONG, Side, bootstrap_ci, start_baseline, start_unbroken  # noqa: E402
+from overhead import LONG, Side, bootstrap_ci, cpu_per_step, start_baseline, start_unbroken, worker_pids  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
-from unbroken.events import read_events  # noqa: E402
 
 
 def start_hsdp(tmp: Path, args: argparse.Namespace) -> Side:
@@ -150,23 +149,6 @@ def main() -> None:
     print(f"ratio hsdp_overhead_trainer_cpu {trainer['unbroken'] / trainer['fsdp2 hsdp']:.3f}")
     print(f"ratio hsdp_overhead_total_cpu {sum(cpu['unbroken'].values()) / sum(cpu['fsdp2 hsdp'].values()):.3f}")
     print(f"ratio hsdp_overhead {statistics.median(ratios):.3f}")
-
-
-def worker_pids(out: Path) -> set[int]:
-    """The trainer processes of an unbroken run: each rank's `worker_start` record names its pid."""
-    return {r["pid"] for r in read_events(out / "events.jsonl") if r["event"] == "worker_start"}
-
-
-def cpu_per_step(side: Side, trainers: set[int]) -> dict[str, float]:
-    """CPU seconds a step by role (_cpu.by_role) over all of `side`'s windows: their CPU over the steps
-    that ended inside them."""
-    times = sorted(side.times())
-    steps = sum(sum(1 for t in times if a <= t <= b) for a, b in side.windows)
-    total = dict.fromkeys(_cpu.ROLES, 0.0)
-    for used in side.cpu:
-        for k, v in _cpu.by_role(used, trainers).items():
-            total[k] += v
-    return {k: v / max(1, steps) for k, v in total.items()}
 
 
 if __name__ == "__main__":

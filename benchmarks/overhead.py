@@ -26,8 +26,13 @@ Extras (--extras, a comma list; one window each per round, each against the same
 microbatches to whichever replica the machine favours), `no-pipelining` (run.step_ahead=off: every
 member waits for the commit decision before its optimizer step, the protocol without its pipelining).
 
-Prints a table, the extras' `ratio overhead <name> <value>` lines, and last `ratio overhead <unbroken /
-DDP>` for the default float32 mode with equal quotas (target <= 1.03).
+Prints a table; the CPU ms a step of every side by role (benchmarks/_cpu.py: trainers' main threads,
+gloo's threads, unbroken's helper threads, the control plane), and a `breakdown <side> - ddp` line of
+the differences: where the overhead goes, with `ratio overhead_trainer_cpu` (the trainer processes,
+every thread) and `ratio overhead_total_cpu` (every process), which a loaded host moves far less than
+the wall-clock ratio; each side's peak resident memory per trainer and its
+`ratio peak_memory[_<extra>]` against DDP's; the extras' `ratio overhead <name> <value>` lines, and last
+`ratio overhead <unbroken / DDP>` for the default float32 mode with equal quotas (target <= 1.03).
 
 Which configuration: by default one trainer process per core (--replicas: 1, 2 or 4, whichever is the
 most that fits), as on a GPU node, where each trainer drives a device of its own and the host has cores
@@ -229,6 +234,56 @@ def parts(out: Path, settle: int) -> dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in got.items() if v}
 
 
+def worker_pids(out: Path) -> set[int]:
+    """The trainer processes of an unbroken run: each rank's `worker_start` record names its pid."""
+    return {r["pid"] for r in read_events(out / "events.jsonl") if r["event"] == "worker_start"}
+
+
+def cpu_per_step(side: Side, trainers: set[int]) -> dict[str, float]:
+    """CPU seconds a step by role (_cpu.by_role) over all of `side`'s windows: their CPU over the steps
+    that ended inside them."""
+    times = sorted(side.times())
+    steps = sum(sum(1 for t in times if a <= t <= b) for a, b in side.windows)
+    total = dict.fromkeys(_cpu.ROLES, 0.0)
+    for used in side.cpu:
+        for k, v in _cpu.by_role(used, trainers).items():
+            total[k] += v
+    return {k: v / max(1, steps) for k, v in total.items()}
+
+
+def peak_mib(pids: set[int]) -> list[float]:
+    """Each live process's peak resident memory so far (VmHWM of /proc/<pid>/status), MiB."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                out += [int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:")]
+        except OSError:
+            continue
+    return out
+
+
+def cpu_breakdown(console: Console, cpu: dict[str, dict[str, float]]) -> None:
+    """The CPU table by role and side, then one `breakdown` line: where unbroken's extra CPU a step goes
+    against DDP, role by role (ms a step summed over processes)."""
+    c = Table(title="CPU ms a step, summed over processes (every window; /proc, benchmarks/_cpu.py)",
+              title_justify="left")
+    for col in ("system", *_cpu.ROLES, "total"):
+        c.add_column(col, justify="left" if col == "system" else "right")
+    for name, v in cpu.items():
+        c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in _cpu.ROLES), f"{1e3 * sum(v.values()):.1f}")
+    console.print(c)
+    trainer = {n: sum(v[k] for k in _cpu.ROLES if k != "control") for n, v in cpu.items()}
+    for name in [n for n in cpu if n != "ddp"]:
+        diff = {k: 1e3 * (cpu[name][k] - cpu["ddp"][k]) for k in _cpu.ROLES}
+        print(f"breakdown {name.replace(' ', '_')} - ddp, CPU ms a step: " +
+              ", ".join(f"{k} {v:+.1f}" for k, v in diff.items()) + f", total {sum(diff.values()):+.1f}")
+        suffix = "" if name == "unbroken" else "_" + name.removeprefix("unbroken ").replace(" ", "_")
+        # CPU a step does not drift with the host's load as wall time does: the figure a loaded host gives
+        print(f"ratio overhead_trainer_cpu{suffix} {trainer[name] / trainer['ddp']:.3f}")
+        print(f"ratio overhead_total_cpu{suffix} {sum(cpu[name].values()) / sum(cpu['ddp'].values()):.3f}")
+
+
 def bootstrap_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median of `ratios` (rounds resampled with replacement)."""
     rng = random.Random(seed)
@@ -280,13 +335,23 @@ def main() -> None:
             for side in pair + more:
                 with console.status(f"round {rnd + 1}/{args.rounds}: {side.name}"):
                     side.run_window(args.window)
+        trainers = {s.name: {p.pid for p in s.procs} if s is ddp else worker_pids(tmp / s.name.replace(" ", "-"))
+                    for s in sides}
+        peaks = {name: peak_mib(pids) for name, pids in trainers.items()}  # before the processes end
     finally:
         for side in sides:
             side.stop()
 
     per = {s.name: s.window_intervals(args.settle) for s in sides}
-    if any(not w for s in sides for w in per[s.name]):
-        raise RuntimeError(f"a window held fewer than {args.settle + 2} steps: raise --window (runs in {tmp})")
+    # a round counts only if every side's window in it held a measured interval (a loaded host can stall
+    # a window's steps); the rounds dropped are said, and none left is an error
+    kept = [r for r in range(args.rounds) if all(per[s.name][r] for s in sides)]
+    if not kept:
+        raise RuntimeError(f"no round's windows all held {args.settle + 2} steps: raise --window (runs in {tmp})")
+    if len(kept) < args.rounds:
+        console.print(f"[yellow]{args.rounds - len(kept)} of {args.rounds} rounds dropped: a window in each held "
+                      f"fewer than {args.settle + 2} steps")
+    per = {n: [ws[r] for r in kept] for n, ws in per.items()}
     med = {n: [statistics.median(w) for w in ws] for n, ws in per.items()}
     pooled = {n: statistics.median([x for w in ws for x in w]) for n, ws in per.items()}
     cores = len(os.sched_getaffinity(0))
@@ -305,11 +370,18 @@ def main() -> None:
     console.print(f"unbroken, per replica and step (medians): forward/backward {m['compute']:.1f} ms, all-reduce "
                   f"incl. waiting for peers {m['reduce']:.1f} ms, rest (data, store protocol, optimizer, digest, "
                   f"events) {m['rest']:.1f} ms, of which waiting for a commit decision {m['waited']:.2f} ms")
+    cpu_breakdown(console, {s.name: cpu_per_step(s, trainers[s.name]) for s in sides})
+    console.print("peak resident memory per trainer (VmHWM), MiB: " +
+                  ", ".join(f"{n} {statistics.median(v):.0f}" for n, v in peaks.items()))
     lo, hi = bootstrap_ci(ratios["unbroken"])
     console.print(f"pooled intervals: unbroken / DDP {pooled['unbroken'] / pooled['ddp']:.3f}; median of rounds "
                   f"{statistics.median(ratios['unbroken']):.3f} (95% bootstrap interval {lo:.3f}-{hi:.3f})")
     console.print(f"wall time {time.time() - t_start:.0f} s")
     shutil.rmtree(tmp, ignore_errors=True)
+    for s in sides:
+        if s is not ddp:
+            name = "" if s is unb else f"_{s.name.removeprefix('unbroken ')}"
+            print(f"ratio peak_memory{name} {statistics.median(peaks[s.name]) / statistics.median(peaks['ddp']):.3f}")
     for s in more:
         print(f"ratio overhead {s.name.removeprefix('unbroken ')} "
               f"{statistics.median(ratios[s.name]):.3f}")

@@ -23,6 +23,16 @@ From the run's events:
             memcpy of the same bytes on this machine (median of 20 torch copies); the transfer alone (the
             `transfer` field: broadcasts after a barrier), the group's rendezvous shown apart.
 
+  link      the same bytes sent once more right after each heal, between the same two processes over
+            the same gloo group, as one plain torch.distributed send/recv (benchmarks/_healprobe.py, put
+            into the workers through a sitecustomize): `ratio heal_over_link` is the joiner's heal
+            bandwidth (its transfer: the barrier until the last bucket is in its tensors) over the
+            link's, median over the group's ranks. The probe holds the donor's step up once more.
+  kill-to-back, split: torchrun's restart (the kill to the restarted process's start, from /proc in
+            its `worker_start`: `born`), its imports and set-up (to `worker_start`), admission (to the
+            coordinator's `join`), heal (to the joiner's last `heal` record: waiting for the donor's step
+            boundary, rendezvous, transfer), and its first step (to the first committed step with it).
+
 Last line: `ratio rejoin_longest_step VALUE`. What it leaves out: the restarted processes' start-up
 (imports, torchrun's agent: in `back`, not in `longest`), and a cluster's network: here the transfer
 is over loopback between processes that share 2 cores.
@@ -32,7 +42,10 @@ Usage: python benchmarks/rejoin.py [--replicas 3] [--group-size 2] [--steps 120]
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -75,6 +88,7 @@ def main() -> None:
                       faults__spec=f"kill:replica=1,rank={G - 1},step={args.fault_step},phase=compute",
                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1,
                       model__n_layer=args.n_layer, model__n_embd=args.n_embd)  # None: the config's
+    probes = install_probe(out.parent)
     with console.status(f"{args.replicas} groups x {G} ranks, {args.steps} steps, a rank of group 1 killed"):
         result = launch(cfg)
     if not result.ok:
@@ -118,9 +132,41 @@ def main() -> None:
     console.print(f"heal: the two-rank group's rendezvous {1e3 * formation:.1f} ms, then "
                   f"{nbytes / 1e6:.2f} MB a rank at {heal_bw / 1e9:.3f} GB/s against memcpy "
                   f"{copy_bw / 1e9:.2f} GB/s: {heal_bw / copy_bw:.3f} of memcpy")
+    split = kill_to_back(events, fault, back)
+    console.print("kill -> back split: " + ", ".join(f"{k} {v:.2f} s" for k, v in split.items()))
+    link = [json.loads(line) for p in probes.glob("probe-*.jsonl") for line in p.read_text().splitlines()]
+    link_bw = statistics.median(e["bytes"] / e["seconds"] for e in link if e["side"] == "joiner")
+    console.print(f"link: the same bytes as one plain send/recv between the same processes: "
+                  f"{link_bw / 1e9:.3f} GB/s (median of {len(link) // 2} ranks); heal {heal_bw / 1e9:.3f} GB/s")
+    print(f"ratio heal_over_link {heal_bw / link_bw:.3f}")
     print(f"ratio rejoin_back_seconds {back['t'] - fault['t']:.2f}")
     print(f"ratio heal_over_memcpy {heal_bw / copy_bw:.4f}")
     print(f"ratio rejoin_longest_step {longest / step_s:.2f}")
+
+
+def install_probe(tmp: Path) -> Path:
+    """Put _healprobe into every process the launch starts (a sitecustomize on PYTHONPATH); returns
+    the folder its records go to."""
+    site, probes = tmp / "site", tmp / "probes"
+    site.mkdir()
+    probes.mkdir()
+    here = str(Path(__file__).resolve().parent)
+    site.joinpath("sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {here!r})\nimport _healprobe\n_healprobe.install({str(probes)!r})\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    sys.path.insert(0, here)
+    return probes
+
+
+def kill_to_back(events: list[dict], fault: dict, back: dict) -> dict[str, float]:
+    """Seconds of each part of the kill -> back interval of group 1 (see the docstring)."""
+    starts = [e for e in events if e["event"] == "worker_start" and e["replica"] == 1 and e["t"] > fault["t"]]
+    born = min(e["born"] for e in starts)
+    up = max(e["t"] for e in starts)
+    join = next(e for e in events if e["event"] == "join" and e["replica"] == 1 and e["t"] > fault["t"])
+    healed = max(e["t"] for e in events if e["event"] == "heal" and e["side"] == "joiner")
+    return {"torchrun restart": born - fault["t"], "imports and set-up": up - born, "admission": join["t"] - up,
+            "heal": healed - join["t"], "first step": back["t"] - healed}
 
 
 if __name__ == "__main__":

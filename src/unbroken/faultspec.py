@@ -17,8 +17,10 @@
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
 kill, hang and slow take `rank=J` in a replica group of several ranks (default 0): that rank's process.
 
-Phases of step s (kill and hang): `compute` after the replica's first microbatch, `allreduce` as its
-all-reduce is issued, `commit` once the all-reduce succeeded, before the replica adds itself to the
+Phases of step s (kill and hang): `compute` after the replica's first microbatch, `overlap` as the first
+bucket of its all-reduce is issued inside its last microbatch's backward (one-rank groups on gloo, where
+the reduction overlaps backward; elsewhere as `allreduce`), `allreduce` as its all-reduce is issued (the
+last of its buckets), `commit` once the all-reduce succeeded, before the replica adds itself to the
 done count (so the step can only be retried: its peers, which may have stepped their optimizers ahead,
 must undo that), `optimizer` once the commit decision is known, before the replica applies it.
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("compute", "allreduce", "commit", "optimizer")
+PHASES = ("compute", "overlap", "allreduce", "commit", "optimizer")
 NODE_PHASES = ("parity",)  # node: lost inside its agent's parity encode (the snapshot agents' phase)
 
 

@@ -88,6 +88,28 @@ def test_two_kills_in_one_step(reference, tmp_path):
     assert {e["step"]: e["replicas"] for e in events if e["event"] == "step"}[5] == 2
 
 
+def test_kill_during_the_overlapped_reduction(reference, tmp_path):
+    """A kill inside the backward of replica 1's last microbatch of step 4, right after the first bucket of
+    its all-reduce went out (phase=overlap; 20 kB buckets, so the tiny GPT's gradient goes out in many;
+    step_ahead off, so the reduction overlaps): the survivors' own buckets were in flight in the same
+    group, and their partial sums stay intact: the step retries in a new epoch and every digest equals
+    the failure-free run's."""
+    r, out = run_with(tmp_path, "kill:replica=1,step=4,phase=overlap", "--run.step_ahead=off",
+                      "--parallel.bucket_mb=0.02")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = assert_trajectory(reference, out, lost=1)
+    assert_killed(events, (1, 4, "overlap"))
+    fault = next(e for e in events if e["event"] == "fault")
+    assert 1 <= fault["issued"] < fault["buckets"], fault  # mid-reduction, backward still going
+    reduced = {(e["replica"], e["step"]): e for e in events if e["event"] == "reduce" and e["ok"]}
+    # the overlap ran: the step before, buckets of every replica went out inside its last backward (under
+    # --exact at least the two of its float64 ring, the rest as slots come back)
+    assert all(2 <= reduced[g, 3]["overlapped"] <= reduced[g, 3]["buckets"] for g in range(4)), reduced
+    # step 4 retried: each survivor recovered in it and reduced in a later epoch than step 3's
+    assert {e["replica"] for e in events if e["event"] == "recovery" and e["step"] == 4} == {0, 2, 3}
+    assert all(reduced[g, 4]["epoch"] > reduced[g, 3]["epoch"] for g in (0, 2, 3))
+
+
 def test_two_of_four_lost_at_different_steps(reference, tmp_path):
     r, out = run_with(tmp_path, "kill:replica=3,step=2,phase=commit; kill:replica=0,step=7,phase=optimizer")
     assert r.returncode == 0, r.stderr[-2000:]

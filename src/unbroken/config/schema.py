@@ -274,6 +274,11 @@ class ParallelConfig:
     """The cross-group fault-tolerant all-reduce's backend: "auto" (NCCL where the rank computes on CUDA,
     gloo on CPU), "nccl" (CUDA ranks only: refused at config time without CUDA) or "gloo" (CUDA tensors
     staged through host memory). The NCCL path (runtime/parallel/nccl.py) has not run on a GPU yet."""
+    bucket_mb: float = 25.0
+    """Size of a bucket of the cross-group all-reduce, MB (DDP's bucket_cap_mb), in groups of one rank on
+    gloo: each bucket is copied and its all-reduce issued as the backward of the replica's last
+    microbatch makes its gradients final, overlapping the rest of that backward (runtime/trainer/
+    reduction.py). Groups of several ranks and NCCL reduce each shard's buffer whole."""
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,7 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
          "parallel.cross_backend=nccl with parallel.device=cpu: NCCL reduces CUDA tensors only; use "
          "--parallel.cross_backend=auto or gloo"),
         (p.claim_wait >= 0, f"parallel.claim_wait={p.claim_wait}: must be >= 0 (seconds)"),
+        (p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0 (MB)"),
         (p.replace_after < 0 or p.on_rank_loss == "replan",
          f"parallel.replace_after={p.replace_after} needs parallel.on_rank_loss=replan (a rank's own agent)"),
         (p.on_rank_loss == "drop" or g >= 2,

@@ -55,6 +55,7 @@ class Accumulator:
         # Sharded parameters (DTensors) get a DTensor `.grad`, built from the local slice in `load_grads`.
         self.sharded = any(local(p) is not p for p in params)
         self.views = all(p.dtype == dtype for p in params) and not self.sharded and not hooked
+        self.uniform = bool(params) and all(p.dtype == params[0].dtype for p in params)  # one flat grad fits all
         # Views are made once and kept: slicing and reshaping 28 parameters' views cost ~60 us a step
         # (at every zero() and every load_grads), setting `.grad` to a kept view ~4 us for all 28.
         self._own = self._split(self.buffer) if self.views else []
@@ -85,10 +86,11 @@ class Accumulator:
         for p, view in zip(self.params, self._own):
             p.grad = view
 
-    def add(self, weighted_loss: torch.Tensor, share: int = 0) -> None:
+    def add(self, weighted_loss: torch.Tensor | None, share: int = 0) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
-        into the buffer's views) and its weighted loss. `share` (whose FSDP2 rows) matters only to a
-        stand-in's accumulator (standin.ShardedAccumulator): this one holds one rank's own."""
+        into the buffer's views) and its weighted loss (None: `add_loss` took it before the backward).
+        `share` (whose FSDP2 rows) matters only to a stand-in's accumulator (standin.ShardedAccumulator):
+        this one holds one rank's own."""
         if self.hooked:
             for p in self.params:
                 p.grad = None
@@ -99,8 +101,24 @@ class Accumulator:
                 torch._foreach_add_([s for s, _ in pairs], [g for _, g in pairs])
             for p in self.params:
                 p.grad = None
+        if weighted_loss is not None:
+            self.add_loss(weighted_loss)
+
+    def add_loss(self, weighted_loss: torch.Tensor) -> None:
+        """Add a microbatch's weighted loss (once per microbatch: in `add`, or before its backward)."""
         # add_ computes in the buffer's dtype: a float32 loss is widened exactly, as `.to(float64)` did
         self._loss.add_(weighted_loss.detach())
+
+    def fold(self, i: int) -> None:
+        """Parameter i's gradient of the current backward is final: add it into its slice now and drop
+        it (the same add `add` makes: one float32 gradient into float32 or float64, element by element),
+        so its slice is final. Nothing to do where `.grad` is a view of the buffer. Not for `hooked`."""
+        if self.views:
+            return
+        p = self.params[i]
+        if p.grad is not None:
+            self._slices[i].add_(local(p.grad))
+            p.grad = None
 
     def add_shard(self, param: torch.Tensor, shard: torch.Tensor) -> None:
         """Add `param`'s shard of a group's reduce-scatter output (float64 in exact mode) into its slice."""
@@ -114,19 +132,24 @@ class Accumulator:
         return [self.buffer]
 
     def load_reduced(self, reduced: list[torch.Tensor]) -> float:
-        """`load_grads` of the reduced copies of `buffers`, in order; the step's loss."""
-        return self.load_grads(reduced[0])
+        """`load_grads` of the reduced copies of `buffers`, in order; the step's loss. A one-rank group's
+        bucketed --exact reduction gives two: the float32 gradient, then the float64 loss (1,)."""
+        return self.load_grads(reduced[0], reduced[1] if len(reduced) > 1 else None)
 
-    def load_grads(self, reduced: torch.Tensor) -> float:
-        """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode); returns the reduced
-        (step) loss. The views of the last buffer given are kept: the all-reduce reuses one."""
-        if self.views:
+    def load_grads(self, reduced: torch.Tensor, loss: torch.Tensor | None = None) -> float:
+        """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode; a float32 one itself
+        where the reduction rounded it already, its loss in `loss`); returns the reduced (step) loss.
+        The views of the last buffer given are kept: the all-reduce reuses one."""
+        rounded = not self.sharded and self.uniform and reduced.dtype == self.params[0].dtype
+        if self.views or rounded:
             if self._loaded is None or self._loaded[0] is not reduced:
                 self._loaded = (reduced, self._split(reduced))
             for p, view in zip(self.params, self._loaded[1]):
                 p.grad = view
-        elif self.sharded:
-            # One float32 copy into kept DTensor gradients: building 28 DTensors a step cost ~2 ms.
+        elif self.sharded or (reduced.dtype != self.params[0].dtype and self.uniform):
+            # One copy (float64 -> float32 under --exact: the same rounding as each `.to`) into kept
+            # gradients: building 28 DTensors a step cost ~2 ms; a fresh float32 tensor per parameter
+            # a step page-faults its memory in again (numel x 4 bytes a step).
             if self._grads is None:
                 self._flat = torch.empty(self.buffer.numel(), dtype=self.params[0].dtype, device=self.buffer.device)
                 self._grads = [self._as_grad(p, view) for p, view in zip(self.params, self._split(self._flat))]
@@ -136,7 +159,7 @@ class Accumulator:
         else:
             for p, view in zip(self.params, self._split(reduced)):
                 p.grad = view.to(p.dtype)
-        return float(reduced[-1])
+        return float(reduced[-1] if loss is None else loss[0])
 
     @staticmethod
     def _as_grad(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:

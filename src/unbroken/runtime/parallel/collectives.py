@@ -86,28 +86,65 @@ class EpochGroup:
         collective raises CollectiveError. `on_issued` runs right after the collective is issued.
         """
         t0 = time.perf_counter()
+        self.wait_formed(moved, watch_every_s)
+        copy = buffer.clone() if into is None else into.copy_(buffer)
+        issued = [self.issue(copy)]
+        if on_issued is not None:
+            on_issued()
+        self.wait(issued, moved, watch_every_s)
+        return ReduceResult(copy, time.perf_counter() - t0)
+
+    @property
+    def formed(self) -> bool:
+        """Whether the group has formed (a local read): `issue` needs it."""
+        return self._pg is not None
+
+    def wait_formed(self, moved: Callable[[], bool], watch_every_s: float = 0.005) -> None:
+        """Return once the group formed; raises CollectiveError if formation failed, EpochMoved if
+        `moved()` turned True first (the formation is abandoned)."""
         while self._pg is None:
             if self._error is not None:
                 raise CollectiveError(f"epoch {self.epoch} group did not form: {self._error}")
             self._former.join(watch_every_s)
             if self._pg is None and self._error is None and moved():
                 raise EpochMoved(f"epoch {self.epoch} ended while its group formed")
-        copy = buffer.clone() if into is None else into.copy_(buffer)
+
+    def issue(self, copy: torch.Tensor) -> Issued:
+        """Start an all-reduce (sum) of `copy` in place, asynchronously; the group must be `formed`.
+        Members must issue the same sequence of sizes in the same order (gloo pairs them by order)."""
         work = self._pg.allreduce([copy])
         finished = threading.Event()
         # Runs on gloo's thread when the work completes or fails; the GIL-free Event.wait below wakes.
         work.get_future().add_done_callback(lambda _: finished.set())
-        if on_issued is not None:
-            on_issued()
-        while not finished.wait(watch_every_s):
-            if moved():
-                _ABANDONED.append((self._pg, work, copy))
-                raise EpochMoved(f"epoch {self.epoch} ended during the all-reduce")
-        try:
-            work.wait()
-        except RuntimeError as e:
-            raise CollectiveError(f"all-reduce in epoch {self.epoch} failed: {str(e).splitlines()[0][:160]}") from None
-        return ReduceResult(copy, time.perf_counter() - t0)
+        return Issued(work, finished, copy)
+
+    def wait(self, issued: list[Issued], moved: Callable[[], bool], watch_every_s: float = 0.005) -> None:
+        """Wait for every issued all-reduce, in order. Raises EpochMoved when `moved()` turns True first
+        (every one of them is abandoned, kept alive with the group) and CollectiveError when one failed."""
+        for one in issued:
+            while not one.finished.wait(watch_every_s):
+                if moved():
+                    self.abandon(issued)
+                    raise EpochMoved(f"epoch {self.epoch} ended during the all-reduce")
+            try:
+                one.work.wait()
+            except RuntimeError as e:
+                self.abandon(issued)  # the others may still be in flight against a dead peer
+                raise CollectiveError(f"all-reduce in epoch {self.epoch} failed: "
+                                      f"{str(e).splitlines()[0][:160]}") from None
+
+    def abandon(self, issued: list[Issued]) -> None:
+        """Walk away from `issued` works (still running or never waited): they and the group stay alive
+        for the process's life, so no destructor blocks on a dead peer."""
+        _ABANDONED.extend((self._pg, one.work, one.copy) for one in issued)
+
+
+@dataclass(frozen=True)
+class Issued:
+    """An all-reduce in flight: its gloo work, the event its completion sets, the tensor it writes."""
+    work: object
+    finished: threading.Event
+    copy: torch.Tensor
 
 
 # Groups and works we walked away from: kept alive so no destructor blocks on a dead peer.

@@ -7,8 +7,12 @@ parameter digest. Does not own: when to heal or who donates (policy.membership; 
 after applying the step before the joiner's first, the worker calls `receive` before training), or the
 RNG and data position: both are functions of (seed, step, microbatch) here, so the step number carries them.
 
-Why one buffer: a broadcast per tensor (28 parameters + 56 optimizer tensors for a 2-layer GPT) costs a
-gloo round trip each; one flat float32 buffer is one (REFERENCE.md measured 7-15 ms for 6 MiB).
+Why buckets: a broadcast per tensor (28 parameters + 56 optimizer tensors for a 2-layer GPT) costs a
+gloo round trip each (REFERENCE.md measured 7-15 ms for 6 MiB as one buffer); one flat buffer of the
+whole state makes the donor copy all of it before the first byte leaves and the joiner receive all of
+it before its first copy out. Flat float32 buckets of about BUCKET_BYTES (whole tensors) instead, all
+posted at once: the donor flattens bucket k+1 while k is on the wire, the joiner copies bucket k into
+its tensors while k+1 arrives, and no bucket waits for an acknowledgement of the one before.
 """
 from __future__ import annotations
 
@@ -24,6 +28,24 @@ from torch.distributed import PrefixStore, Store
 
 from unbroken.runtime.parallel.accumulator import local, param_digest, unique_parameters
 from unbroken.runtime.persist.state import materialize
+
+
+BUCKET_BYTES = 16 << 20
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of about BUCKET_BYTES as float32 (a tensor is never split);
+    donor and joiner cut the same state the same way."""
+    bucket_bytes = BUCKET_BYTES
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if out[-1] and size + 4 * t.numel() > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += 4 * t.numel()
+    return out
 
 
 def _tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -86,7 +108,8 @@ Shard = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], 
 def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
            shard: Shard | None = None, gone: Callable[[], bool] | None = None) -> tuple[int, float, float]:
     """Send this rank's state to the joiner's rank over the heal group; returns (bytes, seconds in all,
-    seconds of the transfer alone: the group's rendezvous excluded). `shard()`: (parameters, tensors to
+    seconds of the transfer alone: the group's rendezvous excluded, the flattening, which overlaps it,
+    included). `shard()`: (parameters, tensors to
     send, _) of one shard index when this rank holds several (standin.heal_tensors), else all of `model`'s.
     Call right
     after the optimizer step of the step before the joiner's first. Raises on a joiner that never
@@ -95,15 +118,20 @@ def donate(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer,
     t0 = time.perf_counter()
     pg = forming.get(gone)
     params, tensors, _ = shard() if shard else _whole(model, optimizer)
-    # on the host: the heal group is gloo, and AdamW's `step` is a CPU scalar beside a GPU's CUDA moments
-    flat = torch.cat([t.reshape(-1).to("cpu", torch.float32) for t in tensors])
     digest = torch.tensor(list(bytes.fromhex(param_digest(params))), dtype=torch.uint8)
     pg.barrier().wait()  # the group formed on both sides: what follows is the transfer
     t1 = time.perf_counter()
-    pg.broadcast(flat, 0).wait()
-    pg.broadcast(digest, 0).wait()
+    works, sent = [], 0
+    for bucket in _buckets(tensors):  # flattened while the bucket before it is on the wire
+        # on the host: the heal group is gloo, and AdamW's `step` is a CPU scalar beside a GPU's CUDA moments
+        flat = torch.cat([t.reshape(-1).to("cpu", torch.float32) for t in bucket])
+        works.append((pg.broadcast(flat, 0), flat))
+        sent += flat.numel() * flat.element_size()
+    works.append((pg.broadcast(digest, 0), digest))
+    for work, _ in works:
+        work.wait()
     t2 = time.perf_counter()
-    return flat.numel() * flat.element_size(), t2 - t0, t2 - t1
+    return sent, t2 - t0, t2 - t1
 
 
 class HealMismatch(RuntimeError):
@@ -114,28 +142,32 @@ def receive(forming: Forming, model: nn.Module, optimizer: torch.optim.Optimizer
             shard: Shard | None = None) -> tuple[int, float, float]:
     """Load this rank's state (or one shard index of it, as `donate`: its tensors filled, then put back
     into the whole model) from the donor's rank over the heal group; returns (bytes, seconds in all,
-    seconds of the transfer alone). Call once, before the first step (after `materialize`, which a fresh
-    optimizer needs to have state tensors to load into: done before waiting, off the donor's path).
-    Raises HealMismatch when the loaded parameters do not hash to the donor's
-    digest, and gloo's error when the donor dies mid-transfer."""
+    seconds of the transfer alone: from the barrier until the last bucket is in the tensors). Call
+    once, before the first step (after `materialize`, which a fresh optimizer needs to have state
+    tensors to load into: done before waiting, off the donor's path). Raises HealMismatch when the
+    loaded parameters do not hash to the donor's digest, and gloo's error when the donor dies
+    mid-transfer."""
     t0 = time.perf_counter()
     materialize(model, optimizer)  # a no-op when done already
     pg = forming.get()
     params, tensors, put_back = shard() if shard else _whole(model, optimizer)
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
+    buckets = _buckets(tensors)
+    flats = [torch.empty(sum(t.numel() for t in b), dtype=torch.float32) for b in buckets]
     digest = torch.empty(16, dtype=torch.uint8)
     pg.barrier().wait()
     t1 = time.perf_counter()
-    pg.broadcast(flat, 0).wait()
-    pg.broadcast(digest, 0).wait()
-    t2 = time.perf_counter()
-    offset = 0
+    works = [pg.broadcast(flat, 0) for flat in flats] + [pg.broadcast(digest, 0)]  # all posted: no round trips
     with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
-            offset += t.numel()
+        for bucket, flat, work in zip(buckets, flats, works):  # bucket k copied out while k+1 arrives
+            work.wait()
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
+                offset += t.numel()
+    works[-1].wait()
+    t2 = time.perf_counter()
     put_back()
     want, got = bytes(digest.tolist()).hex(), param_digest(params)
     if got != want:
         raise HealMismatch(f"healed parameters hash to {got}, the donor's to {want}")
-    return flat.numel() * flat.element_size(), time.perf_counter() - t0, t2 - t1
+    return sum(f.numel() * f.element_size() for f in flats), time.perf_counter() - t0, t2 - t1

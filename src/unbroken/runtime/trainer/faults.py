@@ -52,15 +52,17 @@ class Injector:
         self.unslowed: dict[tuple[int, int], deque[float]] = {}
         self.aims = any(f.how == "throttle" for f in self.slow)  # only throttle reads them
 
-    def at(self, step: int, phase: str) -> None:
-        """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase)."""
+    def at(self, step: int, phase: str, **detail) -> None:
+        """Call at each protocol point; fires (once) any kill or hang scheduled for (step, phase). `detail`
+        goes into the `fault` event (where in the phase: the overlap's buckets issued so far)."""
         for f in [f for f in self.pending if f.step == step and (f.phase or "snapshot") == phase]:
             self.pending.remove(f)
             if self.store is not None and self.store.add(keys.fired(self.index[id(f)]), 1) != 1:
                 continue  # fired in an earlier generation of this run
             host = self.host and f.kind == "kill"
             self.log.emit("fault", kind=f.kind, replica=self.me, step=step, phase=phase,
-                          seconds=f.seconds or None, pid=os.getpid(), **self.tag, **({"host": True} if host else {}))
+                          seconds=f.seconds or None, pid=os.getpid(), **self.tag, **({"host": True} if host else {}),
+                          **detail)
             if host:
                 os.kill(os.getppid(), signal.SIGKILL)
             if f.kind in ("kill", "tear"):  # tear: while the snapshot copy thread is writing

@@ -145,6 +145,7 @@ def run(factories: Factories) -> int:
              pid=os.getpid(), torchrun="TORCHELASTIC_RUN_ID" in os.environ,
              forked=os.environ.get("UNBROKEN_FORKED", ""),  # "server", "agent" or "" (a fresh interpreter)
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+             born=born(),  # the process's start: worker_start's t less it is its imports and set-up
              **describe(where.device, where.cfg.parallel.cross_backend))  # what it computes and reduces on
     # Each incarnation's connection outlives it, as the process does: its store clients and watch
     # threads stay open (a survivor's next incarnation opens its own).
@@ -155,6 +156,19 @@ def run(factories: Factories) -> int:
         if not isinstance(outcome, Shrunk):
             return exit_code(outcome)
         me = outcome.next
+
+
+def born() -> float | None:
+    """When this process started (time.time() seconds; a forked worker: its fork), from /proc: the
+    starttime field of /proc/self/stat (clock ticks after boot) against /proc/uptime; None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(time.time() - (up - ticks / os.sysconf("SC_CLK_TCK")), 3)
 
 
 def start_up() -> tuple[Placement, Identity]:

@@ -5,7 +5,8 @@ step's accumulator, an all-reduce of a copy, store reads and compare-and-sets, t
 each outcome into the next event; the per-microbatch RNG; the events of this rank. Does not own:
 decisions (policy), membership (the coordinator), building what it trains or the process's life
 (lifecycle.py, admission.py), the step's data (stepwork.py: passed to each phase, never kept here), this
-rank's part in a step (role.py), commit pipelining's bookkeeping (speculation.py).
+rank's part in a step (role.py), commit pipelining's bookkeeping (speculation.py), the reduction
+(reduction.py).
 
 A step, top to bottom (`train_step`, then `run_plan`):
   plan = our proposal (epoch, members, quota weights); the agreed plan comes with the step before's
@@ -14,7 +15,8 @@ A step, top to bottom (`train_step`, then `run_plan`):
   settle the previous, pipelined step       -> its decision read, its Apply run (or, retried, the step
                                                starts over: Restart.PREVIOUS_RETRIED)
   adopt the agreed plan                     -> or start over under it (Restart.ANOTHER_PLAN_WON)
-  policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved)
+  policy says Reduce(epoch)                 -> all-reduce a copy in the epoch's group (or: epoch moved);
+                                               reduction.py: in buckets, from the last backward on
   policy says Publish / Propose / Await...  -> done count, compare-and-set decision, or wait for one
   on retry: policy replays the new membership, says Compute(what the dead owned) -> Reduce(new epoch)
   policy says Apply                         -> load reduced grads, optimizer step, digest, events;
@@ -42,9 +44,9 @@ from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
 from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.accumulator import Accumulator, local, param_digest, unique_parameters
-from unbroken.runtime.parallel.collectives import CollectiveError, EpochMoved
-from unbroken.runtime.parallel.crossgroup import CrossGroup, epoch_group
+from unbroken.runtime.parallel.crossgroup import CrossGroup, choose, epoch_group
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
+from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.store.reasons import evicted, lost_rank
 from unbroken.runtime.trainer.devicetime import DeviceClock
 from unbroken.runtime.trainer.donor import Donor
@@ -52,6 +54,7 @@ from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
 from unbroken.runtime.trainer.optimizing import Optimizing
+from unbroken.runtime.trainer.reduction import Reducer
 from unbroken.runtime.trainer.role import RankRole
 from unbroken.runtime.trainer.sidecar import Sidecar
 from unbroken.runtime.trainer.speculation import Pipeline, Rollback, limit
@@ -91,10 +94,10 @@ class Trainer:
         self.role = RankRole.of(cfg.topology(), who, parts.group is not None,
                                 standin.held if standin else None, standin.shares if standin else 1,
                                 cfg.parallel.on_rank_loss == "replan")
-        self.holding = standin or OwnShard(self.params, who.rank)  # what it holds of each shard index
         self.device = local(self.params[0]).device  # where microbatches go (admission.build put the model there)
         self.clock = DeviceClock(self.device, cfg.run.threads)
-        self.accs = self._accumulators(standin)  # alternate between steps: s+1 computes while s settles
+        self.holding = standin or OwnShard(self.params, who.rank)  # what it holds of each shard index
+        self.accs = [self._accumulator(standin)]  # and a second while a pipelined step awaits its decision
         self.sink = GradientSink(self.accs[0])  # gradient hooks -> the accumulator of the step computing
         self._hook_gradients(standin)
         self.groups: dict[tuple[int, tuple[int, ...], int], CrossGroup] = {}  # (epoch, members, shard) -> group
@@ -109,20 +112,34 @@ class Trainer:
         mode = "off" if (persist and cfg.run.step_ahead == "auto") or self.role.ranks > 1 else cfg.run.step_ahead
         self.pipeline = Pipeline(Rollback(self.params, self.optimizer, limit(mode, self.params[0].device)),
                                  log, self.me)
+        self.reducer = Reducer(self.role, coord, log, injector, heartbeat, self.pipeline, self.group_of, self.params,
+                               self.accs, choose(cfg.parallel.cross_backend, self.device) == "gloo",
+                               int(cfg.parallel.bucket_mb * 2 ** 20))
         self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                            cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
                                j, self.optimizer)) if standin else None, self.role.shard_tag)
 
-    def _accumulators(self, standin) -> tuple:
-        """Two accumulators of the run's dtype. A group's ranks under --exact take the float64
+    def _accumulator(self, standin=None):
+        """An accumulator of the run's dtype. A group's ranks under --exact take the float64
         reduce-scatter output itself (FSDP2 would round it to float32 in .grad): summed over a step's
         batches, rounded once, as one-rank groups do. A pipeline stage hands over each microbatch's
         gradients itself (pipeline.py says why): both are `hooked`."""
         dtype = torch.float64 if self.cfg.run.exact else torch.float32
         if standin:
-            return standin.accumulator(dtype, self.params), standin.accumulator(dtype, self.params)
+            return standin.accumulator(dtype, self.params)
         hooked = self.stages is not None or (self.role.fsdp and self.cfg.run.exact)
-        return Accumulator(self.params, dtype, hooked), Accumulator(self.params, dtype, hooked)
+        return Accumulator(self.params, dtype, hooked)
+
+    def free_accumulator(self):
+        """The accumulator a new step computes into: the first, unless the step pending its decision
+        (commit pipelining) holds it; then a second, built the first time. A run that never steps ahead
+        holds one buffer (numel x 4 or 8 bytes), not two."""
+        pending = self.pipeline.pending
+        if pending is None or pending.work.acc is not self.accs[0]:
+            return self.accs[0]
+        if len(self.accs) == 1:
+            self.accs.append(self._accumulator(self.holding if isinstance(self.holding, StandIn) else None))
+        return self.accs[1]
 
     def _hook_gradients(self, standin) -> None:
         """Point the gradient hooks (once) at the sink: a stand-in's per-parameter hooks, a pipeline
@@ -159,7 +176,7 @@ class Trainer:
         carries (`carried`), or for a generation's first step the first proposal compare-and-set (on the
         sidecar, meanwhile). If another plan won and it assigns us other microbatches, or the previous
         step turns out retried, the work is dropped and the step starts over under the agreed plan."""
-        work = StepWork(step, self.accs[step % 2], self.data.step_tokens(step, self.cfg.run.microbatches),
+        work = StepWork(step, self.free_accumulator(), self.data.step_tokens(step, self.cfg.run.microbatches),
                         time.time(), copies=self.copies)
         plan = self.coord.proposal(self.sidecar.weights)
         agreed = carried or self.sidecar.plan(step, plan)
@@ -180,6 +197,8 @@ class Trainer:
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
                                    plan.weights, self.role.indices)
         queue = deque(actions)
+        settled = self.pipeline.pending is None and agreed.done() and agreed.result() == plan
+        self.reducer.target(work, state, queue, settled)  # overlap its reduction with its last backward?
         while queue and isinstance(queue[0], rec.Compute):  # local work: nothing leaves the process
             state = self.advance(work, state, queue)
         if queue:  # before anything of this step leaves the process
@@ -233,7 +252,7 @@ class Trainer:
             case rec.Compute(step, mbs):
                 return self.compute(work, step, mbs)
             case rec.Reduce(step, epoch, members):
-                return self.reduce(work, step, epoch, members)
+                return self.reducer.reduce(work, step, epoch, members)
             case rec.Publish(step, epoch, held):
                 self.before_publish(step, epoch)
                 self.sidecar.wait_records()  # the record we write of the step before is out (sidecar.py)
@@ -353,8 +372,8 @@ class Trainer:
                 self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
                 loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
                                   **model_inputs(mb, self.inputs, self.device)) * loss_weight(mb.tokens, work.tokens)
-                loss.backward()
-                work.acc.add(loss if role.counts_loss else loss.new_zeros(()), share)  # the record sums shares
+                self.reducer.backward(work, loss, loss if role.counts_loss else loss.new_zeros(()), share,
+                                      last=n == len(microbatches) - 1)  # the record sums shares
             if len(role.computes) > 1:
                 mb = part(whole, 0, role.shares)  # a stand-in reports rank 0's rows, as its group did
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)
@@ -406,43 +425,6 @@ class Trainer:
         work.timings[i] = (mb.tokens, mb.sumsq, seconds)
         self.log.emit("compute", step=step, replica=self.me, microbatch=i, seconds=round(seconds, 6),
                       wall=round(wall, 6), tokens=mb.tokens, sumsq=mb.sumsq, **self.role.tag)
-
-    def reduce(self, work: StepWork, step: int, epoch: int, members: tuple[int, ...]) -> rec.Event:
-        """All-reduce a copy of the accumulator in the group of the step's `members` in `epoch` (a group
-        admitted in the epoch joins at the next step); the accumulator stays intact."""
-        self.hb.at(step, "allreduce", epoch=epoch)
-        if self.coord.moved(epoch):  # an epoch that only admits joiners leaves the step in its own
-            return rec.EpochChanged(self.coord.chain_after(epoch))
-        held = work.held()
-
-        def issued() -> None:  # while the reduction runs (off the path): the done record, the copy of
-            self.faults.at(step, "allreduce")  # the state a step ahead would need
-            self.coord.stage(step, epoch, held, work.timings_of(held), self.role.timed)
-            self.pipeline.save_early()
-
-        results = []
-        for shard, buffer in zip(self.role.holds, work.acc.buffers):  # a stand-in: each index it holds
-            key = (epoch, members, shard)
-            self.group_of(*key)
-            into = work.copies.get(shard)
-            if into is None or into.dtype != buffer.dtype:
-                into = work.copies[shard] = torch.empty_like(buffer)
-            tag = self.role.shard_tag(shard)
-            try:
-                result = self.groups[key].allreduce(buffer, lambda: self.coord.moved(epoch),
-                                                    on_issued=issued if not results else None, into=into)
-            except EpochMoved:
-                work.copies.clear()  # the abandoned collective may still write them
-                return rec.EpochChanged(self.coord.chain_after(epoch))
-            except CollectiveError as e:
-                work.copies.clear()
-                self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=False, error=str(e), **tag)
-                return rec.ReduceFailed(epoch, str(e))
-            results.append(result.tensor)
-            self.log.emit("reduce", step=step, replica=self.me, epoch=epoch, ok=True,
-                          seconds=round(result.seconds, 6), microbatches=list(held), **tag)
-        work.reduced = results
-        return rec.Reduced(epoch)
 
     def step_optimizer(self, work: StepWork) -> float:
         """Reduced gradient into .grad, clipped by its global norm, optimizer step at the step's lr;

@@ -64,6 +64,9 @@ class StepWork:
     # pool, given to each step): a failure leaves the accumulator itself intact. Cleared when a
     # reduction is abandoned, since the abandoned collective may still write into them.
     copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    # its reduction overlapped with its last backward (reduction.py): (epoch, members) once marked, then
+    # the reduction issued from the backward (reduction.InFlight) once armed; None: not overlapped
+    overlap: object | None = None
 
     def held(self) -> tuple[int, ...]:
         """The microbatches this member computed in the step (the policy's `held`), in order."""

@@ -1,0 +1,105 @@
+"""The reduction overlapped with backward (runtime/parallel/buckets.py, runtime/trainer/reduction.py), in one
+process: the bucket layout's arithmetic, and a Reducer over a real one-member gloo group folding a GPT's
+last microbatch bucket by bucket from its hooks. Oracle: the accumulator the plain path builds (backward,
+then `add`), bit for bit, in float32 and float64; the reduction's copy equals it, the buffer untouched."""
+from __future__ import annotations
+
+import datetime
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from unbroken.config.schema import ModelConfig
+from unbroken.events import EventLog
+from unbroken.model.gpt import GPT
+from unbroken.policy import recovery as rec
+from unbroken.runtime.parallel.accumulator import Accumulator, unique_parameters
+from unbroken.runtime.parallel.buckets import Layout
+from unbroken.runtime.parallel.collectives import EpochGroup
+from unbroken.runtime.trainer.reduction import Reducer
+from unbroken.runtime.trainer.stepwork import StepWork
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("sizes,bucket", [([3, 5, 2], 16), ([3, 5, 2], 1000), ([7], 4), ([1] * 9, 12)])
+def test_layout_covers_the_buffer_in_reverse_order(sizes, bucket):
+    layout = Layout.of_sizes(sizes, 4, bucket)
+    # contiguous from the end (the loss element first) to 0
+    ends = [end for _, end in layout.ranges]
+    assert ends[0] == sum(sizes) + 1 and layout.ranges[-1][0] == 0
+    assert all(a == b for (a, _), (_, b) in zip(layout.ranges, layout.ranges[1:]))
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    for k, (a, b) in enumerate(layout.ranges):
+        inside = [i for i in range(len(sizes)) if a <= offsets[i] < b]
+        assert [layout.of[i] for i in inside] == [k] * len(inside) and layout.count[k] == len(inside) >= 1
+        assert len(inside) == 1 or (b - a) * 4 <= bucket  # over the cap only as one parameter
+    assert layout.of == tuple(sorted(layout.of, reverse=True))  # later parameters, earlier buckets
+
+
+def microbatch(step: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + i)
+    x = torch.randint(0, 64, (2, 16), generator=g)
+    return x, torch.roll(x, 1, dims=1)
+
+
+@pytest.fixture(scope="module")
+def group():
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    g = EpochGroup(store, 0, (0,), 0, 30.0)
+    g.wait_formed(lambda: False)
+    return g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
+    cfg = ModelConfig(n_layer=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.0)
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        params = unique_parameters(model)
+        return model, params, Accumulator(params, dtype)
+
+    faults = SimpleNamespace(at=lambda *a, **k: None)
+    role = SimpleNamespace(ranks=1, indices=1, holds=(0,), group=0, timed=1, shard_tag=lambda _: {})
+    moving = []  # non-empty: the epoch reads as moved (a member marked to overlap must then not arm)
+    coord = SimpleNamespace(moved=lambda e: bool(moving), stage=lambda *a: None)
+    runs = []
+    for overlap in (False, True, "moved"):
+        model, params, acc = build()
+        reducer = Reducer(role, coord, EventLog(tmp_path / f"{overlap}.jsonl"), faults,
+                          SimpleNamespace(at=lambda *a, **k: None), SimpleNamespace(save_early=lambda: None),
+                          lambda *key: group, params, (acc, acc), gloo=True, bucket_bytes=4096)
+        assert reducer.bucketed and len(reducer.layout.ranges) > 3
+        work = StepWork(0, acc, 96, 0.0)
+        acc.zero()
+        state = SimpleNamespace(epoch=0, members=(0,))
+        reducer.target(work, state, [rec.Compute(0, (0, 1, 2))], settled=bool(overlap))
+        moving[:] = [1] if overlap == "moved" else []
+        for i in range(3):
+            x, y = microbatch(0, i)
+            loss = model(x, y) * (1 / 3)
+            reducer.backward(work, loss, loss, 0, last=i == 2)
+        moving.clear()  # moved back, as a reform that kept the members would not: the plain path reduces
+        early = work.overlap.reduce.early if overlap is True else 0
+        kept = acc.buffer.clone()
+        assert isinstance(reducer.reduce(work, 0, 0, (0,)), rec.Reduced)
+        assert torch.equal(acc.buffer, kept)  # the reduction wrote its copy, never the buffer
+        # one member: the sum is the buffer itself; float64 (--exact) comes back rounded to the float32
+        # gradient, reduced in a ring of bucket slots, and its float64 loss apart
+        assert work.reduced[0].data_ptr() != acc.buffer.data_ptr()
+        assert torch.equal(work.reduced[0], kept.to(torch.float32))
+        if dtype == torch.float64:
+            assert len(work.reduced) == 2 and torch.equal(work.reduced[1], kept[-1:])
+            assert acc.load_reduced(work.reduced) == float(kept[-1])
+            assert all(p.grad.data_ptr() == work.reduced[0].data_ptr() + 4 * off
+                       for p, off in zip(params, acc.offsets))  # `.grad` is the rounded result itself
+        runs.append((kept, early, len(reducer.layout.ranges)))
+    (plain, none, _), (overlapped, early, buckets), (unarmed, _, _) = runs
+    # inside the last backward: every bucket (float32); under --exact at least the ring's first two, the
+    # rest as soon as a slot's bucket has come back (a loaded host may not have returned one yet)
+    assert none == 0 and (early == buckets if dtype == torch.float32 else 2 <= early <= buckets)
+    assert torch.equal(plain, overlapped) and torch.equal(plain, unarmed)  # bit for bit, the loss included
