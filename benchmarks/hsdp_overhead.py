@@ -32,7 +32,9 @@ With --exact both sides reduce in float64: unbroken's exact mode, and the baseli
 `MixedPrecisionPolicy(reduce_dtype=torch.float64)` (the same reduce-scatter and all-reduce bytes), so the
 ratio is what unbroken adds, not what float64 costs.
 
-Prints a table, then last `ratio hsdp_overhead <unbroken / FSDP2 HSDP>` (target <= 1.05).
+Prints a table, each side's peak resident memory per rank (VmHWM of the rank processes, read before they
+stop) with `ratio hsdp_peak_memory` (unbroken's median rank over the baseline's; target <= 1.10), then last
+`ratio hsdp_overhead <unbroken / FSDP2 HSDP>` (target <= 1.05).
 Usage: python benchmarks/hsdp_overhead.py [--rounds 8] [--window 4] [--settle 2] [--replicas 2]
        [--group-size 2] [--microbatches 4] [--n-layer 2] [--n-embd 64] [--exact]
 """
@@ -54,7 +56,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead.py and the baseline, from anywhere
 import _cpu  # noqa: E402
 import _hsdp_baseline  # noqa: E402
-from overhead import LONG, Side, bootstrap_ci, cpu_per_step, start_baseline, start_unbroken, worker_pids  # noqa: E402
+from overhead import LONG, Side, bootstrap_ci, cpu_per_step, peak_mib, start_baseline, start_unbroken, worker_pids  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
 
@@ -106,6 +108,9 @@ def main() -> None:
             last = [s.window_intervals(args.settle)[-1] for s in (unb, base)]
             if all(last):
                 console.print(f"round {rnd + 1}: {statistics.median(last[0]) / statistics.median(last[1]):.3f}")
+        # each rank's high-water mark, read while the processes live (baseline: its rank processes)
+        peaks = {s.name: peak_mib(worker_pids(tmp / "unbroken") if s is unb else {p.pid for p in s.procs})
+                 for s in sides}
     finally:
         for side in sides:
             side.stop()
@@ -148,6 +153,9 @@ def main() -> None:
     print(f"ratio hsdp_overhead_main_thread_cpu {main['unbroken'] / main['fsdp2 hsdp']:.3f}")
     print(f"ratio hsdp_overhead_trainer_cpu {trainer['unbroken'] / trainer['fsdp2 hsdp']:.3f}")
     print(f"ratio hsdp_overhead_total_cpu {sum(cpu['unbroken'].values()) / sum(cpu['fsdp2 hsdp'].values()):.3f}")
+    console.print("peak resident memory per rank (VmHWM), MiB: " + ", ".join(
+        f"{n} {statistics.median(v):.0f} (ranks {' '.join(f'{x:.0f}' for x in sorted(v))})" for n, v in peaks.items()))
+    print(f"ratio hsdp_peak_memory {statistics.median(peaks['unbroken']) / statistics.median(peaks['fsdp2 hsdp']):.3f}")
     print(f"ratio hsdp_overhead {statistics.median(ratios):.3f}")
 
 

@@ -70,12 +70,17 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     CUDA here (runtime/parallel/crossgroup.py: check); a group of several ranks needs a model whose
     parallel plan (`plan`, else the model's) fits parallel.tp and parallel.pp (model/plan.py: `check`,
     on the model built on the meta device: a user's `model` factory, else the built-in one), unless a
-    user's `parallelize` function applies them (not with pipeline stages). Raises ConfigError (one line)."""
+    user's `parallelize` function applies them (not with pipeline stages, nor with on_rank_loss=replan,
+    which re-forms from the plan). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
     if parallelize is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
                           f"the model's parallel plan (pass plan=... instead)")
+    if parallelize is not None and cfg.parallel.on_rank_loss == "replan":
+        # a re-formed group holds other slices than the user's function cut (standin.py cuts by the plan)
+        raise ConfigError("parallel.on_rank_loss=replan with a parallelize function: re-forming a group onto its "
+                          "survivors needs the model's parallel plan (pass plan=... instead, or on_rank_loss=drop)")
     if cfg.parallel.group_size > 1 and parallelize is None and (
             model is not None or plan is not None or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         from unbroken.model.builtin import check

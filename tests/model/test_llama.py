@@ -6,6 +6,7 @@ rank's slices cover each parameter once, and what a plan cannot do is one line b
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import replace
 
 import pytest
@@ -227,3 +228,15 @@ def test_a_user_s_parallelize_function_is_checked_after_it_runs():
         assert all(g.force_sum_reduction_for_comms and g.gradient_divide_factor == 1.0 for g in groups)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("key, value, token", [("parallel.pp", "2", "parallel.pp=2"),
+                                               ("parallel.on_rank_loss", "replan", "parallel.on_rank_loss=replan")])
+def test_what_a_parallelize_function_cannot_do_is_one_line_before_anything_starts(key, value, token):
+    """Pipeline stages and re-forming onto survivors come from a plan: with a user's parallelize function
+    they are refused by `check_host`, which `unbroken.train` runs before any process starts."""
+    from unbroken.api import check_host
+    cfg = build({}, {"parallel.group_size": "2", key: value})
+    with pytest.raises(ConfigError, match=rf"^{re.escape(token)} with a parallelize function") as e:
+        check_host(cfg, parallelize=lambda model, mesh, dims: model)
+    assert "\n" not in str(e.value)
