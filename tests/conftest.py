@@ -86,11 +86,13 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
 
 
 # The files that take minutes on one test worker (each file's tests run on one: --dist loadfile), longest
-# first, measured as each file's summed test wall time in a CI run at 9c63abb (351, 324, 158, 147, 123, 110,
-# 90 and 77 s). They go first, and the many short files fill the run's end: in xdist's own order (most
-# tests first) the two shrink files started ~11 minutes in and the run's last minute had one worker busy.
-LONGEST_FIRST = ("tests/runtime/test_shrink.py", "tests/runtime/test_shrink_fsdp.py", "tests/runtime/test_llama_groups.py",
-                 "tests/runtime/test_fsdp_composed.py", "tests/runtime/test_pp_tp.py", "tests/runtime/test_groups.py",
+# first by each file's summed test wall time in a full run (test_shrink's ~350 s down to ~20 s). They go
+# first, and the many short files fill the run's end: in xdist's own order (most tests first) the two
+# shrink files started ~11 minutes in and the run's last minute had one worker busy.
+LONGEST_FIRST = ("tests/runtime/test_shrink.py", "tests/runtime/test_shrink_fsdp.py",
+                 "tests/runtime/test_llama_groups.py", "tests/runtime/test_cluster.py",
+                 "tests/runtime/test_hf_groups.py", "tests/runtime/test_fsdp_composed.py",
+                 "tests/runtime/test_pp_tp.py", "tests/runtime/test_groups.py",
                  "tests/runtime/test_precision.py", "tests/runtime/test_restore_e2e.py",
                  "tests/runtime/test_recovery_e2e.py", "tests/test_oracle_schedule.py",
                  "tests/runtime/test_pp_tp_persist.py", "tests/runtime/test_clipping_groups.py")
