@@ -54,9 +54,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead.py and the baseline, from anywhere
-import _cpu  # noqa: E402
 import _hsdp_baseline  # noqa: E402
-from overhead import LONG, Side, bootstrap_ci, cpu_per_step, peak_mib, start_baseline, start_unbroken, worker_pids  # noqa: E402
+from overhead import LONG, Side, bootstrap_ci, cpu_per_step, cpu_table, peak_mib, start_baseline, start_unbroken, worker_pids  # noqa: E402
 
 from unbroken.api import make_config  # noqa: E402
 
@@ -138,13 +137,7 @@ def main() -> None:
                   f"wall time {time.time() - t_start:.0f} s")
     cpu = {s.name: cpu_per_step(s, trainers) for s, trainers in
            ((unb, worker_pids(tmp / "unbroken")), (base, {p.pid for p in base.procs}))}
-    c = Table(title="CPU ms a step, summed over processes (every window; /proc, benchmarks/_cpu.py)",
-              title_justify="left")
-    for col in ("system", *_cpu.ROLES, "total"):
-        c.add_column(col, justify="left" if col == "system" else "right")
-    for name, v in cpu.items():
-        c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in _cpu.ROLES), f"{1e3 * sum(v.values()):.1f}")
-    console.print(c)
+    cpu_table(console, cpu)
     trainer = {n: v["trainer main"] + v["trainer gloo"] + v["trainer threads"] for n, v in cpu.items()}
     console.print("control = the coordinator, launcher and torchrun agents: on a GPU node they run on host "
                   "cores the trainers do not use; here they take CPU from the trainers")

@@ -263,9 +263,8 @@ def peak_mib(pids: set[int]) -> list[float]:
     return out
 
 
-def cpu_breakdown(console: Console, cpu: dict[str, dict[str, float]]) -> None:
-    """The CPU table by role and side, then one `breakdown` line: where unbroken's extra CPU a step goes
-    against DDP, role by role (ms a step summed over processes)."""
+def cpu_table(console: Console, cpu: dict[str, dict[str, float]]) -> None:
+    """The CPU table by role and side (ms a step summed over processes); hsdp_overhead.py prints it too."""
     c = Table(title="CPU ms a step, summed over processes (every window; /proc, benchmarks/_cpu.py)",
               title_justify="left")
     for col in ("system", *_cpu.ROLES, "total"):
@@ -273,6 +272,12 @@ def cpu_breakdown(console: Console, cpu: dict[str, dict[str, float]]) -> None:
     for name, v in cpu.items():
         c.add_row(name, *(f"{1e3 * v[k]:.1f}" for k in _cpu.ROLES), f"{1e3 * sum(v.values()):.1f}")
     console.print(c)
+
+
+def cpu_breakdown(console: Console, cpu: dict[str, dict[str, float]]) -> None:
+    """The CPU table by role and side, then one `breakdown` line: where unbroken's extra CPU a step goes
+    against DDP, role by role (ms a step summed over processes)."""
+    cpu_table(console, cpu)
     trainer = {n: sum(v[k] for k in _cpu.ROLES if k != "control") for n, v in cpu.items()}
     for name in [n for n in cpu if n != "ddp"]:
         diff = {k: 1e3 * (cpu[name][k] - cpu["ddp"][k]) for k in _cpu.ROLES}
