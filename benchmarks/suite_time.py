@@ -1,0 +1,158 @@
+"""The test suite's time against an earlier commit's, side by side in one run: the tests both commits
+hold, each side's own pytest on its own etcd cluster, at the same time on the same host.
+
+    python benchmarks/suite_time.py --base b53df13 [--current HEAD] [--workers 1]
+
+What it measures: each side runs the test IDs both trees collect (the current tree deselects the tests
+the base lacks; the base deselects the ones the current tree lost), with `--workers` xdist workers each
+(1: the two sides together load the host as CI's `-n 2` does). It prints each side's wall clock and the
+sum of its tests' own times (setup, call and teardown, from pytest's JUnit XML) over the tests that passed
+on both sides, the ratios current / base, and the files whose summed time moved most. A ratio above 1
+says the current code runs the same tests slower. Both sides share the host's load (other work on it
+included), so the ratio holds where the absolute seconds do not; a test that failed on either side is
+left out of the sums and counted.
+
+What it leaves out: the tests only the current tree holds (their time is the suite's growth, not its
+speed), and the virtual environment: both sides run this interpreter's packages.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def collect(tree: Path) -> set[str]:
+    """The test IDs pytest collects in `tree` (its own src first on the path)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-o",
+                        "addopts=", "-n", "0"], cwd=tree, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(tree / "src")})
+    ids = {line for line in r.stdout.splitlines() if "::" in line}
+    if not ids:
+        raise SystemExit(f"no tests collected in {tree}: {r.stdout[-500:]}{r.stderr[-500:]}")
+    return ids
+
+
+def node_id(case: ET.Element) -> str:
+    """A JUnit testcase's pytest node ID (classname tests.runtime.test_x[.Class], name test_y[param])."""
+    parts = case.get("classname", "").split(".")
+    k = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
+    return "/".join(parts[:k + 1]) + ".py::" + "::".join(parts[k + 1:] + [case.get("name", "")])
+
+
+def results(xml: Path) -> dict[str, tuple[float, bool]]:
+    """node ID -> (seconds, passed) from pytest's JUnit XML."""
+    out = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        bad = any(c.tag in ("failure", "error") for c in case)
+        skipped = any(c.tag == "skipped" for c in case)
+        out[node_id(case)] = (float(case.get("time", 0.0)), not bad and not skipped)
+    return out
+
+
+def start_side(tree: Path, drop: set[str], workers: int, work: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """Start one side's pytest (its etcd cluster first); returns the process and its JUnit XML path."""
+    args_file = work / f"{name}.args"
+    args_file.write_text("".join(f"--deselect\n{t}\n" for t in sorted(drop)))
+    etcd_dir = work / f"{name}-etcd"
+    etcd_dir.mkdir()
+    url = subprocess.run([sys.executable, "-m", "tests.etcd_cluster", "start", str(etcd_dir)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    xml = work / f"{name}.xml"
+    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "UNBROKEN_TEST_ETCD": url, "CI": "true"}
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", str(workers),
+                          f"--junitxml={xml}", f"@{args_file}"], cwd=tree, env=env, start_new_session=True,
+                         stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    return p, xml
+
+
+def stop_etcd(work: Path, name: str) -> None:
+    subprocess.run([sys.executable, "-m", "tests.etcd_cluster", "stop", str(work / f"{name}-etcd")], cwd=ROOT,
+                   capture_output=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the earlier commit (any git revision)")
+    ap.add_argument("--current", default="HEAD", help="the commit to time against it (default HEAD; both "
+                    "run from worktrees of their own, so the checkout may change meanwhile)")
+    ap.add_argument("--workers", type=int, default=1, help="xdist workers a side (default 1)")
+    ap.add_argument("--keep", help="a folder to keep the logs and JUnit XML in (default: a temporary one)")
+    a = ap.parse_args(argv)
+    console = Console()
+    work = Path(a.keep or tempfile.mkdtemp(prefix="suite-time-"))
+    work.mkdir(parents=True, exist_ok=True)
+    trees = {"base": work / "base-tree", "current": work / "current-tree"}
+    for name, rev in (("base", a.base), ("current", a.current)):
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(trees[name]), rev], cwd=ROOT, check=True)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        ids = {name: collect(tree) for name, tree in trees.items()}
+        common = ids["base"] & ids["current"]
+        console.print(f"base {a.base}: {len(ids['base'])} tests, current {a.current}: {len(ids['current'])}, "
+                      f"both: {len(common)}")
+        xml, started, ended = {}, time.monotonic(), {}
+        for name, tree in trees.items():
+            procs[name], xml[name] = start_side(tree, ids[name] - common, a.workers, work, name)
+        with Live(console=console, refresh_per_second=1) as live:
+            while len(ended) < 2:
+                for name, p in procs.items():
+                    if name not in ended and p.poll() is not None:
+                        ended[name] = time.monotonic() - started
+                t = Table.grid(padding=(0, 2))
+                for name in procs:
+                    t.add_row(name, f"{ended.get(name, time.monotonic() - started):7.0f} s",
+                              "done" if name in ended else "running")
+                live.update(t)
+                time.sleep(1)
+        report(console, {n: results(x) for n, x in xml.items()}, ended, common)
+    finally:
+        for name, p in procs.items():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            stop_etcd(work, name)
+        for tree in trees.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(console: Console, res: dict[str, dict[str, tuple[float, bool]]], wall: dict[str, float],
+           common: set[str]) -> None:
+    """Print each side's wall clock and summed test time over the tests that passed on both, the ratios,
+    and the files whose time moved most."""
+    ok = {t for t in common if all(res[n].get(t, (0.0, False))[1] for n in res)}
+    failed = {n: sorted(t for t in common if t in res[n] and not res[n][t][1]) for n in res}
+    total = {n: sum(res[n][t][0] for t in ok) for n in res}
+    for n in ("base", "current"):
+        console.print(f"{n}: wall {wall[n]:.0f} s; {len(ok)} tests passed on both sides: {total[n]:.0f} s of test "
+                      f"time; not passed here: {len(failed[n])} {failed[n][:5]}")
+    by_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for t in ok:
+        f = t.split("::")[0]
+        by_file[f][0] += res["base"][t][0]
+        by_file[f][1] += res["current"][t][0]
+    moved = sorted(by_file.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:8]
+    for f, (b, c) in moved:
+        console.print(f"  {f}: {b:.1f} s -> {c:.1f} s")
+    print(f"ratio suite_wall {wall['current'] / wall['base']:.3f}")
+    print(f"ratio suite_test_time {total['current'] / max(total['base'], 1e-9):.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
