@@ -80,6 +80,19 @@ def start_side(tree: Path, drop: set[str], workers: int, work: Path, name: str) 
     return p, xml
 
 
+def reap(tree: Path) -> None:
+    """Kill every process still working in `tree`: a run's launcher, fork servers and torchrun agents
+    start sessions of their own, so killing pytest's process group leaves them running (Linux: /proc)."""
+    for _ in range(3):  # a fork server may fork once more between two passes
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(tree):
+                    os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.5)
+
+
 def stop_etcd(work: Path, name: str) -> None:
     subprocess.run([sys.executable, "-m", "tests.etcd_cluster", "stop", str(work / f"{name}-etcd")], cwd=ROOT,
                    capture_output=True)
@@ -124,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, p in procs.items():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+            reap(trees[name])
             stop_etcd(work, name)
         for tree in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
