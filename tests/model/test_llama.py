@@ -230,13 +230,49 @@ def test_a_user_s_parallelize_function_is_checked_after_it_runs():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("key, value, token", [("parallel.pp", "2", "parallel.pp=2"),
-                                               ("parallel.on_rank_loss", "replan", "parallel.on_rank_loss=replan")])
-def test_what_a_parallelize_function_cannot_do_is_one_line_before_anything_starts(key, value, token):
-    """Pipeline stages and re-forming onto survivors come from a plan: with a user's parallelize function
-    they are refused by `check_host`, which `unbroken.train` runs before any process starts."""
-    from unbroken.api import check_host
-    cfg = build({}, {"parallel.group_size": "2", key: value})
-    with pytest.raises(ConfigError, match=rf"^{re.escape(token)} with a parallelize function") as e:
-        check_host(cfg, parallelize=lambda model, mesh, dims: model)
+def test_what_a_parallelize_function_cannot_do_is_one_line_before_anything_starts():
+    """Pipeline stages come from a plan: with a user's parallelize function they are refused by
+    `check_host`, which `unbroken.train` runs before any process starts. Re-forming onto survivors cuts
+    slices by the plan too: under parallel.on_rank_loss=replan check_host says why such groups cannot
+    re-form (the coordinator then drops them: tests/runtime/test_replanning.py), and nothing under drop."""
+    from unbroken.api import CUSTOM_REFUSED, check_host
+    fn = lambda model, mesh, dims: model  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^parallel.pp=2 with a parallelize function") as e:
+        check_host(build({}, {"parallel.group_size": "2", "parallel.pp": "2"}), parallelize=fn)
     assert "\n" not in str(e.value)
+    replan = build({}, {"parallel.group_size": "2", "parallel.on_rank_loss": "replan"})
+    assert check_host(replan, parallelize=fn) == CUSTOM_REFUSED
+    assert check_host(replan) is None and check_host(build({}, {"parallel.group_size": "2"}), parallelize=fn) is None
+
+
+def test_a_tp_plan_whose_slices_a_survivor_cannot_cut_cannot_re_form():
+    """reform_problem: the built-in plans re-form (the GPT's rewrite comes with its slicer, the Llama's
+    styles are column- and row-wise on nn.Linear); a rewrite without a slicer, or a row-wise style on an
+    embedding inside a layer (torch shards it along another dim than a Linear's), is one line, which
+    `check` returns under parallel.on_rank_loss=replan for the coordinator."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from unbroken.model.gpt import GPT
+    from unbroken.model.plan import TensorPlan, reform_problem
+
+    gpt = GPT(replace(CFG, arch="gpt"))
+    llama = Llama(CFG)
+    assert reform_problem(gpt, gpt.parallel_plan(), tp=2) is None and reform_problem(llama, llama.parallel_plan(), 2) is None
+    unsliced = replace(gpt.parallel_plan(), tp=replace(gpt.parallel_plan().tp, slicer=None))
+    assert reform_problem(gpt, unsliced, tp=1) is None  # no TP: nothing to cut
+    assert reform_problem(gpt, unsliced, tp=2).startswith("the model's TP plan rewrites its layers")
+
+    class Tagged(nn.Module):  # a layer holding an embedding of its own
+        def __init__(self):
+            super().__init__()
+            self.tags = nn.Embedding(8, 32)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": Tagged()})
+    odd = ParallelPlan(stack="layers", tp=TensorPlan({"tags": RowwiseParallel()}))
+    assert reform_problem(model, odd, tp=2) == ("the model's TP plan gives RowwiseParallel to 'tags' (Embedding) "
+                                                "and no slicer: a survivor cannot cut a TP rank's part of it")
+    cfg = build({}, {"parallel.group_size": "2", "parallel.tp": "2", "model.arch": "gpt"})
+    unsliced_check = lambda c: check(c, None, unsliced)  # noqa: E731
+    assert unsliced_check(cfg) is None  # on_rank_loss=drop: nothing to re-form
+    replan = replace(cfg, parallel=replace(cfg.parallel, on_rank_loss="replan"))
+    assert unsliced_check(replan).startswith("the model's TP plan rewrites its layers")

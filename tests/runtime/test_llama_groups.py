@@ -199,29 +199,51 @@ def parallelize(model, mesh, dims):
 
 
 if __name__ == "__main__":
-    r = unbroken.train(parallelize=parallelize, replicas=2, steps=4, microbatches=3, exact=True, progress=False,
+    r = unbroken.train(parallelize=parallelize, replicas=2, steps=STEPS, microbatches=3, exact=True, progress=False,
                        out=sys.argv[1], parallel__group_size=2, model__arch="llama", model__n_kv_head=2,
-                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1,
+                       parallel__on_rank_loss="replan", faults=FAULTS)
     print("ok" if r.ok else "failed")
 '''
+USER_STEPS, USER_KILL = 4, 1
+# group 1's rank 0 is done with its one microbatch of step 1 when rank 1 dies: it learns from the heartbeat
+# timeout, as group 0 does, and asks to go on ~1 s later (its release); group 0 alone would finish steps
+# 1-3 in under a second, so it sleeps 1 s after each microbatch of step 2 while the coordinator decides
+USER_FAULTS = (f"kill:replica=1,rank=1,step={USER_KILL},phase=compute;"
+               f"slow:replica=0,from={USER_KILL + 1},to={USER_KILL + 2},for=1")
 
 
 def test_a_user_s_torchtitan_style_parallelize_function_trains_on_the_oracle_s_trajectory(tmp_path):
     """unbroken.train(parallelize=fn): the user's function shards the Llama (FSDP2 per block, then the root)
     in 2 groups of 2 ranks; unbroken installs its reduce hooks after it, and every step's digest is the
-    oracle's, each microbatch's rows split into the 2 ranks' shares."""
+    oracle's, each microbatch's rows split into the 2 ranks' shares. Under parallel.on_rank_loss=replan
+    rank 1 of group 1 dies in step 1: re-forming would cut slices by the model's plan, which the function
+    replaced, so the scheduler prices the shrink and applies drop, saying why (api.CUSTOM_REFUSED); group
+    0 takes every microbatch from then on, on the same trajectory."""
     import os
     import subprocess
     import sys
 
+    from unbroken.api import CUSTOM_REFUSED
+
     script = tmp_path / "user_script.py"
-    script.write_text(USER_SCRIPT)
+    script.write_text(USER_SCRIPT.replace("STEPS", str(USER_STEPS)).replace("FAULTS", repr(USER_FAULTS)))
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True,
                        timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
     cfg = Config.from_json((out / "config.json").read_text())
-    assert (cfg.parallel.group_size, cfg.run.steps, cfg.model.arch) == (2, 4, "llama")
+    assert (cfg.parallel.group_size, cfg.run.steps, cfg.model.arch) == (2, USER_STEPS, "llama")
+    events = read_events(out)
+    fault = one(events, "fault", kind="kill", replica=1, rank=1)
+    assert (fault["step"], fault["phase"]) == (USER_KILL, "compute")
+    plan = one(events, "group_plan", replica=1, why="rank lost")
+    assert (plan["applied"], plan["alive"], plan["not_executable"]["shrink"]) == ("drop", [0], CUSTOM_REFUSED), plan
+    assert "shrink" in {o["kind"] for o in plan["options"]} and plan["trajectory"].startswith("bitwise")
+    assert one(events, "shrink_refused", replica=1)["alive"] == [0]
+    held = [e["wall"] for e in events if e["event"] == "compute" and e["replica"] == 0 and e["step"] == USER_KILL + 1]
+    assert len(held) == 6 and min(held) >= 1.0, held  # the slow fault: 1 s more on each of 3 microbatches x 2 ranks
+    record = steps(events)
+    assert [record[s]["ranks"] for s in range(USER_STEPS)] == [4] * USER_KILL + [2] * (USER_STEPS - USER_KILL)
     want, _ = oracle(cfg, shares=2, digest=sharded(2))
-    assert [digests(out)[s] for s in range(4)] == want
-    assert all(steps(read_events(out))[s]["ranks"] == 4 for s in range(4))
+    assert [digests(out)[s] for s in range(USER_STEPS)] == want
