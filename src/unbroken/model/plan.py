@@ -111,8 +111,8 @@ class ParallelPlan:
     last stage takes it (its forward returns logits)."""
     inputs: tuple[str, ...] = field(default=())
     """Microbatch fields beyond x and y (model/data/batch.py: "positions") that the model's forward takes
-    as keyword arguments, each cut into a rank's rows with x and y; not with pipeline stages (a schedule
-    hands keywords to its first stage only)."""
+    as keyword arguments, each cut into a rank's rows with x and y; with pipeline stages every stage's
+    forward gets them, a microbatch's rows each (runtime/parallel/pipeline.py: `Stages`)."""
 
     def layer_container(self, model: nn.Module) -> nn.ModuleDict | None:
         """The layers container of `model` (or of a pipeline stage of it), None without one."""
@@ -165,9 +165,6 @@ def problems(model: nn.Module, plan: ParallelPlan, tp: int = 1, pp: int = 1) -> 
     if pp > 1:
         if plan.pp is None or not plan.stack or plan.loss is None:
             out.append(f"parallel.pp={pp}: the model's parallel plan has no pipeline part (layers, stages, loss)")
-        elif plan.inputs:
-            out.append(f"parallel.pp={pp}: the model's extra inputs ({', '.join(plan.inputs)}) would reach only "
-                       f"the first pipeline stage")
         elif pp > len(plan.layer_container(model)):
             out.append(f"parallel.pp={pp}: more stages than the model's {len(plan.layer_container(model))} layers")
     return out

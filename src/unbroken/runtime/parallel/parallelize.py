@@ -160,7 +160,7 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             model = _fully_shard(model, plan, mesh["dp_shard"], policy)
             sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
-                             plan.loss, device, sharded)
+                             plan.loss, device, sharded, extra=plan.inputs)
     mesh = _mesh(topology, group, device)
     if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
         model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)
