@@ -192,12 +192,13 @@ def test_the_ignore_index_marks_padding_in_the_data_the_counts_and_the_loss():
 def test_a_user_s_parallelize_function_is_checked_after_it_runs():
     """parallelize(model, mesh, dims) on a fake 2-rank group: a function that shards only the blocks, or
     reduces in float32 under --exact, is one line; one that shards blocks and root as told gets every unit
-    reducing a SUM (no divide factor)."""
+    reducing a SUM (no divide factor). `describe` (a rank's `parallelized` event) reads its units, and a
+    TP rank's split parameters, off the module."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from unbroken.runtime.parallel.parallelize import _custom, _mesh
+    from unbroken.runtime.parallel.parallelize import _custom, _mesh, _tensor_parallel, describe
     from unbroken.runtime.parallel.precision import policy
     from unbroken.topology import Topology, TopologyError
 
@@ -225,6 +226,13 @@ def test_a_user_s_parallelize_function_is_checked_after_it_runs():
         assert len(units) == CFG.n_layer + 1
         groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
         assert all(g.force_sum_reduction_for_comms and g.gradient_divide_factor == 1.0 for g in groups)
+        # what the rank's `parallelized` event reports of it, and of a TP rank of the Llama's plan
+        assert describe(model, model.parallel_plan(), None) == {
+            "fsdp_units": ["", "layers.0", "layers.1"], "tp_sharded": 0, "stage": None, "stack": ["0", "1"],
+            "inputs": []}
+        tp = Llama(CFG)
+        _tensor_parallel(tp, tp.parallel_plan(), _mesh(Topology(1, 2, tp=2), dist.group.WORLD, torch.device("cpu")), 2)
+        assert describe(tp, tp.parallel_plan(), None)["tp_sharded"] == 7 * CFG.n_layer  # wq wk wv wo w1 w2 w3
     finally:
         dist.destroy_process_group()
 

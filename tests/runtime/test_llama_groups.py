@@ -242,6 +242,8 @@ def test_a_user_s_torchtitan_style_parallelize_function_trains_on_the_oracle_s_t
     cfg = Config.from_json((out / "config.json").read_text())
     assert (cfg.parallel.group_size, cfg.run.steps, cfg.model.arch) == (2, USER_STEPS, "llama")
     events = read_events(out)
+    units = [e["fsdp_units"] for e in events if e["event"] == "parallelized"]
+    assert units == [["", "layers.0", "layers.1"]] * 4, units  # the function's: the root, then one per block
     fault = one(events, "fault", kind="kill", replica=1, rank=1)
     assert (fault["step"], fault["phase"]) == (USER_KILL, "compute")
     plan = one(events, "group_plan", replica=1, why="rank lost")
@@ -305,6 +307,10 @@ def test_a_user_s_plan_with_document_positions_reaches_every_pipeline_stage_on_t
     r = subprocess.run([sys.executable, str(script), str(out), str(tmp_path / "docs.bin")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
+    events = read_events(out)
+    applied = sorted((e["replica"], e.get("rank", 0), e["stage"], e["stack"], e["inputs"], e["fsdp_units"],
+                      e["tp_sharded"]) for e in events if e["event"] == "parallelized")
+    assert applied == [(g, j, j, [str(j)], ["positions"], [], 0) for g in (0, 1) for j in (0, 1)], applied
     cfg = Config.from_json((out / "config.json").read_text())
     first = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed, microbatches=3).microbatch(0, 0)
     assert first.positions[:, 1:].eq(0).any()  # a document starts inside a row

@@ -170,6 +170,28 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     return autocast_forward(model, mixed_precision, device), None
 
 
+def describe(model: nn.Module, plan: ParallelPlan, stages: Stages | None) -> dict:
+    """What `parallelize` left on this rank, read off the module it returned (the fields of the rank's
+    `parallelized` event): `fsdp_units`, the paths of its FSDP2 units in module order ("" the root);
+    `tp_sharded`, how many of its parameters a mesh's "tp" dimension splits; `stage`, its pipeline stage
+    (None without); `stack`, the keys of the plan's layers container it holds (None without one); and
+    `inputs`, the plan's extra inputs its forward takes. Call once, after `parallelize`."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    def split_by_tp(p: torch.Tensor) -> bool:
+        if not isinstance(p, DTensor):
+            return False
+        names = p.device_mesh.mesh_dim_names or ()
+        return "tp" in names and isinstance(p.placements[names.index("tp")], Shard)
+
+    held = plan.layer_container(model) if plan.stack and has(model, plan.stack) else None
+    return {"fsdp_units": [n for n, m in model.named_modules() if isinstance(m, FSDPModule)],
+            "tp_sharded": sum(split_by_tp(p) for p in model.parameters()),
+            "stage": stages.index if stages is not None else None,
+            "stack": list(held) if held is not None else None, "inputs": list(plan.inputs)}
+
+
 def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device,
                     plan: ParallelPlan) -> tuple[nn.Module, ProcessGroup]:
     """(`model` split over the "tp" dimension of `topology`'s mesh on `group`, the process group its
