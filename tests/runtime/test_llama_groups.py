@@ -213,20 +213,22 @@ if __name__ == "__main__":
     print("ok" if r.ok else "failed")
 '''
 USER_STEPS, USER_KILL = 4, 1
-# group 1's rank 0 is done with its one microbatch of step 1 when rank 1 dies: it learns from the heartbeat
-# timeout, as group 0 does, and asks to go on ~1 s later (its release); group 0 alone would finish steps
-# 1-3 in under a second, so it sleeps 1 s after each microbatch of step 2 while the coordinator decides
-USER_FAULTS = (f"kill:replica=1,rank=1,step={USER_KILL},phase=compute;"
-               f"slow:replica=0,from={USER_KILL + 1},to={USER_KILL + 2},for=1")
+# group 0 computes 2 of the 3 microbatches: its rank 1 dies after the first, and its rank 0's all-gather
+# for the second finds the group broken at once (not after a heartbeat timeout); the survivor asks to go
+# on 0.3-0.5 s later (its release), and group 1 alone would finish steps 1-3 in under a second, so its rank
+# 0 sleeps 0.7 s after each microbatch of step 2 while the coordinator decides (2.1 s: the decision came
+# 0.3 s into that step here)
+USER_FAULTS = (f"kill:replica=0,rank=1,step={USER_KILL},phase=compute;"
+               f"slow:replica=1,from={USER_KILL + 1},to={USER_KILL + 2},for=0.7")
 
 
 def test_a_user_s_torchtitan_style_parallelize_function_trains_on_the_oracle_s_trajectory(tmp_path):
     """unbroken.train(parallelize=fn): the user's function shards the Llama (FSDP2 per block, then the root)
     in 2 groups of 2 ranks; unbroken installs its reduce hooks after it, and every step's digest is the
     oracle's, each microbatch's rows split into the 2 ranks' shares. Under parallel.on_rank_loss=replan
-    rank 1 of group 1 dies in step 1: re-forming would cut slices by the model's plan, which the function
+    rank 1 of group 0 dies in step 1: re-forming would cut slices by the model's plan, which the function
     replaced, so the scheduler prices the shrink and applies drop, saying why (api.CUSTOM_REFUSED); group
-    0 takes every microbatch from then on, on the same trajectory."""
+    1 takes every microbatch from then on, on the same trajectory."""
     import os
     import subprocess
     import sys
@@ -244,15 +246,15 @@ def test_a_user_s_torchtitan_style_parallelize_function_trains_on_the_oracle_s_t
     events = read_events(out)
     units = [e["fsdp_units"] for e in events if e["event"] == "parallelized"]
     assert units == [["", "layers.0", "layers.1"]] * 4, units  # the function's: the root, then one per block
-    fault = one(events, "fault", kind="kill", replica=1, rank=1)
+    fault = one(events, "fault", kind="kill", replica=0, rank=1)
     assert (fault["step"], fault["phase"]) == (USER_KILL, "compute")
-    plan = one(events, "group_plan", replica=1, why="rank lost")
+    plan = one(events, "group_plan", replica=0, why="rank lost")
     assert (plan["applied"], plan["alive"], plan["not_executable"]["shrink"]) == ("drop", [0], CUSTOM_REFUSED), plan
     assert "shrink" in {o["kind"] for o in plan["options"]} and plan["trajectory"].startswith("bitwise")
-    assert one(events, "shrink_refused", replica=1)["alive"] == [0]
-    held = [e["wall"] for e in events if e["event"] == "compute" and e["replica"] == 0 and e.get("rank", 0) == 0
+    assert one(events, "shrink_refused", replica=0)["alive"] == [0]
+    held = [e["wall"] for e in events if e["event"] == "compute" and e["replica"] == 1 and e.get("rank", 0) == 0
             and e["step"] == USER_KILL + 1]
-    assert len(held) == 3 and min(held) >= 1.0, held  # the slow fault: its rank 0 1 s more on each microbatch
+    assert len(held) == 3 and min(held) >= 0.7, held  # the slow fault: its rank 0 0.7 s more on each microbatch
     record = steps(events)
     assert [record[s]["ranks"] for s in range(USER_STEPS)] == [4] * USER_KILL + [2] * (USER_STEPS - USER_KILL)
     want, _ = oracle(cfg, shares=2, digest=sharded(2))
