@@ -60,8 +60,13 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
     return cfg
 
 
+# why groups whose ranks a user's parallelize function sharded cannot re-form (GroupShape.reform_refused)
+CUSTOM_REFUSED = ("a user's parallelize function sharded the model: a survivor cuts each lost rank's slices by "
+                  "the model's parallel plan, which the function replaced (pass plan=... to re-form)")
+
+
 def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
-               parallelize: Callable | None = None) -> None:
+               parallelize: Callable | None = None) -> str | None:
     """The checks of a run whose every group this host's launcher starts (`unbroken train`, `resume`, the
     demo, `unbroken.train`), before anything is touched; not the standalone coordinator's, whose groups
     run on other hosts: a group needs a GPU per rank here if its device resolves to CUDA
@@ -70,28 +75,30 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     CUDA here (runtime/parallel/crossgroup.py: check); a group of several ranks needs a model whose
     parallel plan (`plan`, else the model's) fits parallel.tp and parallel.pp (model/plan.py: `check`,
     on the model built on the meta device: a user's `model` factory, else the built-in one), unless a
-    user's `parallelize` function applies them (not with pipeline stages, nor with on_rank_loss=replan,
-    which re-forms from the plan). Raises ConfigError (one line)."""
+    user's `parallelize` function applies them (not with pipeline stages). Returns why a group that
+    loses a rank cannot re-form onto fewer ranks under parallel.on_rank_loss=replan (a user's function
+    sharded it, or the plan cannot say a lost rank's slices: plan.reform_problem), None where it can or
+    the run drops such groups anyway: the coordinator then prices only drop for them (launch.launch's
+    `reform_refused`). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
     if parallelize is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
                           f"the model's parallel plan (pass plan=... instead)")
-    if parallelize is not None and cfg.parallel.on_rank_loss == "replan":
-        # a re-formed group holds other slices than the user's function cut (standin.py cuts by the plan)
-        raise ConfigError("parallel.on_rank_loss=replan with a parallelize function: re-forming a group onto its "
-                          "survivors needs the model's parallel plan (pass plan=... instead, or on_rank_loss=drop)")
+    replan = cfg.parallel.group_size > 1 and cfg.parallel.on_rank_loss == "replan"
+    refused = CUSTOM_REFUSED if parallelize is not None and replan else None
     if cfg.parallel.group_size > 1 and parallelize is None and (
             model is not None or plan is not None or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         from unbroken.model.builtin import check
-        check(cfg, model, plan)
+        refused = check(cfg, model, plan)
     if cfg.parallel.cross_backend == "nccl":
         from unbroken.runtime.parallel.crossgroup import check
         check(cfg.parallel.cross_backend, cfg.parallel.device)  # CUDA here, or one line before anything starts
     if cfg.parallel.device == "cpu" or (cfg.parallel.device == "auto" and cfg.parallel.group_size == 1):
-        return  # nothing to check, and the CLI need not import torch (~2 s) for it
+        return refused  # nothing to check, and the CLI need not import torch (~2 s) for it
     from unbroken.runtime.parallel.device import preflight
     preflight(cfg.parallel.device, cfg.parallel.group_size)
+    return refused
 
 
 def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,
@@ -107,7 +114,8 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
     (unbroken.model.plan.ParallelPlan; None: the model's `parallel_plan()`, or FSDP2 over the root).
     parallelize(model, mesh, dims) -> model: a torchtitan-style function that applies FSDP2 and TP itself
     on a group of several ranks (runtime/parallel/parallelize.py says what it gets and what is checked
-    after it); not with pipeline stages. In a worker process this
+    after it); not with pipeline stages, and under parallel.on_rank_loss=replan a group of its ranks that
+    loses one is dropped (re-forming cuts slices by the plan). In a worker process this
     call trains and then ends the process (it never returns there). Raises ConfigError on bad input.
     """
     from unbroken.runtime.launcher import launch
@@ -122,6 +130,6 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
-    check_host(cfg, model, plan, parallelize)
+    refused = check_host(cfg, model, plan, parallelize)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
-    return launch.launch(cfg, cmd)
+    return launch.launch(cfg, cmd, reform_refused=refused)

@@ -20,6 +20,11 @@ their fields:
   the step record is then sha256 over the ranks' shard digests (hex, rank order).
   worker_start   replica, rank, group_size, node, pid, torchrun (started by torchrun), restart (its count),
                  forked ("server": the launcher's fork server; "agent": forkrun's torchrun agent; "": exec'd)
+  parallelized   replica, rank, fsdp_units (module paths of its FSDP2 units, "" the root), tp_sharded
+                 (parameters split over TP), stage (pipeline stage, null without), stack (the keys of
+                 the plan's layers container it holds, null without one), inputs (the plan's extra inputs)
+                 (each rank of a group of several ranks, once built at its full plan: what its plan, or a
+                 user's parallelize function, applied; runtime/parallel/parallelize.py: describe)
   step           step, loss, microbatches, replicas (replica groups of the commit epoch), ranks (their
                  ranks in all, each as it ran: a re-formed group's fewer), epoch, tokens, t,
                  param_digest (XXH3-128 of all float32 params after the optimizer step, fixed order),

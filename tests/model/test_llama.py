@@ -147,7 +147,7 @@ def test_a_user_model_and_plan_are_checked_on_the_meta_device_before_any_worker(
 def test_document_positions_reach_the_rope_as_a_keyword_and_ranks_get_their_rows():
     """A Llama fed positions 0..T-1 is the Llama without them, bit for bit; positions restarting at a
     document boundary change the logits. The trainer hands a plan's inputs over as keywords, each a
-    share's rows (model_inputs over data.part); a pipeline refuses them (they would reach stage 0 only)."""
+    share's rows (model_inputs over data.part); a pipeline takes them too."""
     from unbroken.model.data import Microbatch, part
     from unbroken.runtime.trainer.stepwork import model_inputs
 
@@ -163,8 +163,7 @@ def test_document_positions_reach_the_rope_as_a_keyword_and_ranks_get_their_rows
     share = model_inputs(part(mb, 1, 2), ("positions",), torch.device("cpu"))
     assert list(share) == ["positions"] and torch.equal(share["positions"], restarted[1:])
     plan = replace(model.parallel_plan(), inputs=("positions",))
-    assert problems(model, plan, pp=2) == ["parallel.pp=2: the model's extra inputs (positions) would reach only "
-                                           "the first pipeline stage"]
+    assert problems(model, plan, pp=2) == []  # every stage gets them (tests/runtime/test_llama_groups.py)
 
 
 def test_the_ignore_index_marks_padding_in_the_data_the_counts_and_the_loss():
@@ -193,12 +192,13 @@ def test_the_ignore_index_marks_padding_in_the_data_the_counts_and_the_loss():
 def test_a_user_s_parallelize_function_is_checked_after_it_runs():
     """parallelize(model, mesh, dims) on a fake 2-rank group: a function that shards only the blocks, or
     reduces in float32 under --exact, is one line; one that shards blocks and root as told gets every unit
-    reducing a SUM (no divide factor)."""
+    reducing a SUM (no divide factor). `describe` (a rank's `parallelized` event) reads its units, and a
+    TP rank's split parameters, off the module."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from unbroken.runtime.parallel.parallelize import _custom, _mesh
+    from unbroken.runtime.parallel.parallelize import _custom, _mesh, _tensor_parallel, describe
     from unbroken.runtime.parallel.precision import policy
     from unbroken.topology import Topology, TopologyError
 
@@ -226,17 +226,60 @@ def test_a_user_s_parallelize_function_is_checked_after_it_runs():
         assert len(units) == CFG.n_layer + 1
         groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
         assert all(g.force_sum_reduction_for_comms and g.gradient_divide_factor == 1.0 for g in groups)
+        # what the rank's `parallelized` event reports of it, and of a TP rank of the Llama's plan
+        assert describe(model, model.parallel_plan(), None) == {
+            "fsdp_units": ["", "layers.0", "layers.1"], "tp_sharded": 0, "stage": None, "stack": ["0", "1"],
+            "inputs": []}
+        tp = Llama(CFG)
+        _tensor_parallel(tp, tp.parallel_plan(), _mesh(Topology(1, 2, tp=2), dist.group.WORLD, torch.device("cpu")), 2)
+        assert describe(tp, tp.parallel_plan(), None)["tp_sharded"] == 7 * CFG.n_layer  # wq wk wv wo w1 w2 w3
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("key, value, token", [("parallel.pp", "2", "parallel.pp=2"),
-                                               ("parallel.on_rank_loss", "replan", "parallel.on_rank_loss=replan")])
-def test_what_a_parallelize_function_cannot_do_is_one_line_before_anything_starts(key, value, token):
-    """Pipeline stages and re-forming onto survivors come from a plan: with a user's parallelize function
-    they are refused by `check_host`, which `unbroken.train` runs before any process starts."""
-    from unbroken.api import check_host
-    cfg = build({}, {"parallel.group_size": "2", key: value})
-    with pytest.raises(ConfigError, match=rf"^{re.escape(token)} with a parallelize function") as e:
-        check_host(cfg, parallelize=lambda model, mesh, dims: model)
+def test_what_a_parallelize_function_cannot_do_is_one_line_before_anything_starts():
+    """Pipeline stages come from a plan: with a user's parallelize function they are refused by
+    `check_host`, which `unbroken.train` runs before any process starts. Re-forming onto survivors cuts
+    slices by the plan too: under parallel.on_rank_loss=replan check_host says why such groups cannot
+    re-form (the coordinator then drops them: tests/runtime/test_replanning.py), and nothing under drop."""
+    from unbroken.api import CUSTOM_REFUSED, check_host
+    fn = lambda model, mesh, dims: model  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^parallel.pp=2 with a parallelize function") as e:
+        check_host(build({}, {"parallel.group_size": "2", "parallel.pp": "2"}), parallelize=fn)
     assert "\n" not in str(e.value)
+    replan = build({}, {"parallel.group_size": "2", "parallel.on_rank_loss": "replan"})
+    assert check_host(replan, parallelize=fn) == CUSTOM_REFUSED
+    assert check_host(replan) is None and check_host(build({}, {"parallel.group_size": "2"}), parallelize=fn) is None
+
+
+def test_a_tp_plan_whose_slices_a_survivor_cannot_cut_cannot_re_form():
+    """reform_problem: the built-in plans re-form (the GPT's rewrite comes with its slicer, the Llama's
+    styles are column- and row-wise on nn.Linear); a rewrite without a slicer, or a row-wise style on an
+    embedding inside a layer (torch shards it along another dim than a Linear's), is one line, which
+    `check` returns under parallel.on_rank_loss=replan for the coordinator."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from unbroken.model.gpt import GPT
+    from unbroken.model.plan import TensorPlan, reform_problem
+
+    gpt = GPT(replace(CFG, arch="gpt"))
+    llama = Llama(CFG)
+    assert reform_problem(gpt, gpt.parallel_plan(), tp=2) is None and reform_problem(llama, llama.parallel_plan(), 2) is None
+    unsliced = replace(gpt.parallel_plan(), tp=replace(gpt.parallel_plan().tp, slicer=None))
+    assert reform_problem(gpt, unsliced, tp=1) is None  # no TP: nothing to cut
+    assert reform_problem(gpt, unsliced, tp=2).startswith("the model's TP plan rewrites its layers")
+
+    class Tagged(nn.Module):  # a layer holding an embedding of its own
+        def __init__(self):
+            super().__init__()
+            self.tags = nn.Embedding(8, 32)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": Tagged()})
+    odd = ParallelPlan(stack="layers", tp=TensorPlan({"tags": RowwiseParallel()}))
+    assert reform_problem(model, odd, tp=2) == ("the model's TP plan gives RowwiseParallel to 'tags' (Embedding) "
+                                                "and no slicer: a survivor cannot cut a TP rank's part of it")
+    cfg = build({}, {"parallel.group_size": "2", "parallel.tp": "2", "model.arch": "gpt"})
+    unsliced_check = lambda c: check(c, None, unsliced)  # noqa: E731
+    assert unsliced_check(cfg) is None  # on_rank_loss=drop: nothing to re-form
+    replan = replace(cfg, parallel=replace(cfg.parallel, on_rank_loss="replan"))
+    assert unsliced_check(replan).startswith("the model's TP plan rewrites its layers")

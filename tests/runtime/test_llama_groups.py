@@ -10,6 +10,11 @@ into stages: PP is bitwise the one-rank run), a failure-free run's for TP and PP
 float32 tolerance (1e-6 relative on the loss) of the one-rank run: a row-wise layer adds the ranks'
 partial sums. And a pipeline group re-forms (`--parallel.on_rank_loss=replan`) onto its survivor from the
 Llama's plan, bitwise on the oracle's trajectory.
+
+Through the Python API, in 2 groups of 2 ranks: a user's torchtitan-style parallelize function (its FSDP2
+units reported; under replan a killed rank's group is dropped, not re-formed, saying why), and a user's own
+plan handing the model document positions in a pipeline (every stage gets them), each on the oracle's
+trajectory.
 """
 from __future__ import annotations
 
@@ -77,13 +82,14 @@ def sharded(shards: int) -> Callable[[Llama], str]:
 
 
 def oracle(cfg: Config, shares: int = 1, digest: Callable[[Llama], str] = whole,
-           build: Callable[[Config], torch.nn.Module] = lambda cfg: Llama(cfg.model)) -> tuple[list[str], list[float]]:
+           build: Callable[[Config], torch.nn.Module] = lambda cfg: Llama(cfg.model),
+           positions: bool = False) -> tuple[list[str], list[float]]:
     """The Llama (or the model `build` makes) trained by a plain loop: each microbatch (or each of its
     `shares` row shares, as an FSDP2 group's ranks compute them) forward and backward in float32, its
-    gradients summed in float64 over the step and rounded to float32 once before AdamW. Returns each
-    step's `digest` and loss."""
+    gradients summed in float64 over the step and rounded to float32 once before AdamW; `positions`: each
+    token's position in its document given to the forward. Returns each step's `digest` and loss."""
     torch.set_num_threads(1)
-    data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed)
+    data = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed, microbatches=cfg.run.microbatches)
     torch.manual_seed(cfg.run.seed)
     model = build(cfg)
     params = [p for _, p in model.named_parameters()]
@@ -97,7 +103,8 @@ def oracle(cfg: Config, shares: int = 1, digest: Callable[[Llama], str] = whole,
             rows = mb.x.shape[0] // shares
             for j in range(shares):
                 x, y = mb.x[j * rows:(j + 1) * rows], mb.y[j * rows:(j + 1) * rows]
-                weighted = model(x, y) * (int((y != -1).sum()) / total)
+                extra = {"positions": mb.positions[j * rows:(j + 1) * rows]} if positions else {}
+                weighted = model(x, y, **extra) * (int((y != -1).sum()) / total)
                 weighted.backward()
                 loss += float(weighted.detach())
                 for a, p in zip(acc, params):
@@ -199,29 +206,117 @@ def parallelize(model, mesh, dims):
 
 
 if __name__ == "__main__":
-    r = unbroken.train(parallelize=parallelize, replicas=2, steps=4, microbatches=3, exact=True, progress=False,
+    r = unbroken.train(parallelize=parallelize, replicas=2, steps=STEPS, microbatches=3, exact=True, progress=False,
                        out=sys.argv[1], parallel__group_size=2, model__arch="llama", model__n_kv_head=2,
-                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1)
+                       coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1,
+                       parallel__on_rank_loss="replan", faults=FAULTS)
     print("ok" if r.ok else "failed")
 '''
+USER_STEPS, USER_KILL = 4, 1
+# group 0 computes 2 of the 3 microbatches: its rank 1 dies after the first, and its rank 0's all-gather
+# for the second finds the group broken at once (not after a heartbeat timeout); the survivor asks to go
+# on 0.3-0.5 s later (its release), and group 1 alone would finish steps 1-3 in under a second, so its rank
+# 0 sleeps 0.7 s after each microbatch of step 2 while the coordinator decides (2.1 s: the decision came
+# 0.3 s into that step here)
+USER_FAULTS = (f"kill:replica=0,rank=1,step={USER_KILL},phase=compute;"
+               f"slow:replica=1,from={USER_KILL + 1},to={USER_KILL + 2},for=0.7")
 
 
 def test_a_user_s_torchtitan_style_parallelize_function_trains_on_the_oracle_s_trajectory(tmp_path):
     """unbroken.train(parallelize=fn): the user's function shards the Llama (FSDP2 per block, then the root)
     in 2 groups of 2 ranks; unbroken installs its reduce hooks after it, and every step's digest is the
-    oracle's, each microbatch's rows split into the 2 ranks' shares."""
+    oracle's, each microbatch's rows split into the 2 ranks' shares. Under parallel.on_rank_loss=replan
+    rank 1 of group 0 dies in step 1: re-forming would cut slices by the model's plan, which the function
+    replaced, so the scheduler prices the shrink and applies drop, saying why (api.CUSTOM_REFUSED); group
+    1 takes every microbatch from then on, on the same trajectory."""
     import os
     import subprocess
     import sys
 
+    from unbroken.api import CUSTOM_REFUSED
+
     script = tmp_path / "user_script.py"
-    script.write_text(USER_SCRIPT)
+    script.write_text(USER_SCRIPT.replace("STEPS", str(USER_STEPS)).replace("FAULTS", repr(USER_FAULTS)))
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True,
                        timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
     cfg = Config.from_json((out / "config.json").read_text())
-    assert (cfg.parallel.group_size, cfg.run.steps, cfg.model.arch) == (2, 4, "llama")
+    assert (cfg.parallel.group_size, cfg.run.steps, cfg.model.arch) == (2, USER_STEPS, "llama")
+    events = read_events(out)
+    units = [e["fsdp_units"] for e in events if e["event"] == "parallelized"]
+    assert units == [["", "layers.0", "layers.1"]] * 4, units  # the function's: the root, then one per block
+    fault = one(events, "fault", kind="kill", replica=0, rank=1)
+    assert (fault["step"], fault["phase"]) == (USER_KILL, "compute")
+    plan = one(events, "group_plan", replica=0, why="rank lost")
+    assert (plan["applied"], plan["alive"], plan["not_executable"]["shrink"]) == ("drop", [0], CUSTOM_REFUSED), plan
+    assert "shrink" in {o["kind"] for o in plan["options"]} and plan["trajectory"].startswith("bitwise")
+    assert one(events, "shrink_refused", replica=0)["alive"] == [0]
+    held = [e["wall"] for e in events if e["event"] == "compute" and e["replica"] == 1 and e.get("rank", 0) == 0
+            and e["step"] == USER_KILL + 1]
+    assert len(held) == 3 and min(held) >= 0.7, held  # the slow fault: its rank 0 0.7 s more on each microbatch
+    record = steps(events)
+    assert [record[s]["ranks"] for s in range(USER_STEPS)] == [4] * USER_KILL + [2] * (USER_STEPS - USER_KILL)
     want, _ = oracle(cfg, shares=2, digest=sharded(2))
+    assert [digests(out)[s] for s in range(USER_STEPS)] == want
+
+
+PLAN_SCRIPT = '''
+"""A user's script: the built-in Llama under a parallel plan of the user's own, which also hands the model
+each token's position in its document (`inputs`), in groups of 2 pipeline stages."""
+import sys
+
+import torch.nn.functional as F
+import unbroken
+from unbroken.model.plan import ParallelPlan, PipelinePlan
+
+
+def loss(logits, targets):
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+PLAN = ParallelPlan(stack="layers", pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output"), hidden=64,
+                                                    vocab=256), loss=loss, inputs=("positions",))
+
+if __name__ == "__main__":
+    r = unbroken.train(plan=PLAN, replicas=2, steps=4, microbatches=3, exact=True, progress=False, out=sys.argv[1],
+                       parallel__group_size=2, parallel__pp=2, model__arch="llama", model__n_kv_head=2,
+                       data__path=sys.argv[2], data__eos=3, coord__heartbeat_timeout=2.0,
+                       coord__heartbeat_interval=0.1)
+    print("ok" if r.ok else "failed")
+'''
+
+
+def test_a_user_s_plan_with_document_positions_reaches_every_pipeline_stage_on_the_oracle_s_trajectory(tmp_path):
+    """unbroken.train(plan=...): the user's own plan for the Llama (its pipeline split and loss, and
+    `inputs=("positions",)`, which the Llama's own plan leaves out) in 2 groups of 2 stages, on token files
+    whose documents end at an eos: each rank reports the plan applied (its stage, its layer, the inputs),
+    every stage's RoPE gets each token's position in its document (a microbatch's rows, as x is split), and
+    every digest is the oracle's fed the same positions (the one-rank run's: PP is bitwise), not the one
+    without them."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(10, 250, int(rng.integers(3, 40))), 3) for _ in range(600)]  # 3: eos
+    np.concatenate(docs).astype(np.uint16).tofile(tmp_path / "docs.bin")  # raw uint16 tokens
+    script = tmp_path / "user_script.py"
+    script.write_text(PLAN_SCRIPT)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(script), str(out), str(tmp_path / "docs.bin")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
+    events = read_events(out)
+    applied = sorted((e["replica"], e.get("rank", 0), e["stage"], e["stack"], e["inputs"], e["fsdp_units"],
+                      e["tp_sharded"]) for e in events if e["event"] == "parallelized")
+    assert applied == [(g, j, j, [str(j)], ["positions"], [], 0) for g in (0, 1) for j in (0, 1)], applied
+    cfg = Config.from_json((out / "config.json").read_text())
+    first = DataSource(cfg.data, cfg.model.block_size, cfg.run.seed, microbatches=3).microbatch(0, 0)
+    assert first.positions[:, 1:].eq(0).any()  # a document starts inside a row
+    want, _ = oracle(cfg, digest=staged(2), positions=True)
     assert [digests(out)[s] for s in range(4)] == want
-    assert all(steps(read_events(out))[s]["ranks"] == 4 for s in range(4))
+    plain, _ = oracle(cfg, digest=staged(2))
+    assert plain[0] != want[0]

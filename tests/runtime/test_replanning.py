@@ -114,6 +114,32 @@ def test_a_located_slow_rank_is_evicted_where_its_group_can_shrink(tmp_path, evi
     assert ("shrink" in e["not_executable"]) == (applied != "shrink")
 
 
+def test_a_group_that_cannot_re_form_is_priced_shrunk_and_dropped_saying_why(tmp_path):
+    """GroupShape.reform_refused (a user's parallelize function sharded the group: api.check_host): a lost
+    rank's group is priced as ever, the scheduler choosing to shrink it onto its survivor, but drop is
+    applied and `not_executable` names the reason; a drop keeps the trajectory. Its located slow rank is
+    never evicted (its survivor could not go on without it): reweighted. The reason reaches the
+    coordinator's process beside --plan (plan_arg / parse_shape)."""
+    from unbroken.api import CUSTOM_REFUSED
+    from unbroken.runtime.coordinator.replan import parse_shape, plan_arg
+
+    shape = GroupShape(group_size=2, tp=1, pp=2, layers=2, width=64, microbatches=8, steps=200,
+                       reform_seconds=0.01, evict=1, reform_refused=CUSTOM_REFUSED)
+    assert parse_shape(2, plan_arg(shape), CUSTOM_REFUSED) == shape and "parallelize" not in plan_arg(shape)
+    assert parse_shape(2, plan_arg(shape)) == replace(shape, reform_refused=None)
+    log = EventLog(tmp_path / "events.jsonl")
+    r, e = rank_lost(tmp_path, log, shape, [0])
+    assert (r.decision.chosen.kind, r.applied.kind) == ("shrink", "drop")
+    assert (e["decision"], e["applied"], e["applied_plan"]) == ("shrink", "drop", None), e
+    assert e["not_executable"]["shrink"] == CUSTOM_REFUSED and e["trajectory"].startswith("bitwise")
+    planner = planner_for(shape, 2, log, quotas="speed")
+    planner.on_verdicts([], ranked(1), Predictor(), [0, 1])
+    planner.on_verdicts(changes(3, Verdict.SLOW, Verdict.SUSPECT, 1 / 3), ranked(1), Predictor(), [0, 1])
+    e = read_events(tmp_path)[-1]
+    assert (e["located"], e["applied"], e["not_executable"]["shrink"]) == ([1], "reweight", CUSTOM_REFUSED), e
+    assert planner.evictions() == {}
+
+
 def test_the_slow_rank_is_located_over_its_group_s_episode_not_the_warm_up_before_it(tmp_path):
     """Per-rank times of a CI run (d74a2a9, 2 groups x TP 2, microseconds a token): every rank's first step
     is a warm-up, group 0's rank 1 at 5x; group 1's rank 1 spins 3x from step 2, the group turns Suspect

@@ -2,8 +2,9 @@
 
 Owns: `ParallelPlan` (FSDP2 units; the tensor-parallel styles per layer, a rewrite a layer needs first,
 how a TP rank's slice of each parameter is cut and what the degree must divide; the pipeline's stages;
-the loss and the extra inputs), `plan_of` (the plan a model supplies, or the plain one) and `problems`
-(what a plan cannot do for the requested degrees, one line each). Does not own: applying a plan
+the loss and the extra inputs), `plan_of` (the plan a model supplies, or the plain one), `problems`
+(what a plan cannot do for the requested degrees, one line each) and `reform_problem` (why a group of it
+cannot re-form onto fewer ranks). Does not own: applying a plan
 (runtime/parallel: meshes, `fully_shard`, `parallelize_module`, stages, stand-ins), which never names a
 module of any model: every path it acts on comes from here.
 
@@ -110,8 +111,8 @@ class ParallelPlan:
     last stage takes it (its forward returns logits)."""
     inputs: tuple[str, ...] = field(default=())
     """Microbatch fields beyond x and y (model/data/batch.py: "positions") that the model's forward takes
-    as keyword arguments, each cut into a rank's rows with x and y; not with pipeline stages (a schedule
-    hands keywords to its first stage only)."""
+    as keyword arguments, each cut into a rank's rows with x and y; with pipeline stages every stage's
+    forward gets them, a microbatch's rows each (runtime/parallel/pipeline.py: `Stages`)."""
 
     def layer_container(self, model: nn.Module) -> nn.ModuleDict | None:
         """The layers container of `model` (or of a pipeline stage of it), None without one."""
@@ -164,10 +165,36 @@ def problems(model: nn.Module, plan: ParallelPlan, tp: int = 1, pp: int = 1) -> 
     if pp > 1:
         if plan.pp is None or not plan.stack or plan.loss is None:
             out.append(f"parallel.pp={pp}: the model's parallel plan has no pipeline part (layers, stages, loss)")
-        elif plan.inputs:
-            out.append(f"parallel.pp={pp}: the model's extra inputs ({', '.join(plan.inputs)}) would reach only "
-                       f"the first pipeline stage")
         elif pp > len(plan.layer_container(model)):
             out.append(f"parallel.pp={pp}: more stages than the model's {len(plan.layer_container(model))} layers")
     return out
 
+
+
+def reform_problem(model: nn.Module, plan: ParallelPlan, tp: int = 1) -> str | None:
+    """Why a replica group running `plan` on `model` (the whole model, meta too) at TP degree `tp` cannot
+    re-form onto fewer ranks after losing one (parallel.on_rank_loss=replan), None where it can. Pure;
+    call before any worker starts (api.check_host), after `problems` found nothing.
+
+    A survivor holds the lost ranks' shard indices as slices of whole tensors (runtime/parallel/standin.py),
+    cut as the plan says: FSDP2 shards by torch.chunk's rows (any plan), pipeline stages by `pp` (which
+    parallel.pp > 1 needs anyway), TP ranks by `TensorPlan.part`. That part is known only for torch's
+    column- and row-wise styles on nn.Linear layers, and styles that leave parameters whole; a plan that
+    rewrites its layers, or splits another module, must say it with a `slicer`."""
+    if tp <= 1 or plan.tp is None or plan.tp.slicer is not None:
+        return None
+    if plan.tp.rewrite is not None:
+        return ("the model's TP plan rewrites its layers (TensorPlan.rewrite) and gives no slicer: a survivor "
+                "cannot cut a TP rank's part of a rewritten layer")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    container = plan.layer_container(model)
+    layer = next(iter(container.values()), None) if container is not None else None
+    for path, module in layer.named_modules() if layer is not None else ():
+        style = plan.tp.style_of(path) if path else None
+        if style is None or isinstance(style, SequenceParallel) or not any(True for _ in module.parameters(recurse=False)):
+            continue  # whole on every TP rank (SequenceParallel replicates its parameters)
+        if not isinstance(style, ColwiseParallel | RowwiseParallel) or not isinstance(module, nn.Linear):
+            return (f"the model's TP plan gives {type(style).__name__} to {path!r} ({type(module).__name__}) "
+                    f"and no slicer: a survivor cannot cut a TP rank's part of it")
+    return None

@@ -31,7 +31,7 @@ from unbroken.runtime.store import keys
 from unbroken.runtime.store.watch import WakeWatch
 from unbroken.runtime.coordinator.metrics import Exporter
 from unbroken.runtime.store.client import connect, finished_among, last_committed, read
-from unbroken.runtime.coordinator.replan import QUOTAS, GroupShape, planner_for
+from unbroken.runtime.coordinator.replan import QUOTAS, GroupShape, parse_shape, planner_for
 from unbroken.runtime.coordinator.slowness import SlownessMonitor
 
 FENCED = "fenced"  # what stands in hb/{r} once r was declared dead (after dead/{r})
@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", default="", help="TP,PP,LAYERS,WIDTH,MICROBATCHES,STEPS,REFORM_S,EVICT,TP_BPS,PP_BPS,"
                     "PEER_BPS,STATE_BUDGET,LOCATE_STEPS (replan.GroupShape) of every group: re-plan groups turning "
                     "Slow with the scheduler (empty: quotas follow speed without it)")
+    ap.add_argument("--reform-refused", default="", help="why a group that loses a rank cannot re-form onto "
+                    "fewer ranks (the scheduler then applies drop and says so); empty: it can")
     ap.add_argument("--detector", default="", help="config [detector] as JSON (empty: the detector's defaults)")
     ap.add_argument("--poll", type=float, default=0.1, help="s between liveness rounds (unless woken)")
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
@@ -285,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve on this socket, bound to --port and listening (the launcher holds the port)")
     a = ap.parse_args(argv)
     log = EventLog(f"{a.run_dir}/events.jsonl", who="coordinator")
-    shape = GroupShape(a.group_size, *(int(v) if v.lstrip("-").isdigit() else float(v) for v in a.plan.split(","))) \
-        if a.plan else None
+    shape = parse_shape(a.group_size, a.plan, a.reform_refused or None) if a.plan else None
     detector = DetectorSection(**json.loads(a.detector)) if a.detector else None
     if a.store:  # several coordinators may serve the run: the one holding the lease leads, the rest wait
         store, address = connect(a.store), a.store

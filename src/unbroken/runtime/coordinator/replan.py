@@ -17,7 +17,9 @@ state stays in step. Parking is for good: a parked group computes nothing, so no
 drop (its survivors leave) and shrink: onto one survivor running the whole model (standin.py), or,
 for a pipeline without FSDP2, the survivors re-formed into fewer stages that merge whole stages of the
 full plan, each one rank or a full TP team (runtime/trainer/replan_reform.py; `reformable` refuses other plans of
-several ranks); the shrunk group's quota weight its smaller plan's. A Slow group whose one slow rank is located, under
+several ranks); the shrunk group's quota weight its smaller plan's. Where the run's groups cannot re-form
+at all (`GroupShape.reform_refused`: a user's parallelize function sharded them, or their plan cannot say
+a lost rank's slices), shrink is priced but refused with that reason, and drop applied. A Slow group whose one slow rank is located, under
 parallel.on_rank_loss=replan and --run.quotas=speed, may also shrink around it onto one healthy rank
 (`evictions`): the coordinator declares the group dead naming that rank, as if it were lost (its fence
 ends it), and the rank-loss path above runs, the scheduler deciding again. Quotas come from
@@ -42,7 +44,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from unbroken.config import Config
 from unbroken.events import EventLog
@@ -123,6 +125,10 @@ class GroupShape:
     # (the detector's evidence for a verdict spans about as many steps), of those since the group left
     # Healthy: a step before the episode dilutes it, and a warm-up step outweighs several
     locate_steps: int = 4
+    # why a group that loses a rank cannot re-form onto fewer ranks (api.check_host: a user's parallelize
+    # function sharded it, or its plan cannot say a lost rank's slices: model/plan.reform_problem); None:
+    # it can. Where set, `on_rank_lost` prices shrink and applies drop, naming this in `not_executable`
+    reform_refused: str | None = None
 
     def hardware(self) -> stepcost.Hardware:
         return stepcost.Hardware(tp_bytes_per_s=self.tp_bytes_per_s, pp_bytes_per_s=self.pp_bytes_per_s,
@@ -137,6 +143,18 @@ def group_shape(cfg: Config) -> GroupShape:
                       cfg.run.steps, float(h.reform_seconds), int(p.on_rank_loss == "replan"),
                       float(h.tp_bytes_per_s), float(h.pp_bytes_per_s), float(h.peer_bytes_per_s),
                       float(h.state_budget_bytes), cfg.detector.locate_steps)
+
+
+def plan_arg(shape: GroupShape) -> str:
+    """The coordinator's --plan argument: every numeric field of `shape` but group_size (passed apart), in
+    order, comma-separated; `parse_shape` reads it back. reform_refused travels as its own argument."""
+    return ",".join(str(getattr(shape, f.name)) for f in fields(shape)[1:] if f.name != "reform_refused")
+
+
+def parse_shape(group_size: int, plan: str, reform_refused: str | None = None) -> GroupShape:
+    """The GroupShape that `plan_arg` wrote, with `group_size` and `reform_refused`."""
+    values = (int(v) if v.lstrip("-").isdigit() else float(v) for v in plan.split(","))
+    return GroupShape(group_size, *values, reform_refused=reform_refused)
 
 
 def planner_for(shape: GroupShape | None, replicas: int, log: EventLog, quotas: str) -> GroupPlanner | None:
@@ -248,7 +266,7 @@ class GroupPlanner:
         horizon = max(1.0, float(self.shape.steps - step))
         d = scheduling.decide(group, plans, self.full, frozenset(alive), speeds, setting, horizon,
                               peers=len(plans) > 1)
-        refused = {k: why for k, why in LOST_REFUSED.items()}
+        refused = {**LOST_REFUSED, **({"shrink": self.shape.reform_refused} if self.shape.reform_refused else {})}
         r = scheduling.restrict(d, refused, reformable(self.full))
         if r.applied.kind == "shrink":
             self.shrunk[group] = r.applied.plan
@@ -368,6 +386,8 @@ class GroupPlanner:
         if self.quotas == "drop" and slow:
             return {k: DROP for k in scheduling.KINDS if k != "drop"}
         refused = {**REFUSED, **({} if self.quotas == "speed" else {"reweight": EQUAL if self.quotas == "equal" else DROP})}
+        if self.shape.reform_refused:  # the group could not go on shrunk without the evicted rank
+            return {**refused, "shrink": self.shape.reform_refused}
         shrinks = [o.plan for o in (d.options if d else ()) if o.kind == "shrink"]
         if (slow and self.shape.evict and self.quotas == "speed" and located and len(located) == 1 and shrinks
                 and all(len(p.ranks) == 1 and not p.ranks & set(located) for p in shrinks)):

@@ -61,10 +61,12 @@ class RunResult:
 
 
 def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train",
-           resume: Resumption | None = None) -> RunResult:
+           resume: Resumption | None = None, reform_refused: str | None = None) -> RunResult:
     """Run `cfg` to the end. Blocks; returns a RunResult (never raises for failures of the run itself).
     With `resume` (resume.read_run of cfg.launch.out), continue that run in its directory instead: its log
-    and logs/ are kept and appended to, and the trainers restore from the agents' memory or a checkpoint."""
+    and logs/ are kept and appended to, and the trainers restore from the agents' memory or a checkpoint.
+    `reform_refused`: why a group that loses a rank cannot re-form onto fewer ranks (api.check_host), for
+    the coordinator's scheduler (replan.GroupShape)."""
     m = cfg.metrics
     preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
     store_preflight(cfg.coord.store, resume.run_id if resume else None)  # etcd: answers, holds no other run
@@ -94,10 +96,11 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
     watch: _Watch | None = None
     try:
-        coordinator, address = start_coordinator(cfg, run_dir, held=held, zygote=zygote)
+        coordinator, address = start_coordinator(cfg, run_dir, held=held, zygote=zygote, refused=reform_refused)
         procs.append(coordinator)
         if cfg.coord.store:  # etcd: standbys beside it; the run has lost its coordinator once all are gone
-            coordinator = _Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n, zygote=zygote)[0]
+            coordinator = _Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n, zygote=zygote,
+                                                                            refused=reform_refused)[0]
                                                          for n in range(1, 1 + cfg.coord.standbys)])
             procs.extend(coordinator.procs[1:])
         raw = connect(address)

@@ -13,11 +13,11 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import asdict, astuple
+from dataclasses import asdict
 from pathlib import Path
 
 from unbroken.config import Config
-from unbroken.runtime.coordinator.replan import group_shape
+from unbroken.runtime.coordinator.replan import group_shape, plan_arg
 from unbroken.runtime.launcher.processes import AgentGroup, start_time
 from unbroken.runtime.launcher.zygote import Forked, Zygote
 
@@ -47,10 +47,11 @@ def hold_port(cfg: Config) -> socket.socket | None:
 
 
 def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socket | None = None,
-                      zygote: Zygote | None = None) -> tuple[subprocess.Popen | Forked, str]:
+                      zygote: Zygote | None = None, refused: str | None = None) -> tuple[subprocess.Popen | Forked, str]:
     """Start the coordinator on the port `held` (hold_port; None: one held now, or etcd's address),
     forked by `zygote` where it forks (saving the ~1.5 CPU-s of its imports), else as a fresh interpreter
-    while the workers start; their store clients retry until the server is up. n > 0: a standby (etcd)."""
+    while the workers start; their store clients retry until the server is up. n > 0: a standby (etcd).
+    `refused`: why the run's groups cannot re-form onto fewer ranks (replan.GroupShape.reform_refused)."""
     held = held or hold_port(cfg)
     port = held.getsockname()[1] if held else 0
     cmd = [sys.executable, "-m", COORDINATOR, "--replicas", str(cfg.run.replicas),
@@ -58,7 +59,7 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socke
            "--run-dir", str(run_dir), "--port", str(port), "--heartbeat-timeout", str(cfg.coord.heartbeat_timeout),
            "--progress-timeout", str(cfg.coord.progress_timeout),
            "--startup-timeout", str(cfg.coord.startup_timeout), "--quotas", cfg.run.quotas,
-           "--plan", ",".join(map(str, astuple(group_shape(cfg))[1:])),  # all but group_size, passed above
+           "--plan", plan_arg(group_shape(cfg)), *(["--reform-refused", refused] if refused else []),
            "--detector", json.dumps(asdict(cfg.detector)),
            "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,

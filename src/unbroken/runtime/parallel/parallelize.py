@@ -160,7 +160,7 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             model = _fully_shard(model, plan, mesh["dp_shard"], policy)
             sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
-                             plan.loss, device, sharded)
+                             plan.loss, device, sharded, extra=plan.inputs)
     mesh = _mesh(topology, group, device)
     if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
         model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)
@@ -168,6 +168,28 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     if topology.dp_shard > 1:
         return _fully_shard(model, plan, mesh["dp_shard"], policy), None
     return autocast_forward(model, mixed_precision, device), None
+
+
+def describe(model: nn.Module, plan: ParallelPlan, stages: Stages | None) -> dict:
+    """What `parallelize` left on this rank, read off the module it returned (the fields of the rank's
+    `parallelized` event): `fsdp_units`, the paths of its FSDP2 units in module order ("" the root);
+    `tp_sharded`, how many of its parameters a mesh's "tp" dimension splits; `stage`, its pipeline stage
+    (None without); `stack`, the keys of the plan's layers container it holds (None without one); and
+    `inputs`, the plan's extra inputs its forward takes. Call once, after `parallelize`."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    def split_by_tp(p: torch.Tensor) -> bool:
+        if not isinstance(p, DTensor):
+            return False
+        names = p.device_mesh.mesh_dim_names or ()
+        return "tp" in names and isinstance(p.placements[names.index("tp")], Shard)
+
+    held = plan.layer_container(model) if plan.stack and has(model, plan.stack) else None
+    return {"fsdp_units": [n for n, m in model.named_modules() if isinstance(m, FSDPModule)],
+            "tp_sharded": sum(split_by_tp(p) for p in model.parameters()),
+            "stage": stages.index if stages is not None else None,
+            "stack": list(held) if held is not None else None, "inputs": list(plan.inputs)}
 
 
 def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device,

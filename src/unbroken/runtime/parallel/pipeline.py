@@ -3,9 +3,10 @@ says (model/plan.py: `PipelinePlan`), and a batch of microbatches fed through th
 `torch.distributed.pipelining`.
 
 Owns: `split` (prune a model to one stage's part, parameter names kept, as torchtitan's pipeline split
-does) and `Stages` (this rank's `PipelineStage` and schedule over the group's own process group; each
-microbatch's parameter gradients handed to a sink one by one; the tied embedding/head weight, held by the
-first and the last stage, summed per microbatch across them). Does not own: which microbatches (policy),
+does) and `Stages` (this rank's `PipelineStage` and schedule over the group's own process group; the
+plan's extra inputs handed to every stage's forward as keywords; each microbatch's parameter gradients
+handed to a sink one by one; the tied embedding/head weight, held by the first and the last stage, summed
+per microbatch across them). Does not own: which microbatches (policy),
 the accumulator they go into (parallel/accumulator.py, the trainer's), the cross-group reduction (rank j of every
 group holds stage j and all-reduces its gradients with the others over shard index j: collectives.py).
 
@@ -138,7 +139,8 @@ class Stages:
     def __init__(self, model: nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
                  tied: Tied, shape: tuple[int, int], width: int, vocab: int,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | None = None,
-                 sharded: tuple[int, int, torch.dtype] | None = None, apart: bool = False):
+                 sharded: tuple[int, int, torch.dtype] | None = None, apart: bool = False,
+                 extra: tuple[str, ...] = ()):
         """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
         `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss; `device`:
         the rank's (the model already on it; CPU when None); `sharded`: (this rank's FSDP shard, the
@@ -146,7 +148,9 @@ class Stages:
         `took_shard` once a batch, as the reduce-scatter leaves them (parallelize.reduced_shards), not
         one microbatch at a time; `apart`: hand the sink each stage's float32 part of a tied weight's
         gradient, not their float32 sum (a pipeline re-formed from a group whose full plan had FSDP2 inside
-        its stages, trainer/replan_reform.py: that plan added the parts in float64, `_sum_tied_shards`)."""
+        its stages, trainer/replan_reform.py: that plan added the parts in float64, `_sum_tied_shards`);
+        `extra`: the microbatch fields beyond x and y that the model's forward takes as keywords (its
+        plan's `inputs`), handed to every stage's forward (`_keywords`)."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group
@@ -167,7 +171,7 @@ class Stages:
         self.tied = [(next((names[n] for n in group if n in names), None), shape_of) for group, shape_of in tied]
         self._tied_ids = {id(p) for p, _ in self.tied if p is not None}
         self._stash: dict[int, list[torch.Tensor]] = {}
-        self.sharded, self.apart = sharded, apart
+        self.sharded, self.apart, self.extra = sharded, apart, extra
         self._hooks = [] if sharded else [p.register_post_accumulate_grad_hook(self._took)
                                           for p in unique_parameters(model)]
         self._hooks += [model.register_forward_pre_hook(self._before_forward),
@@ -198,13 +202,15 @@ class Stages:
         self._forwards = self._losses = 0
         self._stash = {id(p): [] for p, _ in self.tied if p is not None}
         losses: list[torch.Tensor] = []
+        keywords = self._keywords(microbatches)
         if self.first:
-            self._schedule.step(torch.cat([mb.x for mb in microbatches]).to(self.device), return_outputs=False)
+            self._schedule.step(torch.cat([mb.x for mb in microbatches]).to(self.device), return_outputs=False,
+                                **keywords)
         elif self.last:
             self._schedule.step(target=torch.cat([mb.y for mb in microbatches]).to(self.device), losses=losses,
-                                return_outputs=False)
+                                return_outputs=False, **keywords)
         else:
-            self._schedule.step(return_outputs=False)
+            self._schedule.step(return_outputs=False, **keywords)
         if self._forwards != n or (self.last and self._losses != n):
             raise RuntimeError(f"pipeline stage {self.index}: {self._forwards} forwards, {self._losses} losses "
                                f"for {n} microbatches")
@@ -214,6 +220,22 @@ class Stages:
             self._sum_tied(n)
         self.before = self.after = None
         return [loss.detach() for loss in losses]
+
+    def _keywords(self, microbatches: list[Microbatch]) -> dict[str, torch.Tensor]:
+        """The extra inputs of a schedule's batch: each of `extra` that the microbatches hold, their rows
+        concatenated in order as x's are, which the schedule splits back into one microbatch's rows per
+        forward (torch.tensor_split along dim 0) and hands to this stage's forward as a keyword, on every
+        stage: position ids (each block's RoPE) and masks act inside the layers of every stage, where x
+        reaches the first only. A field that some microbatches hold and others do not raises."""
+        out = {}
+        for name in self.extra:
+            values = [getattr(mb, name, None) for mb in microbatches]
+            if all(v is None for v in values):
+                continue  # the data has none (positions without document boundaries): the model's default
+            if any(v is None for v in values):
+                raise RuntimeError(f"pipeline stage {self.index}: input {name!r} missing from some microbatches")
+            out[name] = torch.cat(values).to(self.device)
+        return out
 
     def close(self) -> None:
         """Drop what a schedule interrupted by a peer's loss left behind (the forward outputs it kept for

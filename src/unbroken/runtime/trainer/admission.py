@@ -16,7 +16,7 @@ from unbroken.events import EventLog
 from unbroken.model.optim import mark_no_decay
 from unbroken.policy.membership import donor
 from unbroken.runtime.parallel.accumulator import unique_parameters
-from unbroken.runtime.parallel.parallelize import parallelize
+from unbroken.runtime.parallel.parallelize import describe, parallelize
 from unbroken.runtime.parallel.precision import prepare
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.persist.healing import Forming, receive
@@ -48,7 +48,8 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
                                 cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
                                 plan, factories.parallelize)
     data = factories.data(cfg)
-    return Parts(model, data, optimizer_for(factories, model, cfg), group, stages, inputs=plan.inputs)
+    return Parts(model, data, optimizer_for(factories, model, cfg), group, stages, inputs=plan.inputs,
+                 applied=describe(model, plan, stages) if group is not None else {})
 
 
 def optimizer_for(factories: Factories, model, cfg: Config):

@@ -321,6 +321,8 @@ def train(where: Placement, me: Incarnation, conn: Connection, log: EventLog, fa
     built.parts = parts = (build_reformed(cfg, factories, me.reform, device) if me.reform.size > 1 else
                            build_standin(cfg, factories, device)) if me.shrunk else \
         build(cfg, factories, who, group, device)
+    if parts.applied:  # a group of several ranks at its full plan: what its plan (or function) applied here
+        log.emit("parallelized", replica=who.group, **parts.applied, **conn.tag)
     mine = signature(cfg, parts)
     if who.rank == 0 and not me.shrunk and coord.claim_signature(mine) != mine:
         raise ConfigError(f"replica group {who.group}'s config or model differs from the run's (signature "

@@ -162,7 +162,8 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
         model, tied = split(model, reform.stage, reform.stages, bounds, plan)
         shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len))  # one FSDP2 share's rows
         stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
-                        plan.loss, device, apart=topology.dp_shard > 1)  # as the full plan's FSDP2 stages add the tied weight
+                        plan.loss, device, apart=topology.dp_shard > 1,  # as the full plan's FSDP2 stages add
+                        extra=plan.inputs)  # the tied weight
     optimizer = optimizer_for(factories, model, cfg)
     return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin, plan.inputs)
 

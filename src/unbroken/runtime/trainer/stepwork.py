@@ -34,6 +34,7 @@ class Parts:
     stages: Stages | None = None  # this rank's pipeline stage, when the group's ranks are stages (pipeline.py)
     standin: StandIn | None = None  # a shrunk group's rank holding several shard indices (standin.py)
     inputs: tuple[str, ...] = ()  # microbatch fields the model's forward takes as keywords (its plan's)
+    applied: dict = field(default_factory=dict)  # what parallelize applied (parallelize.describe), for the log
 
 
 def model_inputs(mb, names: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
