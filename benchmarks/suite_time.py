@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="xdist workers a side (default 1)")
     ap.add_argument("--keep", help="a folder to keep the logs and JUnit XML in (default: a temporary one)")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` stops both sides too (the finally below)
     console = Console()
     work = Path(a.keep or tempfile.mkdtemp(prefix="suite-time-"))
     work.mkdir(parents=True, exist_ok=True)
