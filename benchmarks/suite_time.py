@@ -1,7 +1,7 @@
 """The test suite's time against an earlier commit's, side by side in one run: the tests both commits
 hold, each side's own pytest on its own etcd cluster, at the same time on the same host.
 
-    python benchmarks/suite_time.py --base b53df13 [--current HEAD] [--workers 1]
+    python benchmarks/suite_time.py --base b53df13 [--current HEAD] [--workers 1] [-- PYTEST_ARGS]
 
 What it measures: each side runs the test IDs both trees collect (the current tree deselects the tests
 the base lacks; the base deselects the ones the current tree lost), with `--workers` xdist workers each
@@ -11,6 +11,9 @@ on both sides, the ratios current / base, and the files whose summed time moved 
 says the current code runs the same tests slower. Both sides share the host's load (other work on it
 included), so the ratio holds where the absolute seconds do not; a test that failed on either side is
 left out of the sums and counted.
+
+PYTEST_ARGS go to both sides' collection and runs (e.g. `--ignore=tests/runtime/test_shrink.py` to leave
+out files whose fault tests time out on a host loaded by other work; say so with the figure).
 
 What it leaves out: the tests only the current tree holds (their time is the suite's growth, not its
 speed), and the virtual environment: both sides run this interpreter's packages.
@@ -36,10 +39,10 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def collect(tree: Path) -> set[str]:
-    """The test IDs pytest collects in `tree` (its own src first on the path)."""
+def collect(tree: Path, extra: list[str]) -> set[str]:
+    """The test IDs pytest collects in `tree` (its own src first on the path), with `extra` arguments."""
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-o",
-                        "addopts=", "-n", "0"], cwd=tree, capture_output=True, text=True,
+                        "addopts=", "-n", "0", *extra], cwd=tree, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(tree / "src")})
     ids = {line for line in r.stdout.splitlines() if "::" in line}
     if not ids:
@@ -64,7 +67,8 @@ def results(xml: Path) -> dict[str, tuple[float, bool]]:
     return out
 
 
-def start_side(tree: Path, drop: set[str], workers: int, work: Path, name: str) -> tuple[subprocess.Popen, Path]:
+def start_side(tree: Path, drop: set[str], workers: int, work: Path, name: str,
+               extra: list[str]) -> tuple[subprocess.Popen, Path]:
     """Start one side's pytest (its etcd cluster first); returns the process and its JUnit XML path."""
     args_file = work / f"{name}.args"
     args_file.write_text("".join(f"--deselect\n{t}\n" for t in sorted(drop)))
@@ -75,7 +79,7 @@ def start_side(tree: Path, drop: set[str], workers: int, work: Path, name: str) 
     xml = work / f"{name}.xml"
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "UNBROKEN_TEST_ETCD": url, "CI": "true"}
     p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", str(workers),
-                          f"--junitxml={xml}", f"@{args_file}"], cwd=tree, env=env, start_new_session=True,
+                          f"--junitxml={xml}", *extra, f"@{args_file}"], cwd=tree, env=env, start_new_session=True,
                          stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
     return p, xml
 
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--current", default="HEAD", help="the commit to time against it (default HEAD; both "
                     "run from worktrees of their own, so the checkout may change meanwhile)")
     ap.add_argument("--workers", type=int, default=1, help="xdist workers a side (default 1)")
+    ap.add_argument("pytest_args", nargs="*", help="after --: arguments for both sides' pytest")
     ap.add_argument("--keep", help="a folder to keep the logs and JUnit XML in (default: a temporary one)")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` stops both sides too (the finally below)
@@ -115,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(trees[name]), rev], cwd=ROOT, check=True)
     procs: dict[str, subprocess.Popen] = {}
     try:
-        ids = {name: collect(tree) for name, tree in trees.items()}
+        ids = {name: collect(tree, a.pytest_args) for name, tree in trees.items()}
         common = ids["base"] & ids["current"]
         console.print(f"base {a.base}: {len(ids['base'])} tests, current {a.current}: {len(ids['current'])}, "
                       f"both: {len(common)}")
         xml, started, ended = {}, time.monotonic(), {}
         for name, tree in trees.items():
-            procs[name], xml[name] = start_side(tree, ids[name] - common, a.workers, work, name)
+            procs[name], xml[name] = start_side(tree, ids[name] - common, a.workers, work, name, a.pytest_args)
         with Live(console=console, refresh_per_second=1) as live:
             while len(ended) < 2:
                 for name, p in procs.items():
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                               "done" if name in ended else "running")
                 live.update(t)
                 time.sleep(1)
+        console.print()
         report(console, {n: results(x) for n, x in xml.items()}, ended, common)
     finally:
         for name, p in procs.items():
