@@ -58,3 +58,43 @@ def test_exact_folds_match_torch_adds_into_a_zeroed_buffer_bit_for_bit():
             if step == 2 and mb == 0:  # a reduction read the buffer mid-step (a retry adds on after it)
                 assert torch.equal(acc.buffer.view(torch.int64), oracle.view(torch.int64))
         assert torch.equal(acc.buffer.view(torch.int64), oracle.view(torch.int64)), step
+
+
+def test_sharded_grads_are_dtensors_over_the_reduced_copy_itself():
+    """FSDP2 shards (a fake two-rank group: no peers): `.grad` is a DTensor over the reduced float32 copy
+    itself, no float32 copy of it beside; kept while the reduction reuses its copy, rebuilt for another."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from unbroken.config.schema import ModelConfig
+    from unbroken.model.gpt import GPT
+    from unbroken.runtime.parallel.accumulator import local, unique_parameters
+    from unbroken.runtime.parallel.parallelize import _fully_shard
+    from unbroken.runtime.parallel.precision import policy
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(n_layer=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.0))
+        model = _fully_shard(model, model.parallel_plan(), init_device_mesh("cpu", (2,)), policy("off", True))
+        params = unique_parameters(model)
+        acc = Accumulator(params, torch.float32)
+        assert acc.sharded and not acc._wide
+        reduced = torch.randn(acc.buffer.numel())
+        assert acc.load_grads(reduced) == float(reduced[-1])
+        first = [p.grad for p in params]
+        for p, off, n in zip(params, acc.offsets, acc.sizes):
+            assert isinstance(p.grad, DTensor) and p.grad.shape == p.shape
+            assert local(p.grad).data_ptr() == reduced.data_ptr() + 4 * off  # the copy itself
+            assert torch.equal(local(p.grad).reshape(-1), reduced[off:off + n])
+        torch.optim.AdamW(params, lr=1e-3).step()  # the optimizer takes them as FSDP2's own
+        reduced.mul_(2.0)  # the same copy, reduced again: the same gradients see it
+        acc.load_grads(reduced)
+        assert all(p.grad is g for p, g in zip(params, first))
+        other = torch.zeros_like(reduced)  # another copy (after a failed reduction): gradients over it
+        acc.load_grads(other)
+        assert all(local(p.grad).data_ptr() == other.data_ptr() + 4 * off for p, off in zip(params, acc.offsets))
+    finally:
+        dist.destroy_process_group()

@@ -71,8 +71,8 @@ class Accumulator:
             and all(local(p).dtype == torch.float32 for p in params)
         self._wide = [s.numpy() for s in self._slices] if wide else []
         self._unset: set[int] = set()  # parameters whose slice `zero` left unwritten (zero once read)
-        self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, its views)
-        self._grads: list[torch.Tensor] | None = None  # sharded: DTensor grads over `_flat`, kept
+        self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, grads over it)
+        self._grads: list[torch.Tensor] | None = None  # float64 reduced: float32 grads over `_flat`, kept
         self._flat: torch.Tensor | None = None
         self._loss = self._buffer[-1:]  # (1,) view: `buffer[-1] += x` is a select, an add and a copy back
 
@@ -111,9 +111,9 @@ class Accumulator:
 
     def add(self, weighted_loss: torch.Tensor | None, share: int = 0) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
-        into the buffer's views, or its hooks folded them: `fold`) and its weighted loss (None: `add_loss` took it before the backward).
-        `share` (whose FSDP2 rows) matters only to a stand-in's accumulator (standin.ShardedAccumulator):
-        this one holds one rank's own."""
+        into the buffer's views, or its hooks folded them: `fold`) and its weighted loss (None:
+        `add_loss` took it before the backward). `share` (whose FSDP2 rows) matters only to a stand-in's
+        accumulator (standin.ShardedAccumulator): this one holds one rank's own."""
         if self.hooked:
             for p in self.params:
                 p.grad = None
@@ -185,17 +185,20 @@ class Accumulator:
     def load_grads(self, reduced: torch.Tensor, loss: torch.Tensor | None = None) -> float:
         """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode; a float32 one itself
         where the reduction rounded it already, its loss in `loss`); returns the reduced (step) loss.
-        The views of the last buffer given are kept: the all-reduce reuses one."""
-        rounded = not self.sharded and self.uniform and reduced.dtype == self.params[0].dtype
-        if self.views or rounded:
+        The gradients over the last buffer given are kept: the all-reduce reuses one."""
+        if self.views or (self.uniform and reduced.dtype == self.params[0].dtype):
+            # `.grad` is the reduced copy itself: views of it, DTensors over them where sharded (FSDP2,
+            # TP). Building 28 DTensors cost ~2 ms, so they are rebuilt only for another buffer (after
+            # a failed reduction); a float32 copy of the buffer would hold numel x 4 bytes more.
             if self._loaded is None or self._loaded[0] is not reduced:
-                self._loaded = (reduced, self._split(reduced))
-            for p, view in zip(self.params, self._loaded[1]):
-                p.grad = view
+                grads = [self._as_grad(p, view) for p, view in zip(self.params, self._split(reduced))]
+                self._loaded = (reduced, grads)
+            for p, grad in zip(self.params, self._loaded[1]):
+                p.grad = grad
         elif self.sharded or (reduced.dtype != self.params[0].dtype and self.uniform):
             # One copy (float64 -> float32 under --exact: the same rounding as each `.to`) into kept
-            # gradients: building 28 DTensors a step cost ~2 ms; a fresh float32 tensor per parameter
-            # a step page-faults its memory in again (numel x 4 bytes a step).
+            # gradients: a fresh float32 tensor per parameter a step page-faults its memory in again
+            # (numel x 4 bytes a step).
             if self._grads is None:
                 self._flat = torch.empty(self._buffer.numel(), dtype=self.params[0].dtype, device=self._buffer.device)
                 self._grads = [self._as_grad(p, view) for p, view in zip(self.params, self._split(self._flat))]
