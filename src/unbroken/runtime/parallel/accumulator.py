@@ -160,9 +160,9 @@ class Accumulator:
             return
         # quiet, as torch's add: inf + -inf makes a NaN without a warning (~1 us a call)
         with np.errstate(all="ignore"):
-            if i in self._unset:  # the slice is unset: 0.0 + g, as the add into a zeroed one (-0.0 -> 0.0)
-                self._unset.discard(i)
-                np.add(grad.numpy(), 0.0, out=self._wide[i], dtype=np.float64)
+            if i in self._unset:  # the slice is unset: g + 0.0, as the add into a zeroed one gives (-0.0
+                self._unset.discard(i)  # -> 0.0), in float32 (exact there) and widened as it is written
+                np.add(grad.numpy(), np.float32(0.0), out=self._wide[i])
             else:
                 np.add(self._wide[i], grad.numpy(), out=self._wide[i])
 
