@@ -6,7 +6,9 @@ timed with the thread's CPU clock (median of --reps calls after a warm-up), besi
 forward and backward (4 x 64 tokens by default, the data config's and overhead.py's):
   digest          param_digest of every parameter (the `applied` event's and the step record's)
   reduce copy     the all-reduce's copy of the accumulator (float32; float64 under --exact)
-  exact fold      --exact: one microbatch's float32 gradients added into the float64 accumulator
+  exact first     --exact: a step's first microbatch into the float64 accumulator: `zero` leaves its
+                  slices unset and the fold writes 0.0 + g (the zeroing pass and one read saved)
+  exact fold      --exact: each later microbatch's float32 gradients added into the float64 accumulator
   exact load      --exact: the reduced float64 buffer into float32 `.grad` (Accumulator.load_grads: one
                   copy into a kept float32 buffer; "a fresh": a new tensor per parameter, as it was)
   rollback save   commit pipelining: the copy of parameters and AdamW state before a step ahead
@@ -75,6 +77,10 @@ def main() -> None:
         for p, g in zip(params, grads):
             p.grad = g
         acc64.add(torch.zeros(()))
+
+    def first() -> None:  # the step's start and its first microbatch
+        acc64.zero()
+        fold()
     def fresh(reduced: torch.Tensor) -> None:  # a float32 tensor per parameter a step, as load_grads did
         for p, view in zip(params, acc64._split(reduced)):
             p.grad = view.to(p.dtype)
@@ -86,7 +92,8 @@ def main() -> None:
             ("digest", 4 * numel, cpu_ms(lambda: param_digest(params), args.reps), 1, False),
             ("reduce copy float32", 8 * numel, cpu_ms(lambda: into32.copy_(acc32.buffer), args.reps), 1, False),
             ("reduce copy float64", 16 * numel, cpu_ms(lambda: into64.copy_(acc64.buffer), args.reps), 1, True),
-            ("exact fold", 20 * numel, cpu_ms(fold, args.reps), per_step, True),
+            ("exact first", 12 * numel, cpu_ms(first, args.reps), 1, True),
+            ("exact fold", 20 * numel, cpu_ms(fold, args.reps), per_step - 1, True),
             ("exact load", 12 * numel, cpu_ms(lambda: acc64.load_grads(into64), args.reps), 1, True),
             ("exact load, a fresh", 12 * numel, cpu_ms(lambda: fresh(into64), args.reps), 0, True),
             ("rollback save", 24 * numel, cpu_ms(rollback.save, args.reps), 1, False),

@@ -1,7 +1,8 @@
 """The reduction overlapped with backward (runtime/parallel/buckets.py, runtime/trainer/reduction.py), in one
 process: the bucket layout's arithmetic, and a Reducer over a real one-member gloo group folding a GPT's
-last microbatch bucket by bucket from its hooks. Oracle: the accumulator the plain path builds (backward,
-then `add`), bit for bit, in float32 and float64; the reduction's copy equals it, the buffer untouched."""
+last microbatch bucket by bucket from its hooks (under --exact folding every microbatch's gradients from
+them). Oracle: the accumulator the plain path builds (backward, then `add`), bit for bit, in float32 and
+float64; the reduction's copy equals it, the buffer untouched."""
 from __future__ import annotations
 
 import datetime
@@ -67,13 +68,25 @@ def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
     role = SimpleNamespace(ranks=1, indices=1, holds=(0,), group=0, timed=1, shard_tag=lambda _: {})
     moving = []  # non-empty: the epoch reads as moved (a member marked to overlap must then not arm)
     coord = SimpleNamespace(moved=lambda e: bool(moving), stage=lambda *a: None)
+    # the oracle: the plain path without the reducer's hooks, each microbatch's backward then `add`
+    model, params, acc = build()
+    acc.zero()
+    for i in range(3):
+        x, y = microbatch(0, i)
+        loss = model(x, y) * (1 / 3)
+        loss.backward()
+        acc.add(loss)
+    oracle = acc.buffer.clone()
     runs = []
     for overlap in (False, True, "moved"):
         model, params, acc = build()
         reducer = Reducer(role, coord, EventLog(tmp_path / f"{overlap}.jsonl"), faults,
                           SimpleNamespace(at=lambda *a, **k: None), SimpleNamespace(save_early=lambda: None),
                           lambda *key: group, params, (acc, acc), gloo=True, bucket_bytes=4096)
-        assert reducer.bucketed and len(reducer.layout.ranges) > 3
+        assert reducer.bucketed and len(reducer.layout.ranges) > 3 and reducer.folds == (dtype == torch.float64)
+        folded = []  # under --exact: each gradient already folded and dropped when the next hook runs
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: folded.append(p.grad is None))
         work = StepWork(0, acc, 96, 0.0)
         acc.zero()
         state = SimpleNamespace(epoch=0, members=(0,))
@@ -97,8 +110,10 @@ def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
             assert acc.load_reduced(work.reduced) == float(kept[-1])
             assert all(p.grad.data_ptr() == work.reduced[0].data_ptr() + 4 * off
                        for p, off in zip(params, acc.offsets))  # `.grad` is the rounded result itself
+        assert len(folded) == 3 * len(params) and all(folded) == (dtype == torch.float64)
         runs.append((kept, early, len(reducer.layout.ranges)))
     (plain, none, _), (overlapped, early, buckets), (unarmed, _, _) = runs
+    assert torch.equal(plain, oracle)
     # inside the last backward: every bucket (float32); under --exact at least the ring's first two, the
     # rest as soon as a slot's bucket has come back (a loaded host may not have returned one yet)
     assert none == 0 and (early == buckets if dtype == torch.float32 else 2 <= early <= buckets)

@@ -48,7 +48,7 @@ class Accumulator:
         self.sizes = [local(p).numel() for p in params]  # this rank's shard of each (all of it in DP)
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]  # each one's start in `buffer`
         # on the parameters' device: gradients are added in place, and a step's reduction reads it there
-        self.buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype, device=local(params[0]).device if params else None)
+        self._buffer = torch.zeros(sum(self.sizes) + 1, dtype=dtype, device=local(params[0]).device if params else None)
         # When the buffer has the parameters' dtype (float32 mode), each `.grad` *is* a view of it, as
         # DDP's gradient_as_bucket_view: backward accumulates in place (AccumulateGrad adds into a
         # defined grad: 0 + g1 + g2 ..., the same float32 sums as copying), so nothing is copied.
@@ -58,14 +58,23 @@ class Accumulator:
         self.uniform = bool(params) and all(p.dtype == params[0].dtype for p in params)  # one flat grad fits all
         # Views are made once and kept: slicing and reshaping 28 parameters' views cost ~60 us a step
         # (at every zero() and every load_grads), setting `.grad` to a kept view ~4 us for all 28.
-        self._own = self._split(self.buffer) if self.views else []
+        self._own = self._split(self._buffer) if self.views else []
         # Otherwise `add` folds the gradients into these slices in one foreach call: slicing, reshaping and
         # adding 28 parameters one by one took ~90 us a call, ~33 us so (FSDP2 shards, thread time)
-        self._slices = self._split(self.buffer) if not self.views and not hooked else []
-        self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, its views)
-        self._grads: list[torch.Tensor] | None = None  # sharded: DTensor grads over `_flat`, kept
+        self._slices = self._split(self._buffer) if not self.views and not hooked else []
+        # --exact on the CPU (float64 slices, float32 gradients): a fold is one numpy add, which widens
+        # the gradient in cache-sized pieces, where torch's CPU add first widens all of it into a float64
+        # temporary (8 bytes a parameter written, read back, its pages faulted in). And the first fold of
+        # a slice in a step writes 0.0 + g instead of adding into zeros: `zero` leaves the slices unset
+        # (`_unset`), so a step makes one pass over the buffer less, and reads it once less.
+        wide = bool(self._slices) and dtype == torch.float64 and self._buffer.device.type == "cpu" \
+            and all(local(p).dtype == torch.float32 for p in params)
+        self._wide = [s.numpy() for s in self._slices] if wide else []
+        self._unset: set[int] = set()  # parameters whose slice `zero` left unwritten (zero once read)
+        self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, grads over it)
+        self._grads: list[torch.Tensor] | None = None  # float64 reduced: float32 grads over `_flat`, kept
         self._flat: torch.Tensor | None = None
-        self._loss = self.buffer[-1:]  # (1,) view: `buffer[-1] += x` is a select, an add and a copy back
+        self._loss = self._buffer[-1:]  # (1,) view: `buffer[-1] += x` is a select, an add and a copy back
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of a flat (numel + 1,) buffer, shaped like the parameter."""
@@ -75,9 +84,23 @@ class Accumulator:
             offset += n
         return views
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The flat (numel + 1,) sum of the step so far: what a reduction copies. Reading it zeroes what
+        `zero` left unset, so it reads as a buffer cleared at the step's start."""
+        if self._unset:
+            for i in self._unset:
+                self._slices[i].zero_()
+            self._unset = set()
+        return self._buffer
+
     def zero(self) -> None:
         """Clear the buffer; call once at the start of a step, never inside one."""
-        self.buffer.zero_()
+        if self._wide:
+            self._loss.zero_()
+            self._unset = set(range(len(self.params)))
+        else:
+            self._buffer.zero_()
         self.attach()
 
     def attach(self) -> None:
@@ -88,12 +111,17 @@ class Accumulator:
 
     def add(self, weighted_loss: torch.Tensor | None, share: int = 0) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
-        into the buffer's views) and its weighted loss (None: `add_loss` took it before the backward).
-        `share` (whose FSDP2 rows) matters only to a stand-in's accumulator (standin.ShardedAccumulator):
-        this one holds one rank's own."""
+        into the buffer's views, or its hooks folded them: `fold`) and its weighted loss (None:
+        `add_loss` took it before the backward). `share` (whose FSDP2 rows) matters only to a stand-in's
+        accumulator (standin.ShardedAccumulator): this one holds one rank's own."""
         if self.hooked:
             for p in self.params:
                 p.grad = None
+        elif self._wide:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self._fold(i, local(p.grad))
+                    p.grad = None
         elif not self.views:
             # float32 grads added into float64 slices are exact: every float32 is a float64
             pairs = [(s, local(p.grad)) for s, p in zip(self._slices, self.params) if p.grad is not None]
@@ -112,19 +140,37 @@ class Accumulator:
     def fold(self, i: int) -> None:
         """Parameter i's gradient of the current backward is final: add it into its slice now and drop
         it (the same add `add` makes: one float32 gradient into float32 or float64, element by element),
-        so its slice is final. Nothing to do where `.grad` is a view of the buffer. Not for `hooked`."""
+        so its slice is final and the gradient's memory free for the next one backward makes. Call from
+        its post-accumulate-grad hook. Nothing to do where `.grad` is a view of the buffer. Not for
+        `hooked`."""
         if self.views:
             return
         p = self.params[i]
         if p.grad is not None:
-            self._slices[i].add_(local(p.grad))
+            self._fold(i, local(p.grad))
             p.grad = None
+
+    def _fold(self, i: int, grad: torch.Tensor) -> None:
+        """Add one gradient into parameter i's slice: slice + g in the slice's dtype, element by element."""
+        if not self._wide or grad.dtype != torch.float32 or grad.layout != torch.strided or grad.requires_grad:
+            if i in self._unset:
+                self._unset.discard(i)
+                self._slices[i].zero_()
+            self._slices[i].add_(grad)
+            return
+        # quiet, as torch's add: inf + -inf makes a NaN without a warning (~1 us a call)
+        with np.errstate(all="ignore"):
+            if i in self._unset:  # the slice is unset: g + 0.0, as the add into a zeroed one gives (-0.0
+                self._unset.discard(i)  # -> 0.0), in float32 (exact there) and widened as it is written
+                np.add(grad.numpy(), np.float32(0.0), out=self._wide[i])
+            else:
+                np.add(self._wide[i], grad.numpy(), out=self._wide[i])
 
     def add_shard(self, param: torch.Tensor, shard: torch.Tensor) -> None:
         """Add `param`'s shard of a group's reduce-scatter output (float64 in exact mode) into its slice."""
         i = self._slot[id(param)]
         # a tensor-parallel stage's gradient is a DTensor: this rank's slice of it (pipeline.Stages' sink)
-        self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]].add_(local(shard).reshape(-1))
+        self._buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]].add_(local(shard).reshape(-1))
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -139,19 +185,22 @@ class Accumulator:
     def load_grads(self, reduced: torch.Tensor, loss: torch.Tensor | None = None) -> float:
         """Point `.grad` at a reduced buffer (a float32 copy of it in exact mode; a float32 one itself
         where the reduction rounded it already, its loss in `loss`); returns the reduced (step) loss.
-        The views of the last buffer given are kept: the all-reduce reuses one."""
-        rounded = not self.sharded and self.uniform and reduced.dtype == self.params[0].dtype
-        if self.views or rounded:
+        The gradients over the last buffer given are kept: the all-reduce reuses one."""
+        if self.views or (self.uniform and reduced.dtype == self.params[0].dtype):
+            # `.grad` is the reduced copy itself: views of it, DTensors over them where sharded (FSDP2,
+            # TP). Building 28 DTensors cost ~2 ms, so they are rebuilt only for another buffer (after
+            # a failed reduction); a float32 copy of the buffer would hold numel x 4 bytes more.
             if self._loaded is None or self._loaded[0] is not reduced:
-                self._loaded = (reduced, self._split(reduced))
-            for p, view in zip(self.params, self._loaded[1]):
-                p.grad = view
+                grads = [self._as_grad(p, view) for p, view in zip(self.params, self._split(reduced))]
+                self._loaded = (reduced, grads)
+            for p, grad in zip(self.params, self._loaded[1]):
+                p.grad = grad
         elif self.sharded or (reduced.dtype != self.params[0].dtype and self.uniform):
             # One copy (float64 -> float32 under --exact: the same rounding as each `.to`) into kept
-            # gradients: building 28 DTensors a step cost ~2 ms; a fresh float32 tensor per parameter
-            # a step page-faults its memory in again (numel x 4 bytes a step).
+            # gradients: a fresh float32 tensor per parameter a step page-faults its memory in again
+            # (numel x 4 bytes a step).
             if self._grads is None:
-                self._flat = torch.empty(self.buffer.numel(), dtype=self.params[0].dtype, device=self.buffer.device)
+                self._flat = torch.empty(self._buffer.numel(), dtype=self.params[0].dtype, device=self._buffer.device)
                 self._grads = [self._as_grad(p, view) for p, view in zip(self.params, self._split(self._flat))]
             self._flat.copy_(reduced)
             for p, g in zip(self.params, self._grads):

@@ -3,10 +3,11 @@ overlapped with the backward of the replica's last microbatch.
 
 Owns: `Reducer`, the `Reduce` action (all-reduce a copy of the step's accumulator in the epoch's group,
 each shard index it holds; the accumulator stays intact), and the overlap: the post-accumulate-grad
-hooks that, during the last microbatch's backward, fold each final gradient into the accumulator
-(float64 under --exact) and issue each bucket whose gradients are final (parallel/buckets.py). Does not
-own: the groups (step.py forms them: `group_of`), what a failed reduction leads to (policy.recovery),
-or the step's data (stepwork.py).
+hooks that, during the last microbatch's backward, issue each bucket whose gradients are final
+(parallel/buckets.py). Under --exact over whole parameters the same hooks fold each final gradient into
+the float64 accumulator and drop it, in every microbatch's backward (any backend). Does not own: the
+groups (step.py forms them: `group_of`), what a failed reduction leads to (policy.recovery), or the
+step's data (stepwork.py).
 
 When the overlap runs: the group is one rank (plain data parallelism) on a gloo cross group, and the
 step's first reduction follows its compute with nothing left to settle first: no previous step awaits
@@ -49,9 +50,8 @@ class InFlight:
 
 @dataclass
 class _Armed:
-    """The overlap of one step's last backward: its accumulator and its bucketed reduction."""
+    """The overlap of one step's last backward: its bucketed reduction."""
     step: int
-    acc: Accumulator
     reduce: BucketedReduce
     fired: bool = False  # the "overlap" fault point passed (at the first bucket issued)
 
@@ -64,21 +64,27 @@ class Reducer:
                  params: list[torch.nn.Parameter], accs: tuple, gloo: bool, bucket_bytes: int = BUCKET_BYTES):
         self.role, self.coord, self.log, self.faults, self.hb = role, coord, log, faults, heartbeat
         self.pipeline, self.group_of = pipeline, group_of
-        self.bucketed = (role.ranks == 1 and role.indices == 1 and gloo and len(role.holds) == 1
-                         and all(type(a) is Accumulator and not a.hooked and not a.sharded for a in accs))
+        plain = all(type(a) is Accumulator and not a.hooked and not a.sharded for a in accs)
+        self.bucketed = role.ranks == 1 and role.indices == 1 and gloo and len(role.holds) == 1 and plain
+        # --exact over whole parameters: each gradient is folded into the float64 accumulator from its
+        # hook and dropped, in every backward, so a model's float32 gradients (4 bytes a parameter)
+        # never coexist with it
+        self.folds = plain and not accs[0].views
+        self.folding: Accumulator | None = None  # the accumulator of the backward running now, if it folds
         self.armed: _Armed | None = None
         self.layout = Layout.of_sizes(accs[0].sizes, accs[0].buffer.element_size(), bucket_bytes) \
             if self.bucketed else None
-        if self.bucketed:
+        if self.bucketed or self.folds:
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(self._hook(i))
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def final(_: torch.Tensor) -> None:  # parameter i's gradient of this backward is accumulated
+            if self.folding is not None:
+                self.folding.fold(i)  # before its bucket can be issued
             armed = self.armed
             if armed is None:
                 return
-            armed.acc.fold(i)
             if armed.reduce.ready(i) and not armed.fired:
                 armed.fired = True
                 # a kill here: buckets in flight, backward still going
@@ -98,24 +104,32 @@ class Reducer:
         last microbatch of a step marked by `target` overlaps its reduction: its loss is added first
         (the same sum in the same order), then its gradients bucket by bucket from the hooks."""
         if not (last and isinstance(work.overlap, tuple)) or self.coord.moved(work.overlap[0]):  # marked: (e, m)
-            loss.backward()
+            self._backward(work.acc, loss)
             work.acc.add(counted, share)
             return
         epoch, members = work.overlap
         group = self.group_of(epoch, members, self.role.holds[0])
         if not isinstance(group, EpochGroup):
-            loss.backward()
+            self._backward(work.acc, loss)
             work.acc.add(counted, share)
             return
         reduce = self._bucketed(work, group, self.role.holds[0], work.acc.buffer, lambda: self.coord.moved(epoch))
         work.overlap = InFlight((epoch, members, self.role.holds[0]), reduce)
         work.acc.add_loss(counted)
-        self.armed = _Armed(work.step, work.acc, reduce)
+        self.armed = _Armed(work.step, reduce)
         try:
-            loss.backward()
+            self._backward(work.acc, loss)
         finally:
             self.armed = None
         work.acc.add(None, share)  # what no hook folded (a parameter without a gradient: nothing)
+
+    def _backward(self, acc: Accumulator, loss: torch.Tensor) -> None:
+        """`loss.backward()`, its gradients folded into `acc` from the hooks where the reducer folds."""
+        self.folding = acc if self.folds else None
+        try:
+            loss.backward()
+        finally:
+            self.folding = None
 
     @staticmethod
     def _into(work: StepWork, shard: int, buffer: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
