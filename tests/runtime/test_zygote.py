@@ -50,6 +50,34 @@ def test_children_get_their_own_argv_env_and_log_and_exit_codes_come_back(tmp_pa
     assert server.proc.poll() is not None
 
 
+def test_a_pid_the_kernel_hands_out_again_answers_for_its_new_child(tmp_path):
+    """A long-lived server outlives the kernel's pid wrap-around (32768 by default; the test suite's CLI
+    server forks hundreds of runs): a child that gets a reaped child's pid reports its own exit, not the
+    earlier one's. ns_last_pid (root) steers the server's next fork to the reaped pid."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if not os.access(last_pid, os.W_OK):
+        pytest.skip("steering a fork to a given pid needs a writable /proc/sys/kernel/ns_last_pid (root)")
+    server = Zygote.start(["tests.runtime._forked_child"], ENV)
+    try:
+        assert server.usable()
+        first = server.spawn("tests.runtime._forked_child", ["3"], ENV, str(tmp_path / "first.log"))
+        assert first.wait(30) == 3
+        for attempt in range(50):  # another process of the host may fork between the write and the server's
+            last_pid.write_text(str(first.pid - 1))
+            second = server.spawn("tests.runtime._forked_child", ["wait"], ENV, str(tmp_path / f"second{attempt}.log"))
+            if second.pid == first.pid:
+                break
+            second.kill()
+            second.wait(30)
+        assert second.pid == first.pid, "no fork landed on the reaped pid in 50 tries"
+        assert second.poll() is None  # alive: the reaped child's exit code 3 is not its own
+        second.kill()  # a real signal: not skipped as "already exited"
+        assert second.wait(30) == -signal.SIGKILL
+        assert first.wait(0) == 3
+    finally:
+        server.close()
+
+
 def test_a_server_with_threads_running_does_not_fork(tmp_path):
     module = tmp_path / "threaded_child.py"
     module.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"

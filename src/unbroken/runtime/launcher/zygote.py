@@ -93,12 +93,13 @@ class Forked:
     """A trainer forked by the server. `poll()` and `wait()` read the server's exit reports; the process is
     the server's child, so only it can reap it."""
 
-    def __init__(self, server: Zygote, pid: int):
-        self.server, self.pid, self.returncode = server, pid, None
+    def __init__(self, server: Zygote, pid: int, serial: int):
+        # serial: which of the server's children this is; the pid alone may name an earlier, reaped one
+        self.server, self.pid, self.serial, self.returncode = server, pid, serial, None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.server.exit_code(self.pid, timeout=0.0)
+            self.returncode = self.server.exit_code(self.serial, timeout=0.0)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -117,7 +118,7 @@ class Forked:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self.server.exit_code(self.pid, timeout=timeout)
+            self.returncode = self.server.exit_code(self.serial, timeout=timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"forked trainer {self.pid}", timeout)
         return self.returncode
@@ -204,7 +205,14 @@ class Zygote:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.lock = threading.Lock()
-        self.exits: dict[int, int] = {}
+        # A child's exit is filed under its serial (the order of the server's pid answers), not its pid:
+        # the kernel hands a reaped child's pid to a later fork, and a long-lived server outlives a pid
+        # wrap-around (32768 pids by default), so a pid's old exit must not answer for its new child. The
+        # server reports an exit only after reaping it, and a pid is reused only after that, so each
+        # exit report names the child whose pid answer came last.
+        self.live: dict[int, int] = {}  # pid -> serial of the child that holds it now
+        self.exits: dict[int, int] = {}  # serial -> exit code
+        self.spawned = 0
         self.buffer = b""
         self.ready: bool | None = None  # unknown until the server's first line
 
@@ -248,20 +256,20 @@ class Zygote:
                 if msg is None:
                     raise OSError("the fork server stopped answering")
                 if "pid" in msg:
-                    return Forked(self, msg["pid"])
+                    return Forked(self, msg["pid"], msg["serial"])
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        """The child's exit code once the server reported it, waiting up to `timeout` s (None: forever).
-        A server gone is taken as every child gone with it (killed: -9)."""
+    def exit_code(self, serial: int, timeout: float | None) -> int | None:
+        """The exit code of the child `serial` (Forked.serial) once the server reported it, waiting up to
+        `timeout` s (None: forever). A server gone is taken as every child gone with it (killed: -9)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            while pid not in self.exits:
+            while serial not in self.exits:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if self._line(left) is None:
                     if self.proc.poll() is not None:
-                        return self.exits.setdefault(pid, -9)
+                        return self.exits.setdefault(serial, -9)
                     return None
-            return self.exits[pid]
+            return self.exits[serial]
 
     def _line(self, timeout: float | None) -> dict | None:
         """The next message (exit reports are filed as they come), or None after `timeout` s or at EOF."""
@@ -276,8 +284,11 @@ class Zygote:
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         msg = json.loads(line)
-        if "exit" in msg:
-            self.exits[msg["exit"]] = msg["code"]
+        if "pid" in msg:
+            msg["serial"], self.spawned = self.spawned, self.spawned + 1
+            self.live[msg["pid"]] = msg["serial"]
+        if "exit" in msg and msg["exit"] in self.live:
+            self.exits[self.live.pop(msg["exit"])] = msg["code"]
         return msg
 
     def close(self) -> None:
