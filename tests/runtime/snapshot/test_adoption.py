@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import state
+from snapstates import state
 from unbroken.runtime.snapshot.client import SnapshotClient
 from unbroken.runtime.snapshot.control import Topology, snapshot_keys
 from unbroken.runtime.snapshot.shm import data_path

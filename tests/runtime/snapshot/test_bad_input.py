@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import same, state
+from snapstates import same, state
 from unbroken.runtime.snapshot import errors
 from unbroken.runtime.snapshot.client import SnapshotClient
 from unbroken.runtime.snapshot.control import Topology

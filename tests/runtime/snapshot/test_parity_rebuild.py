@@ -16,7 +16,7 @@ import uuid
 import pytest
 from torch.distributed import TCPStore
 
-from conftest import same, state
+from snapstates import same, state
 from unbroken.runtime.snapshot import errors
 from unbroken.runtime.snapshot.client import SnapshotClient
 from unbroken.runtime.snapshot.control import Topology, post_command, request_rebuild, snapshot_keys

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import same, state
+from snapstates import same, state
 from unbroken.runtime.snapshot.client import SnapshotClient
 from unbroken.runtime.snapshot.control import Topology, snapshot_keys
 from unbroken.runtime.snapshot.shm import SlotFile, State, data_path

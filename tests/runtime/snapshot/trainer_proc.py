@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from torch.distributed import TCPStore  # noqa: E402
 
-from conftest import same, state  # noqa: E402
+from snapstates import same, state  # noqa: E402
 from unbroken.runtime.snapshot.client import SnapshotClient  # noqa: E402
 from unbroken.runtime.snapshot.erasure import gloo_group  # noqa: E402
 
