@@ -6,6 +6,7 @@ float64; the reduction's copy equals it, the buffer untouched."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from unbroken.events import EventLog
 from unbroken.model.gpt import GPT
 from unbroken.policy import recovery as rec
 from unbroken.runtime.parallel.accumulator import Accumulator, unique_parameters
-from unbroken.runtime.parallel.buckets import Layout
+from unbroken.runtime.parallel.buckets import BucketedReduce, Layout, add_rounded
 from unbroken.runtime.parallel.collectives import EpochGroup
 from unbroken.runtime.trainer.reduction import Reducer
 from unbroken.runtime.trainer.stepwork import StepWork
@@ -118,3 +119,86 @@ def test_overlapped_last_backward_builds_the_plain_sum(group, dtype, tmp_path):
     # rest as soon as a slot's bucket has come back (a loaded host may not have returned one yet)
     assert none == 0 and (early == buckets if dtype == torch.float32 else 2 <= early <= buckets)
     assert torch.equal(plain, overlapped) and torch.equal(plain, unarmed)  # bit for bit, the loss included
+
+
+SIZES = [5, 1, 40, 2, 30, 64, 1]
+SMALL = Layout.of_sizes(SIZES, 8, bucket_bytes=8 * 24)  # 6 buckets: one of 1 gradient element, one of 2
+
+
+def member_buffer(members: int, rnd: int, m: int) -> torch.Tensor:
+    """Member m's float64 buffer in round `rnd`: sums of float32 values at scales 1e-6..1e5, where a
+    float64 sum of a few is exact in any order (as a float64 accumulator of float32 gradients)."""
+    g = torch.Generator().manual_seed(100 * members + 10 * rnd + m)
+    n = sum(SIZES) + 1
+    return (torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 6, (n,), generator=g)).double() \
+        + torch.randn(n, generator=g).double()
+
+
+def member(port: int, members: int, m: int, out) -> None:
+    """One member's process: two reductions in one epoch group, results to `out`."""
+    store = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+    group = EpochGroup(store, 0, tuple(range(members)), m, 30.0)
+    group.wait_formed(lambda: False)
+    for rnd in range(2):
+        buffer = member_buffer(members, rnd, m)
+        slots = BucketedReduce.slot_elements(SMALL, members)
+        ring = [torch.full((slots,), float("nan"), dtype=torch.float64) for _ in range(2)]
+        reduce = BucketedReduce(SMALL, group, buffer, torch.empty(len(buffer)), lambda: False, ring,
+                                torch.empty(1, dtype=torch.float64))
+        for i in reversed(range(len(SIZES))):
+            reduce.ready(i)
+        into = reduce.finish().tensor
+        out.put((m, rnd, into.numpy().tobytes(), float(reduce.loss), reduce.early,
+                 torch.equal(buffer, member_buffer(members, rnd, m))))
+
+
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_exact_buckets_reduce_scatter_and_gather_the_member_order_sum(members):
+    """--exact's bucketed reduction among several members (forked processes, a gloo rank each): every
+    member's float32 result is the float64 buffers' sum in member order, rounded once, and the float64
+    loss their sum; no buffer is written. Buckets of 1-2 elements leave some members an empty chunk; the
+    second reduction on the same group checks the exchanges' tags of two reductions do not collide."""
+    assert len(SMALL.ranges) == 6 and min(b - a for a, b in SMALL.ranges) == 2
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=member, args=(store.port, members, m, out)) for m in range(members)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=40) for _ in range(2 * members)]
+    for p in procs:
+        p.join(10)
+    for m, rnd, into, loss, early, intact in got:
+        parts = [member_buffer(members, rnd, j) for j in range(members)]
+        total = parts[0].clone()
+        for b in parts[1:]:
+            total += b
+        into = torch.frombuffer(bytearray(into), dtype=torch.float32)
+        assert torch.equal(into[:-1], total[:-1].float()), (m, rnd)
+        assert loss == float(total[-1]) and intact, (m, rnd)
+        assert 2 <= early <= len(SMALL.ranges)  # during "backward": the ring's two slots at least
+
+
+def test_add_rounded_rounds_once_as_torch_does():
+    """The sum and rounding `add_rounded` makes equal torch's float64 adds in member order followed by
+    `.to(float32)`, bit for bit (a NaN as a NaN): ties to even, float32 denormals, overflow, -0.0; and a
+    column whose float64 sum depends on the order ((2^60 + 1) - 2^60) + 1 = 1, where any other order of
+    adds gives 0 or 2."""
+    g = torch.Generator().manual_seed(0)
+    special = [0.0, -0.0, 1 + 2.0 ** -24, 1 + 3 * 2.0 ** -24, 2.0 ** -140, -2.0 ** -149 * 0.75, 3.5e38,
+               -3.5e38, float("inf"), float("-inf"), float("nan"), 1e-300]
+    order = [2.0 ** 60, 1.0, -(2.0 ** 60), 1.0, 0.0]
+    for members in (1, 2, 3, 4, 5):
+        for own in range(members):
+            parts = [torch.tensor(special[j:] + special[:j] + [order[j]], dtype=torch.float64) for j in range(members)]
+            parts = [torch.cat([p, torch.randn(1000, generator=g, dtype=torch.float64)]) for p in parts]
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total += p
+            kept = parts[own].clone()
+            out = torch.empty(len(total))
+            add_rounded([p.clone() if j != own else p for j, p in enumerate(parts)], out, own)
+            nan = total.isnan()  # a NaN stays a NaN; its sign and payload are the hardware's choice
+            assert torch.equal(out.isnan(), nan), (members, own)
+            assert torch.equal(out[~nan].view(torch.int32), total[~nan].float().view(torch.int32)), (members, own)
+            assert torch.equal(parts[own].view(torch.int64), kept.view(torch.int64))  # own part only read

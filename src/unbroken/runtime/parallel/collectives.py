@@ -1,7 +1,8 @@
 """Fault-tolerant cross-replica collectives: one real gloo group per membership epoch and shard index.
 
 Owns: forming the epoch's group on a fresh store prefix, running an all-reduce on a *copy* of the caller's
-buffer, and turning a dead peer, a timeout or a membership change into a typed outcome instead of a hang.
+buffer, point-to-point exchanges (`exchange`: --exact's bucketed reduce-scatter and gather, buckets.py),
+and turning a dead peer, a timeout or a membership change into a typed outcome instead of a hang.
 Does not own: deciding membership (coordinator) or what to do after a failure (policy.recovery).
 
 Why this shape (measured, REFERENCE.md): when a peer dies mid-reduction some survivors get "connection
@@ -21,6 +22,7 @@ crossgroup.py chooses between them. Both return ReduceResult or raise Collective
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +60,8 @@ class EpochGroup:
         self.epoch, self.members, self.me = epoch, members, me
         self.rank = members.index(me)
         self._pg: dist.ProcessGroup | None = None
+        self._serial = 0  # reductions that have issued point-to-point exchanges here (`take_serial`)
+        self._exchanges: queue.SimpleQueue | None = None  # (Joined, Event) for the waiter thread
         self._error: BaseException | None = None
         prefix = PrefixStore(keys.collective_prefix(shard, epoch, tuple(members)), store)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -118,6 +122,40 @@ class EpochGroup:
         work.get_future().add_done_callback(lambda _: finished.set())
         return Issued(work, finished, copy)
 
+    def take_serial(self) -> int:
+        """This group's count of reductions so far, then one more: call once per reduction, at its first
+        collective. Every member issues the same collectives in the same order (gloo pairs them so), so
+        the k-th reduction has serial k on each member: its exchanges' tags derive from it."""
+        self._serial += 1
+        return self._serial - 1
+
+    def exchange(self, tag: int, sends: list[tuple[int, torch.Tensor]],
+                 recvs: list[tuple[int, torch.Tensor]]) -> Issued:
+        """Send each tensor to its member (a rank of this group) and receive each into its tensor, all
+        asynchronously, as one `Issued`; the group must be `formed`. `tag` (0 <= tag < 2**31) pairs a
+        member's sends with its peers' receives: both sides must name the same tag, each tag used once.
+        gloo's point-to-point works have no future and may be waited once: a waiter thread per group
+        waits them in issue order, keeps the first failure for `Issued.work.wait()` to raise, and sets
+        `finished`. A dead peer fails them at once (at issue, where its pair is closed already); a silent
+        one after the group's timeout. Never raises a collective's failure: `wait` does."""
+        works, failed = [], None
+        try:
+            works += [self._pg.send([t], peer, tag) for peer, t in sends]
+            works += [self._pg.recv([t], peer, tag) for peer, t in recvs]
+        except RuntimeError as e:  # a pair already closed fails at issue: the same outcome, later
+            failed = e
+        one = Issued(Joined(works), threading.Event(), tuple(t for _, t in sends + recvs))
+        if failed is not None:
+            one.work.error = failed
+            one.finished.set()
+            return one
+        if self._exchanges is None:
+            self._exchanges = queue.SimpleQueue()
+            threading.Thread(target=_wait_exchanges, args=(self._exchanges,), daemon=True,
+                             name=f"exchange-epoch-{self.epoch}").start()
+        self._exchanges.put(one)
+        return one
+
     def wait(self, issued: list[Issued], moved: Callable[[], bool], watch_every_s: float = 0.005) -> None:
         """Wait for every issued all-reduce, in order. Raises EpochMoved when `moved()` turns True first
         (every one of them is abandoned, kept alive with the group) and CollectiveError when one failed."""
@@ -141,10 +179,39 @@ class EpochGroup:
 
 @dataclass(frozen=True)
 class Issued:
-    """An all-reduce in flight: its gloo work, the event its completion sets, the tensor it writes."""
+    """A collective in flight: its gloo work (`Joined` for an exchange), the event its completion sets,
+    the tensor(s) it reads or writes (kept alive with it when abandoned)."""
     work: object
     finished: threading.Event
-    copy: torch.Tensor
+    copy: torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class Joined:
+    """An exchange's point-to-point works as one work: `wait()` returns once the waiter thread saw them
+    all through, or raises the first failure it saw (RuntimeError, as gloo's own `wait`)."""
+
+    def __init__(self, works: list):
+        self.works = works
+        self.error: RuntimeError | None = None
+
+    def wait(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def _wait_exchanges(exchanges: queue.SimpleQueue) -> None:
+    """A group's waiter thread: waits each exchange's works in issue order (gloo's wait releases the GIL)
+    and sets its `finished`; after a failure the rest of that exchange is left to the group's fate."""
+    while True:
+        one = exchanges.get()
+        for work in one.work.works:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                one.work.error = e
+                break
+        one.finished.set()
 
 
 # Groups and works we walked away from: kept alive so no destructor blocks on a dead peer.

@@ -19,10 +19,11 @@ the compute, in the same order: every member issues the same sequence either way
 ranks (FSDP2, TP, PP: one all-reduce of each shard index's buffer after the group's reduce-scatter) and
 NCCL groups keep one all-reduce of the whole buffer.
 
-Under --exact the float64 buckets are reduced in a ring of RING slots and each rounded into the float32
-gradient as it comes back (parallel/buckets.py): the copy is RING buckets, not the whole float64 buffer
-(8 bytes a parameter), at the price of a bucket waiting, inside the backward, for the slot of the one
-RING before it: fewer of --exact's buckets overlap the backward than float32's.
+Under --exact the float64 buckets are reduce-scattered into a ring of RING slots, each member's chunk
+summed and rounded into the float32 gradient, and all-gathered in float32 (parallel/buckets.py): the
+scratch is RING slots of (members - 1) / members of a bucket, not the whole float64 buffer (8 bytes a
+parameter), at the price of a bucket waiting, inside the backward, for the slot of the one RING before
+it: fewer of --exact's buckets overlap the backward than float32's.
 """
 from __future__ import annotations
 
@@ -65,7 +66,11 @@ class Reducer:
         self.role, self.coord, self.log, self.faults, self.hb = role, coord, log, faults, heartbeat
         self.pipeline, self.group_of = pipeline, group_of
         plain = all(type(a) is Accumulator and not a.hooked and not a.sharded for a in accs)
-        self.bucketed = role.ranks == 1 and role.indices == 1 and gloo and len(role.holds) == 1 and plain
+        # --exact's buckets travel by gloo's point-to-point sends, which read host memory only: a CUDA
+        # rank on a gloo cross group reduces its float64 buffer in one all-reduce instead
+        wide = bool(params) and accs[0].buffer.dtype != params[0].dtype
+        host = not (wide and accs[0].buffer.device.type != "cpu")
+        self.bucketed = role.ranks == 1 and role.indices == 1 and gloo and len(role.holds) == 1 and plain and host
         # --exact over whole parameters: each gradient is folded into the float64 accumulator from its
         # hook and dropped, in every backward, so a model's float32 gradients (4 bytes a parameter)
         # never coexist with it
@@ -143,15 +148,15 @@ class Reducer:
     def _bucketed(self, work: StepWork, group: EpochGroup, shard: int, buffer: torch.Tensor,
                   moved: Callable[[], bool]) -> BucketedReduce:
         """The bucketed reduction of `buffer`. Under --exact (a float64 buffer for float32 parameters) it
-        is reduced in a ring of RING float64 bucket slots and rounded into the float32 gradient
+        is reduce-scattered through a ring of RING float64 slots and gathered into the float32 gradient
         (BucketedReduce says how); the slots, the result and the float64 loss live in `work.copies`."""
         narrow = work.acc.params[0].dtype
         if buffer.dtype == narrow:
             return BucketedReduce(self.layout, group, buffer, self._into(work, shard, buffer), moved)
-        longest = max(b - a for a, b in self.layout.ranges)
+        need = BucketedReduce.slot_elements(self.layout, len(group.members))
         ring = [work.copies.get((shard, "ring", k)) for k in range(RING)]
-        if any(t is None or t.numel() != longest for t in ring):
-            ring = [torch.empty(longest, dtype=buffer.dtype, device=buffer.device) for _ in range(RING)]
+        if any(t is None or t.numel() != need for t in ring):
+            ring = [torch.empty(need, dtype=buffer.dtype, device=buffer.device) for _ in range(RING)]
             work.copies.update({(shard, "ring", k): t for k, t in enumerate(ring)})
         loss = work.copies.setdefault((shard, "loss"), torch.empty(1, dtype=buffer.dtype, device=buffer.device))
         return BucketedReduce(self.layout, group, buffer, self._into(work, shard, buffer, narrow), moved, ring, loss)
