@@ -6,7 +6,9 @@ float64; the reduction's copy equals it, the buffer untouched."""
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -202,3 +204,19 @@ def test_add_rounded_rounds_once_as_torch_does():
             assert torch.equal(out.isnan(), nan), (members, own)
             assert torch.equal(out[~nan].view(torch.int32), total[~nan].float().view(torch.int32)), (members, own)
             assert torch.equal(parts[own].view(torch.int64), kept.view(torch.int64))  # own part only read
+
+
+def test_an_exchange_waiter_thread_ends_with_its_group():
+    """A group's exchanges are waited by one thread, started at its first exchange and ended when the
+    group is dropped: epochs come and go over a long run, their threads do not pile up."""
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    group = EpochGroup(store, 7, (0,), 0, 30.0)
+    group.wait_formed(lambda: False)
+    one = group.exchange(0, [], [])
+    assert one.finished.wait(5) and one.work.wait()
+    waiters = [t for t in threading.enumerate() if t.name == "exchange-epoch-7"]
+    assert len(waiters) == 1 and waiters[0].is_alive()
+    del group, one
+    gc.collect()
+    waiters[0].join(5)
+    assert not waiters[0].is_alive()

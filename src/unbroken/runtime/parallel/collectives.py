@@ -25,6 +25,7 @@ import datetime
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -153,6 +154,7 @@ class EpochGroup:
             self._exchanges = queue.SimpleQueue()
             threading.Thread(target=_wait_exchanges, args=(self._exchanges,), daemon=True,
                              name=f"exchange-epoch-{self.epoch}").start()
+            weakref.finalize(self, self._exchanges.put, None)  # the group dropped: the thread ends
         self._exchanges.put(one)
         return one
 
@@ -203,8 +205,7 @@ class Joined:
 def _wait_exchanges(exchanges: queue.SimpleQueue) -> None:
     """A group's waiter thread: waits each exchange's works in issue order (gloo's wait releases the GIL)
     and sets its `finished`; after a failure the rest of that exchange is left to the group's fate."""
-    while True:
-        one = exchanges.get()
+    while (one := exchanges.get()) is not None:
         for work in one.work.works:
             try:
                 work.wait()
