@@ -98,3 +98,51 @@ def test_sharded_grads_are_dtensors_over_the_reduced_copy_itself():
         assert all(local(p.grad).data_ptr() == other.data_ptr() + 4 * off for p, off in zip(params, acc.offsets))
     finally:
         dist.destroy_process_group()
+
+
+def test_lazy_float32_views_match_adds_into_a_zeroed_buffer_bit_for_bit():
+    """float32 mode with a reducer's hooks (`lazy`): `zero` leaves the views unset and `.grad` None;
+    backward hands over a fresh gradient, the hook writes 0.0 + g into the view and points `.grad` at
+    it, and later microbatches add into the view in place (as AccumulateGrad does into a defined grad).
+    Oracle: every gradient added into a float32 buffer zeroed at the step's start, bit for bit."""
+    shapes = [(5, 7), (3,), (11, 13), (4, 6)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    acc = Accumulator(params, torch.float32)
+    acc.lazy = True
+    assert acc.views
+    oracle = torch.zeros(acc.buffer.numel())
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        acc.zero()
+        oracle.zero_()
+        assert all(p.grad is None for p in params)  # nothing written: backward hands its gradients over
+        for mb in range(4):
+            grads = [gradient(s, g, -1.0 if mb % 2 else 1.0) for s in shapes]
+            if mb < 2:
+                grads[1] = None  # no gradient in the step's first microbatches: first written at the third
+            grads[2] = None if step == 1 else grads[2]  # never in step 1: its slice must read as zeros
+            for i, (p, grad) in enumerate(zip(params, grads)):
+                if grad is None:
+                    continue
+                if p.grad is None:  # AccumulateGrad: a fresh gradient is handed over, else added in place
+                    p.grad = grad.clone()
+                else:
+                    p.grad.add_(grad)
+                acc.fold(i)  # the post-accumulate-grad hook
+                assert p.grad.data_ptr() == acc._own[i].data_ptr()
+            loss = torch.tensor(0.25 * (mb + 1))
+            acc.add(loss)
+            offset = 0
+            for p, grad in zip(params, grads):
+                if grad is not None:
+                    oracle[offset:offset + p.numel()].add_(grad.reshape(-1))
+                offset += p.numel()
+            oracle[-1:].add_(loss)
+            if step == 2 and mb == 0:  # a reduction read the buffer mid-step (a retry adds on after it)
+                assert torch.equal(acc.buffer.view(torch.int32), oracle.view(torch.int32))
+            if step == 3 and mb == 1:  # something set `.grad` elsewhere; the step goes on (speculation's undo)
+                for p in params:
+                    p.grad = torch.full_like(p, 7.0)
+                acc.attach()
+                assert [p.grad is None for p in params] == [False, True, False, False]
+        assert torch.equal(acc.buffer.view(torch.int32), oracle.view(torch.int32)), step

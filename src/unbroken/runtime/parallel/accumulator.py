@@ -71,6 +71,11 @@ class Accumulator:
             and all(local(p).dtype == torch.float32 for p in params)
         self._wide = [s.numpy() for s in self._slices] if wide else []
         self._unset: set[int] = set()  # parameters whose slice `zero` left unwritten (zero once read)
+        # Views whose first gradient of a step a hook writes (`fold`), set by a reducer whose hooks fold:
+        # `zero` then leaves the views unset and `.grad` None, so backward hands over a fresh gradient
+        # and the hook writes 0.0 + g into its view (8 bytes a parameter) instead of a zeroed buffer
+        # (4) and an add into it (12); later microbatches add into the view in place, as before.
+        self.lazy = False
         self._loaded: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (reduced buffer, grads over it)
         self._grads: list[torch.Tensor] | None = None  # float64 reduced: float32 grads over `_flat`, kept
         self._flat: torch.Tensor | None = None
@@ -89,14 +94,15 @@ class Accumulator:
         """The flat (numel + 1,) sum of the step so far: what a reduction copies. Reading it zeroes what
         `zero` left unset, so it reads as a buffer cleared at the step's start."""
         if self._unset:
+            slices = self._own if self.views else self._slices
             for i in self._unset:
-                self._slices[i].zero_()
+                slices[i].zero_()
             self._unset = set()
         return self._buffer
 
     def zero(self) -> None:
         """Clear the buffer; call once at the start of a step, never inside one."""
-        if self._wide:
+        if self._wide or (self.lazy and self.views):
             self._loss.zero_()
             self._unset = set(range(len(self.params)))
         else:
@@ -105,9 +111,10 @@ class Accumulator:
 
     def attach(self) -> None:
         """Point each `.grad` at its slice of the buffer again (float32 mode), keeping what it holds:
-        after anything set `.grad` elsewhere (`load_grads`, `zero_grad`) within a step that goes on."""
-        for p, view in zip(self.params, self._own):
-            p.grad = view
+        after anything set `.grad` elsewhere (`load_grads`, `zero_grad`) within a step that goes on.
+        A `lazy` view not yet written this step gets None: its first gradient is the hook's to write."""
+        for i, (p, view) in enumerate(zip(self.params, self._own)):
+            p.grad = None if i in self._unset else view
 
     def add(self, weighted_loss: torch.Tensor | None, share: int = 0) -> None:
         """Fold one microbatch in after its backward: its gradients (unless backward already wrote them
@@ -122,6 +129,9 @@ class Accumulator:
                 if p.grad is not None:
                     self._fold(i, local(p.grad))
                     p.grad = None
+        elif self.lazy and self.views:
+            for i in range(len(self.params)):  # what no hook wrote (none fires without its reducer)
+                self._fold_view(i)
         elif not self.views:
             # float32 grads added into float64 slices are exact: every float32 is a float64
             pairs = [(s, local(p.grad)) for s, p in zip(self._slices, self.params) if p.grad is not None]
@@ -144,11 +154,28 @@ class Accumulator:
         its post-accumulate-grad hook. Nothing to do where `.grad` is a view of the buffer. Not for
         `hooked`."""
         if self.views:
+            if self.lazy:
+                self._fold_view(i)
             return
         p = self.params[i]
         if p.grad is not None:
             self._fold(i, local(p.grad))
             p.grad = None
+
+    def _fold_view(self, i: int) -> None:
+        """A `lazy` view's gradient handed over by backward (not added into the view): into the view
+        (0.0 + g at the step's first, the bits of an add into a zeroed view, -0.0 -> 0.0), and `.grad`
+        pointed at the view for backward to add into in place from then on."""
+        p, view = self.params[i], self._own[i]
+        grad = p.grad
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            return
+        if i in self._unset:
+            self._unset.discard(i)
+            torch.add(grad, 0.0, out=view)
+        else:
+            view.add_(grad)
+        p.grad = view
 
     def _fold(self, i: int, grad: torch.Tensor) -> None:
         """Add one gradient into parameter i's slice: slice + g in the slice's dtype, element by element."""

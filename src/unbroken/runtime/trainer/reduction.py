@@ -82,6 +82,8 @@ class Reducer:
         if self.bucketed or self.folds:
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(self._hook(i))
+            for acc in accs:  # float32 views: each step's first gradient of a parameter is the hook's
+                acc.lazy = acc.views
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def final(_: torch.Tensor) -> None:  # parameter i's gradient of this backward is accumulated
@@ -130,7 +132,7 @@ class Reducer:
 
     def _backward(self, acc: Accumulator, loss: torch.Tensor) -> None:
         """`loss.backward()`, its gradients folded into `acc` from the hooks where the reducer folds."""
-        self.folding = acc if self.folds else None
+        self.folding = acc if self.folds or acc.lazy else None
         try:
             loss.backward()
         finally:
