@@ -132,7 +132,7 @@ class Reducer:
 
     def _backward(self, acc: Accumulator, loss: torch.Tensor) -> None:
         """`loss.backward()`, its gradients folded into `acc` from the hooks where the reducer folds."""
-        self.folding = acc if self.folds or acc.lazy else None
+        self.folding = acc if self.folds or getattr(acc, "lazy", False) else None  # a stand-in's has none
         try:
             loss.backward()
         finally:
