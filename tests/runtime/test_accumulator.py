@@ -23,6 +23,16 @@ def gradient(shape: tuple[int, ...], g: torch.Generator, sign: float) -> torch.T
     return t
 
 
+def add_to_oracle(oracle: torch.Tensor, params, grads, loss: torch.Tensor) -> None:
+    """The oracle's fold of one microbatch: each gradient added into its slice, the loss into the last."""
+    offset = 0
+    for p, grad in zip(params, grads):
+        if grad is not None:
+            oracle[offset:offset + p.numel()].add_(grad.reshape(-1))
+        offset += p.numel()
+    oracle[-1:].add_(loss)
+
+
 def test_exact_folds_match_torch_adds_into_a_zeroed_buffer_bit_for_bit():
     shapes = [(5, 7), (3,), (11, 13), (4, 6)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
@@ -49,12 +59,7 @@ def test_exact_folds_match_torch_adds_into_a_zeroed_buffer_bit_for_bit():
             else:
                 acc.add(loss)
             assert all(p.grad is None for p in params)
-            offset = 0
-            for p, grad in zip(params, grads):
-                if grad is not None:
-                    oracle[offset:offset + p.numel()].add_(grad.reshape(-1))
-                offset += p.numel()
-            oracle[-1:].add_(loss)
+            add_to_oracle(oracle, params, grads, loss)
             if step == 2 and mb == 0:  # a reduction read the buffer mid-step (a retry adds on after it)
                 assert torch.equal(acc.buffer.view(torch.int64), oracle.view(torch.int64))
         assert torch.equal(acc.buffer.view(torch.int64), oracle.view(torch.int64)), step
@@ -132,12 +137,7 @@ def test_lazy_float32_views_match_adds_into_a_zeroed_buffer_bit_for_bit():
                 assert p.grad.data_ptr() == acc._own[i].data_ptr()
             loss = torch.tensor(0.25 * (mb + 1))
             acc.add(loss)
-            offset = 0
-            for p, grad in zip(params, grads):
-                if grad is not None:
-                    oracle[offset:offset + p.numel()].add_(grad.reshape(-1))
-                offset += p.numel()
-            oracle[-1:].add_(loss)
+            add_to_oracle(oracle, params, grads, loss)
             if step == 2 and mb == 0:  # a reduction read the buffer mid-step (a retry adds on after it)
                 assert torch.equal(acc.buffer.view(torch.int32), oracle.view(torch.int32))
             if step == 3 and mb == 1:  # something set `.grad` elsewhere; the step goes on (speculation's undo)
