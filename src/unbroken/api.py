@@ -82,6 +82,11 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     `reform_refused`). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
+    if model is not None or 12 * cfg.model.n_layer * cfg.model.n_embd ** 2 + cfg.model.vocab_size * cfg.model.n_embd > 1e7:
+        from unbroken.model.builtin import memory_problem  # torch: only where the model may be large
+        problem = memory_problem(cfg, model)
+        if problem:
+            raise ConfigError(problem)
     if parallelize is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
                           f"the model's parallel plan (pass plan=... instead)")

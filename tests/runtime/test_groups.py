@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 import xxhash
 
 from tests.oracle import adamw
+from tests.tolerance import perturb_linears
 from tests.conftest import unbroken
 from tests.runtime.test_restore_e2e import redone_after_restart
 from unbroken.config import Config
@@ -116,14 +118,15 @@ def assert_group_left(events: list[dict], group: int, rank: int, step: int, phas
     assert not late, late
 
 
-def plain_loop(cfg: Config, split: bool, steps: int | None = None,
-               digest: Callable[[GPT], str] | None = None) -> tuple[list[str], list[torch.Tensor], list[float]]:
+def plain_loop(cfg: Config, split: bool, steps: int | None = None, digest: Callable[[GPT], str] | None = None,
+               perturb: int | None = None) -> tuple[list[str], list[torch.Tensor], list[float]]:
     """The oracle: one process, plain PyTorch, none of unbroken's runtime. With `split`, each microbatch is
     split by rows into the G ranks' shares (the data API's `part`), each share's gradient computed on its
     own; every share of every microbatch summed in float64 and rounded to float32 once before AdamW (the
     textbook float64 accumulation, over shares). Returns, after each step, the digest of
     the parameters cut into the ranks' shards (torch.chunk along dim 0, FSDP2's layout) as the step
-    record's (or `digest(model)`, for another layout); the final parameters; each step's loss."""
+    record's (or `digest(model)`, for another layout); the final parameters; each step's loss. `perturb`: a
+    seed for tests/tolerance.perturb_linears (every sum carrying a probable float32 rounding error)."""
     G, seed = cfg.parallel.group_size, cfg.run.seed
     torch.set_num_threads(1)
     data = DataSource(cfg.data, cfg.model.block_size, seed)
@@ -133,6 +136,12 @@ def plain_loop(cfg: Config, split: bool, steps: int | None = None,
     o = cfg.optim
     opt = adamw(model, params, o)
     model.train()
+    with perturb_linears(model, perturb) if perturb is not None else nullcontext():
+        return _plain_steps(cfg, model, params, opt, data, split, steps, digest)
+
+
+def _plain_steps(cfg, model, params, opt, data, split, steps, digest):
+    G, seed = cfg.parallel.group_size, cfg.run.seed
     out, losses = [], []
     for step in range(cfg.run.steps if steps is None else steps):
         loss = 0.0

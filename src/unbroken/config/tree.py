@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken import storeurl
+from unbroken.config.domains import domain_problem
 from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
                                     FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, RunConfig, SnapshotConfig, literal_problem)
@@ -183,6 +184,8 @@ def validate(cfg: Config) -> None:
     for name, section in vars(cfg).items():
         for key, tp in typing.get_type_hints(type(section)).items():
             problem = literal_problem(tp, getattr(section, key), f"{name}.{key}")
+            if tp in (int, float):  # by the key's meaning, before any check below divides by it
+                problem = problem or domain_problem(f"{name}.{key}", getattr(section, key))
             if problem:
                 raise ConfigError(problem)
     r, m, launch = cfg.run, cfg.model, cfg.launch
@@ -409,4 +412,6 @@ def _optim_checks(cfg) -> list[tuple[bool, str]]:
         (o.schedule != "wsd" or o.decay_steps > 0, "optim.schedule=wsd needs --optim.decay_steps=N (N > 0)"),
         (0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]"),
         (o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm}: must be >= 0 (0: no clipping)"),
+        (o.lr * o.weight_decay < 1, f"optim.weight_decay={o.weight_decay} with optim.lr={o.lr}: each step scales "
+                                    f"the weights by 1 - lr x weight_decay, which must stay positive"),
     ]

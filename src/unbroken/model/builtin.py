@@ -40,3 +40,28 @@ def check(cfg, model: Callable | None = None, plan: ParallelPlan | None = None) 
     if wrong:
         raise ConfigError(wrong[0])
     return reform_problem(whole, plan, cfg.parallel.tp) if cfg.parallel.on_rank_loss == "replan" else None
+
+
+def memory_problem(cfg, model: Callable | None = None) -> str | None:
+    """Why the run's model cannot fit this host's memory (None: it can, or a user's factory cannot build on
+    the meta device): every replica group the local launcher starts here holds the model's parameters,
+    their gradients and AdamW's two moments in float32 (16 bytes a parameter), and under run.exact a
+    float64 accumulator (8 more), spread over its ranks (FSDP2) but whole on the host. Counted on the
+    model built on the meta device. Call before any worker starts (api.check_host)."""
+    import os
+
+    try:
+        with torch.device("meta"):
+            whole = model(cfg) if model is not None else built_in(cfg.model)
+    except Exception:  # noqa: BLE001 - a user's factory that needs real tensors: the workers find out
+        return None
+    params = sum(p.numel() for p in whole.parameters())
+    need = params * (24 if cfg.run.exact else 16) * cfg.run.replicas
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need <= have:
+        return None
+    m = cfg.model
+    what = "the model" if model is not None else \
+        f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}, model.vocab_size={m.vocab_size}"
+    return (f"{what}: {params:.3g} parameters need {need / 2**30:.3g} GiB for parameters, gradients and "
+            f"optimizer state over run.replicas={cfg.run.replicas}, more than this host's {have / 2**30:.3g} GiB")

@@ -36,16 +36,21 @@ class Microbatch:
     ignore_index: int = -1  # the target of a padded position (config data.ignore_index)
 
 
-def part(mb: Microbatch, rank: int, parts: int) -> Microbatch:
+def part(mb: Microbatch, rank: int, parts: int, ignore_index: int = -1) -> Microbatch:
     """Rank `rank`'s share of microbatch `mb` inside a replica group of `parts` ranks: its rows (sequences)
     rank*B/parts .. (rank+1)*B/parts - 1, with their own token count and sum of squared lengths, so that
     its loss weighted by its tokens over the step's sums, over the group's ranks, to the whole
-    microbatch's. A pure function of the data API: B must be a multiple of `parts` (config checks it)."""
+    microbatch's. A pure function of the data API: B must be a multiple of `parts` (api.check_data_object
+    checks a user's data before start). `mb` may be any object with the documented fields `x`, `y`, `tokens`
+    and `sumsq`: `positions` and `ignore_index` are read where it has them, else none and `ignore_index`
+    (the run's data.ignore_index)."""
     if parts == 1:
         return mb
+    ignore = getattr(mb, "ignore_index", ignore_index)
     n = mb.x.shape[0] // parts
     rows = slice(rank * n, (rank + 1) * n)
     x, y = mb.x[rows], mb.y[rows]
-    lengths = (y != mb.ignore_index).sum(dim=1).tolist()  # targets that count, per sequence
-    positions = None if mb.positions is None else mb.positions[rows]
-    return Microbatch(x, y, sum(lengths), sum(n * n for n in lengths), positions, mb.ignore_index)
+    lengths = (y != ignore).sum(dim=1).tolist()  # targets that count, per sequence
+    positions = getattr(mb, "positions", None)
+    return Microbatch(x, y, sum(lengths), sum(n * n for n in lengths), None if positions is None else positions[rows],
+                      ignore)

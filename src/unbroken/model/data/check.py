@@ -29,6 +29,9 @@ def check_data(cfg) -> None:
     page of the files stays mapped in this process."""
     d, vocab = cfg.data, cfg.model.vocab_size
     if not d.path or is_text(d.path, d.format):
+        if vocab < 256:  # corpus.py reads text as bytes
+            raise ConfigError(f"model.vocab_size={vocab}: the text corpus ({d.path or 'the default'}) is "
+                              f"byte-level, token ids 0..255: need model.vocab_size >= 256")
         return
     if d.eos >= vocab:
         raise ConfigError(f"data.eos={d.eos} is not a token id of model.vocab_size={vocab}")

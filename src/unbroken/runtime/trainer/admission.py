@@ -38,18 +38,25 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     device = torch.device("cpu") if device is None else device
-    # a stage's microbatch is its FSDP shard's rows (data.part); config: seq_len a number, shards divide B
     topology = cfg.topology()
-    shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len)) if topology.pp > 1 else None
     # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
     model = factories.model(cfg).to(device)
+    data = factories.data(cfg)  # after the model: its initial parameters take the seed's first draws
+    shape = stage_shape(data, topology.dp_shard) if topology.pp > 1 else None
     plan = factories.plan_of(model)
     model, stages = parallelize(model, topology, group, cfg.run.exact, who.rank, shape, device,
                                 cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
                                 plan, factories.parallelize)
-    data = factories.data(cfg)
     return Parts(model, data, optimizer_for(factories, model, cfg), group, stages, inputs=plan.inputs,
                  applied=describe(model, plan, stages) if group is not None else {})
+
+
+def stage_shape(data, shards: int) -> tuple[int, int]:
+    """(rows, tokens) of one pipeline stage's microbatch: one FSDP2 shard's rows (data.part) of the data's
+    own microbatches, read off its first (every microbatch of a run has one shape, the data contract; a
+    user's data need not match the data.* keys). Call once per build of a stage."""
+    rows, seq = data.microbatch(0, 0).x.shape
+    return rows // shards, int(seq)
 
 
 def optimizer_for(factories: Factories, model, cfg: Config):

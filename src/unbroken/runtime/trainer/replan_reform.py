@@ -135,7 +135,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     """This rank's `trainer.Parts`: the whole model (its state comes from a peer group's ranks by healing),
     tensor parallel over its team where the plan keeps TP, a stand-in of its held shard indices on it,
     pruned to its stage (the full stages it merged) and fed through the new group's pipeline, if any."""
-    from unbroken.runtime.trainer.admission import optimizer_for
+    from unbroken.runtime.trainer.admission import optimizer_for, stage_shape
     from unbroken.runtime.parallel.parallelize import tensor_parallel
     from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
     from unbroken.runtime.parallel.precision import prepare
@@ -144,6 +144,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
 
     torch.manual_seed(cfg.run.seed)
     model = factories.model(cfg).to(device)
+    data = factories.data(cfg)  # after the model: its initial parameters take the seed's first draws
     plan = factories.plan_of(model)  # the modules each parallelism acts on (model/plan.py)
     topology = cfg.topology()
     pipe = dist.group.WORLD
@@ -160,12 +161,12 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     if reform.stages > 1:
         bounds = merged_bounds(model, topology.pp, list(reform.merged), plan)
         model, tied = split(model, reform.stage, reform.stages, bounds, plan)
-        shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len))  # one FSDP2 share's rows
+        shape = stage_shape(data, topology.dp_shard)  # one FSDP2 share's rows
         stages = Stages(model, reform.stage, reform.stages, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
                         plan.loss, device, apart=topology.dp_shard > 1,  # as the full plan's FSDP2 stages add
                         extra=plan.inputs)  # the tied weight
     optimizer = optimizer_for(factories, model, cfg)
-    return Parts(model, factories.data(cfg), optimizer, dist.group.WORLD, stages, standin, plan.inputs)
+    return Parts(model, data, optimizer, dist.group.WORLD, stages, standin, plan.inputs)
 
 
 def stale_parameters() -> dict:

@@ -367,7 +367,7 @@ class Trainer:
             whole = self.data.microbatch(step, i)
             span = self.clock.start()  # device time (devicetime.py): what the detector reads
             for share in role.computes:
-                mb = part(whole, share, role.shares)  # this share's sequences
+                mb = part(whole, share, role.shares, self.cfg.data.ignore_index)  # this share's sequences
                 seed_microbatch(seed := mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
                 self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
                 loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
@@ -375,7 +375,8 @@ class Trainer:
                 self.reducer.backward(work, loss, loss if role.counts_loss else loss.new_zeros(()), share,
                                       last=n == len(microbatches) - 1)  # the record sums shares
             if len(role.computes) > 1:
-                mb = part(whole, 0, role.shares)  # a stand-in reports rank 0's rows, as its group did
+                # a stand-in reports rank 0's rows, as its group did
+                mb = part(whole, 0, role.shares, self.cfg.data.ignore_index)
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)
             seconds, wall = span.stop()
             self.record_compute(work, step, i, mb, seconds, wall)
@@ -393,7 +394,7 @@ class Trainer:
         # or each shard's rows in turn on a re-formed stage holding every shard (replan_reform.py)
         items = [(i, share) for i in microbatches for share in role.computes]
         wholes = {i: self.data.microbatch(step, i) for i in microbatches}
-        mbs = [part(wholes[i], share, role.shares) for i, share in items]
+        mbs = [part(wholes[i], share, role.shares, self.cfg.data.ignore_index) for i, share in items]
 
         def before(k: int) -> None:  # this stage's forward of item k
             self.hb.at(step, "compute", items[k][0])
@@ -416,8 +417,8 @@ class Trainer:
         tokens = sum(mb.tokens for mb in mbs)
         for i in microbatches:
             share = sum(mb.tokens for (j, _), mb in zip(items, mbs) if j == i) / tokens
-            self.record_compute(work, step, i, part(wholes[i], role.computes[0], role.shares), own * share,
-                                wall * share)
+            first = part(wholes[i], role.computes[0], role.shares, self.cfg.data.ignore_index)
+            self.record_compute(work, step, i, first, own * share, wall * share)
         return rec.Computed(microbatches)
 
     def record_compute(self, work: StepWork, step: int, i: int, mb, seconds: float, wall: float) -> None:
