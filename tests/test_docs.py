@@ -97,3 +97,35 @@ def test_the_readme_s_sections_come_in_order():
     assert None not in at, dict(zip(README_ORDER, at)) | {"headings": headings}
     assert at == sorted(at) and len(set(at)) == len(at), list(zip(README_ORDER, at))
     assert re.search("quick start", headings[at[2]], re.I)  # the heading says "Quick start"
+
+
+def results_sections() -> dict[str, str]:
+    """benchmarks/RESULTS.md's sections by GitHub slug: each heading's text up to the next heading of its
+    level or above."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    heads = [(m.start(), len(m.group(1)), slug(m.group(2))) for m in re.finditer(r"^(#{1,6}) +(.+?) *#*$", text, re.M)]
+    out = {}
+    for k, (at, level, name) in enumerate(heads):
+        end = next((a for a, lv, _ in heads[k + 1:] if lv <= level), len(text))
+        out.setdefault(name, text[at:end])
+    return out
+
+
+def test_each_headline_figure_is_in_the_results_section_it_names_with_its_command():
+    """Every item of the README's "Numbers" list links a RESULTS.md section, and that section holds each
+    figure the item states (numbers with a decimal point) and the command that measured it (`python
+    benchmarks/...` or `unbroken ...`)."""
+    readme = (ROOT / "README.md").read_text()
+    numbers = readme.split("## Numbers", 1)[1].split("\n## ", 1)[0]
+    items = re.split(r"\n(?=\d+\. )", numbers.strip())[1:]
+    sections = results_sections()
+    assert len(items) >= 6, items
+    for item in items:
+        anchors_ = re.findall(r"\]\(benchmarks/RESULTS\.md#([^)]+)\)", item)
+        assert len(anchors_) == 1 and anchors_[0] in sections, (item, anchors_)
+        section = sections[anchors_[0]]
+        figures = [f for f in re.findall(r"\d+\.\d+", item.split("](")[0]) if not re.match(r"^\d+\.0$", f)]
+        missing = [f for f in figures if f not in section]
+        assert not missing, f"{item[:60]}...: {missing} not in RESULTS.md#{anchors_[0]}"
+        assert re.search(r"`(PYTHONPATH=\S+\s+)?(python|\.venv/bin/python)\s+(-m unbroken\.cli|benchmarks/)|`unbroken ", section), \
+            f"RESULTS.md#{anchors_[0]} names no command"

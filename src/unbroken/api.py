@@ -136,5 +136,8 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         os._exit(code)
     cfg = make_config(config, **run)
     refused = check_host(cfg, model, plan, parallelize)
+    if data is not None:
+        from unbroken.model.data.contract import check_data_object
+        check_data_object(cfg, data)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd, reform_refused=refused)

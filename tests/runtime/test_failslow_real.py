@@ -84,40 +84,55 @@ def test_three_failure_free_runs_of_the_demo_shape_declare_nobody_slow_and_move_
                     f"each >= {BURST}x: a slowdown by what the detector reads")
 
 
-@pytest.mark.timeout(150)
-def test_a_1_3x_spin_slowdown_is_declared_slow_as_its_noise_allows_and_recovers(tmp_path):
-    # onset after the detector's warm-up (its first 6 steps count only evidence above 1.3x)
+FACTORS = (1.3, 1.5, 2.0, 3.0)  # the slowdowns the test may inject, the smallest its host's noise allows
+
+
+def sized(noise: float, episode: int) -> float:
+    """The smallest of FACTORS that the detector's thresholds at 1.5x `noise` (a host's noise moves between
+    two runs a minute apart) state Slow for within half of an `episode` of steps at z=3 (policy/noise.py),
+    so the episode holds the detection with room, and the rest of it checks that the verdict stays."""
+    cfg = DetectorConfig()
+    at = thresholds(1.5 * noise, cfg.base(), cfg.noise)
+    return next((f for f in FACTORS if at.latency(f, z=3) <= episode // 2), FACTORS[-1])
+
+
+@pytest.mark.timeout(200)
+def test_a_spin_slowdown_sized_to_the_host_s_noise_is_declared_slow_as_its_noise_allows_and_recovers(tmp_path):
+    """The premise in the test's hands: a failure-free run of the same shape measures the host's device-time
+    noise first (raw records, apart from the detector), and the injected slowdown is the smallest of 1.3x,
+    1.5x, 2x and 3x that the detector's own thresholds state Slow for at that noise with room (`sized`). Then
+    the slowed replica, and only it, is declared Slow no earlier than the onset and no later than the
+    thresholds state for the noise the detector measured, and Healthy again after the episode."""
     onset, end, steps, slowed = 6, 16, 24, 2
+    first = tmp_path / "noise"
+    r = unbroken("train", *DEMO, "--steps", "12", "--microbatches", "16", "--run.quotas=equal", "--out", str(first),
+                 timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    measured = host.noise(host.residuals(read_events(first)))
+    factor_asked = sized(measured, end - onset)
     out = tmp_path / "slow"
     r = unbroken("train", *DEMO, "--steps", str(steps), "--microbatches", "16", "--run.quotas=equal",
-                 "--faults", f"slow:replica={slowed},from={onset},to={end},factor=1.3,how=spin", "--out", str(out),
-                 timeout=100)
+                 "--faults", f"slow:replica={slowed},from={onset},to={end},factor={factor_asked},how=spin",
+                 "--out", str(out), timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
     res = host.residuals(events)
     # The fault fired and had its effect: the spin is CPU work in the computing thread, so the slowed
-    # replica's device time (raw records against an offline fit) is ~1.3x its peers' over the episode.
+    # replica's device time (raw records against an offline fit) is ~factor x its peers' over the episode.
     factor = host.slowdown(res, slowed, range(onset, end))
-    noise = host.noise(res, lambda s, rep: rep == slowed and onset <= s < end + 3)
     verdicts = [(e["step"], e["replica"], e["new"], e["noise"]) for e in events if e["event"] == "verdict"]
-    cfg = DetectorConfig()
-    premise = thresholds(noise, cfg.base(), cfg.noise)
-    print(f"device time of replica {slowed} over steps {onset}..{end - 1}: {factor:.2f}x its peers'; "
-          f"host noise {noise:.3f} by the raw records (stated latency of {factor:.2f}x there: "
-          f"{premise.latency(factor)}, {premise.latency(factor, z=3)} at z=3); detector noise "
+    print(f"host noise {measured:.3f} before (raw records): injected {factor_asked}x; device time of replica "
+          f"{slowed} over steps {onset}..{end - 1}: {factor:.2f}x its peers'; detector noise "
           f"{detector_noise(events):.3f}; verdicts (step, replica, new, noise): {verdicts}")
-    assert factor > 1.15, factor
-    if premise.latency(factor, z=3) > end - onset:
-        pytest.skip(f"the host's device time was too noisy for a {factor:.2f}x episode of {end - onset} steps: "
-                    f"noise {noise:.3f} (raw records), where the detector's thresholds state Slow by step "
-                    f"{premise.latency(factor, z=3)} of the episode at z=3 (policy/noise.py)")
+    assert factor > 1 + 0.5 * (factor_asked - 1), (factor, factor_asked)
     slow = [(s, rep, n) for s, rep, new, n in verdicts if new == "slow"]
     assert slow, f"replica {slowed} never declared slow: {verdicts}"
     assert all(rep == slowed for _, rep, _ in slow), f"a replica other than the slowed one declared slow: {verdicts}"
     # As late as the thresholds state for the noise the detector measured (its verdict's `noise`), with a
     # z=3 tail, and never before the onset (the onset step is the 1st).
-    at, _, measured = slow[0]
-    bound = thresholds(measured, cfg.base(), cfg.noise).latency(factor, z=3)
+    cfg = DetectorConfig()
+    at, _, noise = slow[0]
+    bound = thresholds(noise, cfg.base(), cfg.noise).latency(factor, z=3)
     assert onset <= at <= onset + bound - 1, f"slow at step {at}, not in {onset}..{onset + bound - 1}: {verdicts}"
     healthy_again = [s for s, rep, new, _ in verdicts if rep == slowed and new == "healthy" and s >= end]
     assert healthy_again, f"not healthy again by step {steps - 1}: {verdicts}"

@@ -1,0 +1,104 @@
+"""The README's contract, as a user reads it: `data(cfg)` returns any object whose `microbatch(step, i)` has
+the fields `x`, `y`, `tokens` and `sumsq` (nothing else: no `ignore_index`, no `positions`) and
+`step_tokens(step, M)`; `model(cfg)` returns an `nn.Module`. The user's microbatches have 6 rows of 24
+tokens, unlike the config's data.batch_size (4) and data.seq_len (64), which the user never sets.
+
+In each layout of the README's table that a group runs (FSDP2, TP, PP), through the Python API, `--exact`:
+a failure-free run, and a run in which rank 1 of group 1 is SIGKILLed in step 2's compute (its group
+leaves, group 0 redoes its microbatches): every step's digest is the failure-free run's. The event log
+shows the kill fired and took group 1 out. A layout the data cannot serve (rows that FSDP2's shards do not
+divide) is refused before any process starts, in one line naming what to change.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.test_groups import digests
+from unbroken.events import read_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+SCRIPT = '''
+"""A user's script: the built-in GPT through model=, and a data object of the four documented fields."""
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import unbroken
+from unbroken.config import ConfigError
+from unbroken.model.gpt import GPT
+
+ROWS, SEQ = int(sys.argv[4]), 24
+
+
+class Tokens:
+    """Random byte tokens, a pure function of (seed, step, i)."""
+    def __init__(self, cfg):
+        self.seed = cfg.run.seed
+
+    def microbatch(self, step, i):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1009 + i)
+        t = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
+        return SimpleNamespace(x=t[:, :-1], y=t[:, 1:], tokens=ROWS * SEQ, sumsq=ROWS * SEQ * SEQ)
+
+    def step_tokens(self, step, M):
+        return M * ROWS * SEQ
+
+
+if __name__ == "__main__":
+    layout = dict(a.split("=") for a in sys.argv[3].split(","))
+    try:
+        r = unbroken.train(model=lambda cfg: GPT(cfg.model), data=Tokens, replicas=2, steps=int(sys.argv[2]),
+                           microbatches=4, exact=True, progress=False, out=sys.argv[1], model__dropout=0.0,
+                           coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1, coord__progress_timeout=120,
+                           **{f"parallel__{k}": int(v) for k, v in layout.items()},
+                           **({"faults": sys.argv[5]} if len(sys.argv) > 5 else {}))
+    except ConfigError as e:  # the API's bad input: one line, as the CLI prints it
+        sys.exit(f"unbroken: error: {e}")
+    print("ok" if r.ok else "failed")
+'''
+STEPS = 5
+LAYOUTS = {"fsdp": "group_size=2", "tp": "group_size=2,tp=2", "pp": "group_size=2,pp=2"}
+KILL = "kill:replica=1,rank=1,step=2,phase=compute"
+
+
+def run(tmp: Path, name: str, layout: str, rows: int = 6, faults: str | None = None,
+        ok: bool = True) -> subprocess.CompletedProcess:
+    script = tmp / "user_script.py"
+    script.write_text(SCRIPT)
+    args = [sys.executable, str(script), str(tmp / name), str(STEPS), layout, str(rows), *([faults] if faults else [])]
+    r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if ok:
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_user_data_object_of_the_four_fields_trains_exact_through_a_kill(tmp_path, layout):
+    run(tmp_path, "reference", LAYOUTS[layout])
+    run(tmp_path, "killed", LAYOUTS[layout], faults=KILL)
+    events = read_events(tmp_path / "killed")
+    fired = [e for e in events if e["event"] == "fault" and e["kind"] == "kill"]
+    assert [(e["replica"], e.get("rank"), e["step"]) for e in fired] == [(1, 1, 2)], fired
+    assert [e["replica"] for e in events if e["event"] == "member_dead"] == [1]
+    late = [e for e in events if e["event"] == "step" and e["step"] > 2]
+    assert late and all(set(e["owners"]) == {"0"} for e in late), late  # group 0 alone took the steps after
+    want, got = digests(tmp_path / "reference"), digests(tmp_path / "killed")
+    assert sorted(got) == list(range(STEPS)) and got == want
+    print(f"user contract, layout {layout} ({LAYOUTS[layout]}), built-in GPT via model=, data of 6 x 24 "
+          f"tokens with only x, y, tokens, sumsq: {STEPS} steps bitwise the failure-free run's through {KILL}")
+
+
+def test_rows_that_fsdp_shards_do_not_divide_are_refused_before_start(tmp_path):
+    r = run(tmp_path, "odd", "group_size=2", rows=5, ok=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stdout[-1000:] + r.stderr[-2000:]
+    assert "5 rows" in lines[0] and "parallel.group_size" in lines[0], lines
+    assert not (tmp_path / "odd" / "events.jsonl").exists()
