@@ -102,10 +102,39 @@ def test_activation_checkpointing_keeps_every_digest(tmp_path, layout):
     block's RNG state), in one-rank groups and in groups of two: FSDP2 (checkpointing inside each block's
     FSDP2 unit), tensor parallel (after TP's split) and pipeline stages (each stage's blocks)."""
     args = ["--replicas", "1" if layout else "2", *layout, "--steps", "3", "--microbatches", "4"]
-    runs = {mode: digests(train(tmp_path, mode, *args, f"--model.activation_checkpointing={mode}")[1])
+    logs = {mode: train(tmp_path, mode, *args, f"--model.activation_checkpointing={mode}")[1]
             for mode in ("none", "full", "selective")}
+    runs = {mode: digests(events) for mode, events in logs.items()}
     assert len(runs["none"]) == 3
     assert runs["full"] == runs["none"] and runs["selective"] == runs["none"], runs
+    # it took effect: each rank says which of the blocks it holds recompute (a run that ignored the key
+    # would log none), every block under "full", every other one of those it holds under "selective"
+    assert not [e for e in logs["none"] if e["event"] == "checkpointing"]
+    for mode in ("full", "selective"):
+        said = {(e["replica"], e.get("rank", 0)): e["blocks"] for e in logs[mode] if e["event"] == "checkpointing"}
+        held = {(e["replica"], e.get("rank", 0)): e["stack"] for e in logs[mode] if e["event"] == "parallelized"}
+        ranks = 2 if layout else 1
+        assert len(said) == 2 * ranks if not layout else len(said) == ranks, said
+        for who, blocks in said.items():
+            stack = held.get(who, ["0", "1"])
+            assert blocks == (stack if mode == "full" else stack[1::2]), (mode, who, blocks, stack)
+        print(f"{mode}: blocks recomputed per (replica, rank): {said}")
+
+
+def test_activation_checkpointing_in_a_group_is_bitwise_through_a_rank_kill(tmp_path):
+    """2 groups x 2 ranks (FSDP2), "full" checkpointing, --exact: rank 1 of group 1 is killed in step 2's
+    compute and its group leaves; every step's digest is the failure-free checkpointed run's, and every
+    rank said it recomputes both blocks."""
+    args = ["--replicas", "2", "--parallel.group_size=2", "--steps", "5", "--microbatches", "4", "--exact",
+            "--model.activation_checkpointing=full"]
+    _, clean = train(tmp_path, "clean", *args)
+    _, events = train(tmp_path, "killed", *args, "--faults", "kill:replica=1,rank=1,step=2,phase=compute")
+    kills = [(e["replica"], e.get("rank"), e["step"]) for e in events if e["event"] == "fault"]
+    assert kills == [(1, 1, 2)], kills
+    assert [e["replica"] for e in events if e["event"] == "member_dead"] == [1]
+    said = sorted((e["replica"], e.get("rank", 0), tuple(e["blocks"])) for e in events if e["event"] == "checkpointing")
+    assert said == [(0, 0, ("0", "1")), (0, 1, ("0", "1")), (1, 0, ("0", "1")), (1, 1, ("0", "1"))], said
+    assert digests(events) == digests(clean) and len(digests(clean)) == 5
 
 
 def saved_for_backward_mib(mode: str) -> float:

@@ -3,7 +3,9 @@ the fields `x`, `y`, `tokens` and `sumsq` (nothing else: no `ignore_index`, no `
 `step_tokens(step, M)`; `model(cfg)` returns an `nn.Module`. The user's microbatches have 6 rows of 24
 tokens, unlike the config's data.batch_size (4) and data.seq_len (64), which the user never sets.
 
-In each layout of the README's table that a group runs (FSDP2, TP, PP), through the Python API, `--exact`:
+In each layout of the README's table that a group runs (FSDP2, TP, PP, PP x TP), each with a model through
+another documented path (`model=` with transformers' Qwen2, Llama and Mistral through `causal_lm`, the
+built-in GPT with `plan=`), through the Python API, `--exact`:
 a failure-free run, and a run in which rank 1 of group 1 is SIGKILLed in step 2's compute (its group
 leaves, group 0 redoes its microbatches): every step's digest is the failure-free run's. The event log
 shows the kill fired and took group 1 out. A layout the data cannot serve (rows that FSDP2's shards do not
@@ -24,7 +26,7 @@ from unbroken.events import read_events
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 SCRIPT = '''
-"""A user's script: the built-in GPT through model=, and a data object of the four documented fields."""
+"""A user's script: a model through one documented path, and a data object of the four documented fields."""
 import sys
 from types import SimpleNamespace
 
@@ -51,28 +53,56 @@ class Tokens:
         return M * ROWS * SEQ
 
 
+def hf(name):
+    import transformers
+    from unbroken.model.hf import causal_lm
+
+    def build(cfg):
+        m = cfg.model
+        config = getattr(transformers, f"{name}Config")(
+            vocab_size=m.vocab_size, hidden_size=m.n_embd, intermediate_size=2 * m.n_embd,
+            num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=2,
+            max_position_embeddings=m.block_size, tie_word_embeddings=False)
+        return causal_lm(config)
+    return build
+
+
+def family(name):
+    """The keywords of unbroken.train for one documented path: model=, model= with plan=, causal_lm."""
+    if name == "gpt":
+        return {"model": lambda cfg: GPT(cfg.model)}
+    if name == "gpt-plan":
+        from unbroken.config import ModelConfig
+        return {"model": lambda cfg: GPT(cfg.model), "plan": GPT(ModelConfig()).parallel_plan()}
+    return {"model": hf(name.removeprefix("hf-"))}
+
+
 if __name__ == "__main__":
     layout = dict(a.split("=") for a in sys.argv[3].split(","))
     try:
-        r = unbroken.train(model=lambda cfg: GPT(cfg.model), data=Tokens, replicas=2, steps=int(sys.argv[2]),
-                           microbatches=4, exact=True, progress=False, out=sys.argv[1], model__dropout=0.0,
+        r = unbroken.train(**family(sys.argv[5]), data=Tokens, replicas=2, steps=int(sys.argv[2]), microbatches=4,
+                           exact=True, progress=False, out=sys.argv[1], model__dropout=0.0,
                            coord__heartbeat_timeout=2.0, coord__heartbeat_interval=0.1, coord__progress_timeout=120,
                            **{f"parallel__{k}": int(v) for k, v in layout.items()},
-                           **({"faults": sys.argv[5]} if len(sys.argv) > 5 else {}))
+                           **({"faults": sys.argv[6]} if len(sys.argv) > 6 else {}))
     except ConfigError as e:  # the API's bad input: one line, as the CLI prints it
         sys.exit(f"unbroken: error: {e}")
     print("ok" if r.ok else "failed")
 '''
 STEPS = 5
-LAYOUTS = {"fsdp": "group_size=2", "tp": "group_size=2,tp=2", "pp": "group_size=2,pp=2"}
+# (layout, family): every layout of the README's table that a group runs, each through another documented
+# path; transformers' families are built from their configs (Llama, Qwen2, Mistral)
+CASES = {("fsdp", "hf-Qwen2"): "group_size=2", ("tp", "gpt-plan"): "group_size=2,tp=2",
+         ("pp", "hf-Llama"): "group_size=2,pp=2", ("pp x tp", "hf-Mistral"): "group_size=4,pp=2,tp=2"}
 KILL = "kill:replica=1,rank=1,step=2,phase=compute"
 
 
-def run(tmp: Path, name: str, layout: str, rows: int = 6, faults: str | None = None,
+def run(tmp: Path, name: str, layout: str, family: str = "gpt", rows: int = 6, faults: str | None = None,
         ok: bool = True) -> subprocess.CompletedProcess:
     script = tmp / "user_script.py"
     script.write_text(SCRIPT)
-    args = [sys.executable, str(script), str(tmp / name), str(STEPS), layout, str(rows), *([faults] if faults else [])]
+    args = [sys.executable, str(script), str(tmp / name), str(STEPS), layout, str(rows), family,
+            *([faults] if faults else [])]
     r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=180,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if ok:
@@ -80,10 +110,11 @@ def run(tmp: Path, name: str, layout: str, rows: int = 6, faults: str | None = N
     return r
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_user_data_object_of_the_four_fields_trains_exact_through_a_kill(tmp_path, layout):
-    run(tmp_path, "reference", LAYOUTS[layout])
-    run(tmp_path, "killed", LAYOUTS[layout], faults=KILL)
+@pytest.mark.parametrize("case", sorted(CASES), ids=lambda c: f"{c[0].replace(' ', '')}-{c[1]}")
+def test_a_user_data_object_of_the_four_fields_trains_exact_through_a_kill(tmp_path, case):
+    layout, family = case
+    run(tmp_path, "reference", CASES[case], family)
+    run(tmp_path, "killed", CASES[case], family, faults=KILL)
     events = read_events(tmp_path / "killed")
     fired = [e for e in events if e["event"] == "fault" and e["kind"] == "kill"]
     assert [(e["replica"], e.get("rank"), e["step"]) for e in fired] == [(1, 1, 2)], fired
@@ -92,8 +123,8 @@ def test_a_user_data_object_of_the_four_fields_trains_exact_through_a_kill(tmp_p
     assert late and all(set(e["owners"]) == {"0"} for e in late), late  # group 0 alone took the steps after
     want, got = digests(tmp_path / "reference"), digests(tmp_path / "killed")
     assert sorted(got) == list(range(STEPS)) and got == want
-    print(f"user contract, layout {layout} ({LAYOUTS[layout]}), built-in GPT via model=, data of 6 x 24 "
-          f"tokens with only x, y, tokens, sumsq: {STEPS} steps bitwise the failure-free run's through {KILL}")
+    print(f"user contract, layout {layout} ({CASES[case]}), family {family}, data of 6 x 24 tokens with only x, "
+          f"y, tokens, sumsq: {STEPS} steps bitwise the failure-free run's through {KILL}")
 
 
 def test_rows_that_fsdp_shards_do_not_divide_are_refused_before_start(tmp_path):

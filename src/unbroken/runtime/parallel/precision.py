@@ -93,7 +93,18 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
+    checkpointed_forward.recomputes = True  # what `recomputed_blocks` reads
     return checkpointed_forward
+
+
+def recomputed_blocks(model: nn.Module, plan: ParallelPlan | None = None) -> list[str]:
+    """The keys of the blocks of `model`'s layers container (`plan`'s, else `plan_of(model)`'s) whose
+    forward recomputes its activations in the backward (`checkpoint_layers` wrapped it), in order: what this
+    rank holds, read off the module it trains. [] without a container. Call once, after the model is built."""
+    container = (plan or plan_of(model)).layer_container(model)
+    if container is None:
+        return []
+    return [k for k, block in container.items() if getattr(block.forward, "recomputes", False)]
 
 
 def prepare(model: nn.Module, mixed_precision: str, checkpointing: str, device: torch.device,

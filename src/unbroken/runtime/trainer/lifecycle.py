@@ -48,6 +48,7 @@ from unbroken.runtime.trainer.membership import Coordination, FencedOut, GroupLo
 from unbroken.runtime.trainer.placement import Factories, Placement, default_factories, placement
 from unbroken.runtime.trainer.replan_reform import Reform, agree as agree_on_plan, build as build_reformed
 from unbroken.runtime.trainer.replan_reform import regroup, stale_parameters
+from unbroken.runtime.parallel.precision import recomputed_blocks
 from unbroken.runtime.trainer.step import Trainer
 from unbroken.runtime.trainer.stepwork import Parts
 from unbroken.topology import Identity, TopologyError
@@ -323,6 +324,9 @@ def train(where: Placement, me: Incarnation, conn: Connection, log: EventLog, fa
         build(cfg, factories, who, group, device)
     if parts.applied:  # a group of several ranks at its full plan: what its plan (or function) applied here
         log.emit("parallelized", replica=who.group, **parts.applied, **conn.tag)
+    if cfg.model.activation_checkpointing != "none":  # which of its blocks this rank recomputes, as built
+        log.emit("checkpointing", replica=who.group, mode=cfg.model.activation_checkpointing,
+                 blocks=recomputed_blocks(parts.model, factories.plan_of(parts.model)), **conn.tag)
     mine = signature(cfg, parts)
     if who.rank == 0 and not me.shrunk and coord.claim_signature(mine) != mine:
         raise ConfigError(f"replica group {who.group}'s config or model differs from the run's (signature "
