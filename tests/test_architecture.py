@@ -1,4 +1,4 @@
-"""The layout of DESIGN.md holds: `unbroken.policy` imports without torch, numpy, runtime or sim (checked in
+"""The layout of docs/design.md holds: `unbroken.policy` imports without torch, numpy, runtime or sim (checked in
 a subprocess that blocks them); the import rules hold for every import statement, relative ones included
 (AST scan of src/unbroken); the import graph has no circle and no arrow from a lower layer up; every file
 of runtime/ stands in a folder named for its process; no file but

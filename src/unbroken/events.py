@@ -128,7 +128,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,10 +233,6 @@ def has_step_record(path: str | os.PathLike[str], step: int, chunk: int = 1 << 2
                     except (ValueError, KeyError):
                         continue  # a torn last line
         return False
-
-
-def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    yield from read_events(path)
 
 
 def steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

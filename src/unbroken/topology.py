@@ -86,10 +86,6 @@ class Topology:
         """The global ranks on `node`."""
         return range(node * self.ranks_per_node, min((node + 1) * self.ranks_per_node, self.world))
 
-    def groups_on(self, node: int) -> tuple[int, ...]:
-        """The replica groups with a rank on `node` (a node loss takes each of them out)."""
-        return tuple(sorted({self.group_of(g) for g in self.node_ranks(node)}))
-
     def _check(self, group: int, rank: int) -> None:
         if not 0 <= group < self.groups:
             raise TopologyError(f"group {group} out of range: {self.groups} groups")

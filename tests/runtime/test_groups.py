@@ -127,7 +127,7 @@ def plain_loop(cfg: Config, split: bool, steps: int | None = None, digest: Calla
     the parameters cut into the ranks' shards (torch.chunk along dim 0, FSDP2's layout) as the step
     record's (or `digest(model)`, for another layout); the final parameters; each step's loss. `perturb`: a
     seed for tests/tolerance.perturb_linears (every sum carrying a probable float32 rounding error)."""
-    G, seed = cfg.parallel.group_size, cfg.run.seed
+    seed = cfg.run.seed
     torch.set_num_threads(1)
     data = DataSource(cfg.data, cfg.model.block_size, seed)
     torch.manual_seed(seed)

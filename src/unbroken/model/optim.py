@@ -11,7 +11,7 @@ steps (the trainer), or the norm of a gradient spread over a group's ranks (runt
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -91,13 +91,6 @@ def default_optimizer(params: list[nn.Parameter], cfg) -> torch.optim.Optimizer:
     o = cfg.optim
     return torch.optim.AdamW(param_groups(params, o), lr=o.lr, betas=(o.beta1, o.beta2),
                              weight_decay=o.weight_decay)
-
-
-def schedule_of(cfg, custom: Callable[[int], float] | None = None) -> Callable[[int], float]:
-    """step -> lr: a user's `lr_schedule(step) -> lr` (Python API), or the configured schedule."""
-    if custom is not None:
-        return custom
-    return lambda step: lr_at(step, cfg.optim, cfg.run.steps)
 
 
 def clip_whole(params: list[torch.Tensor], max_norm: float) -> float:

@@ -5,7 +5,7 @@ still owes, when it may reduce, when it proposes commit or retry, when it must f
 Does not own: executing any action (the trainer in `runtime/` and the simulator in `sim/` execute them),
 how decisions are stored (compare-and-set in the coordinator's store), or the optimizer.
 
-Protocol (DESIGN.md, step protocol): compute owned microbatches into the local accumulator -> reduce a copy
+Protocol (docs/design.md, step protocol): compute owned microbatches into the local accumulator -> reduce a copy
 in the epoch's group -> publish done(s, e) -> the last to publish proposes commit@e -> everyone follows the
 single decision. When the epoch moves in a way that `disturbs` the step (a removal or a re-form; an
 epoch that only admits joiners does not: the executor then goes on in the step's epoch): propose retry

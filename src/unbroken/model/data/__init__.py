@@ -9,7 +9,7 @@ starts) and prepare.py (`unbroken prepare-data`: text into llm.c shards). Does n
 microbatch (policy) or loss weights (policy.workload).
 
 Microbatch (s, i) depends only on (seed, s, i): which replica asks, and when, never changes it. That is
-invariant 1 of DESIGN.md.
+invariant 1 of docs/design.md.
 
 The names other modules import from here load their module on first use (PEP 562): the launcher's
 checks read token files through formats.py without importing torch (~2 s) for batch.py and source.py.

@@ -1,5 +1,5 @@
 """`unbroken prepare-data`: text files into llm.c token shards, offline, so a run's data is a pure
-function of the sample index (DESIGN.md, "Data").
+function of the sample index (docs/design.md, "Data").
 
 Owns: tokenizing with a Hugging Face `tokenizers` tokenizer.json (or byte-level: ids 0..255, the bytes,
 when none is given), documents and their end-of-document id, and writing shards in the llm.c layout

@@ -1,4 +1,4 @@
-"""One replica's training loop: the step protocol of DESIGN.md, executing `policy.recovery` actions.
+"""One replica's training loop: the step protocol of docs/design.md, executing `policy.recovery` actions.
 
 Owns: turning each action of the recovery state machine into real work (forward/backward into the
 step's accumulator, an all-reduce of a copy, store reads and compare-and-sets, the optimizer step) and
