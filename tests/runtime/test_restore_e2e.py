@@ -69,8 +69,8 @@ def redone_after_restart(events, restart, step, steps: int = 12) -> None:
 
 def test_crash_all_resumes_from_memory_at_the_last_snapshot(reference, tmp_path):
     # The launcher fires crash-all once it sees step 5's record. Replica 0 sleeps through 20x its step-6
-    # compute (wall time only), so the kill lands inside step 6: the audit-generations run, alike, once
-    # committed and snapshotted step 6 before the kill landed (CI at 35e37ad)
+    # compute (wall time only), so the kill lands inside step 6 rather than after step 6 committed and
+    # was snapshotted, which a launcher slower to see step 5's record would otherwise allow
     out, events = run(tmp_path, "crash-all:step=6; slow:replica=0,from=6,to=7,factor=20,how=sleep", *XOR2)
     on_trajectory(reference, out)
     # the crash fired on every trainer as step 6 began, and the job restarted from memory after it

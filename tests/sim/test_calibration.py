@@ -16,12 +16,11 @@ Measured: each window from the end of the step before the first fault to the end
 read off the reductions' ends (sim/calibrate.boundaries), not the step records' times, which move by up
 to a step with who writes them.
 
-The kill's premise: the simulator assumes a replica computes as fast after a peer dies as before.
-Unpinned on this shared host, the lone survivor took the freed CPU and computed its microbatches in
-37 ms against 61-70 ms beside its peer (measured); so both runs pin each replica to a core of its own
-(--run.pin_cores). Even pinned, a core here computes a microbatch in 24 ms or in 32-35 ms by what runs
-beside it (another VM's, or its peer's: measured on 2026-11-26), so the kill's wall-clock figure lives in
-benchmarks/calibration.py, run alone; the test asserts what it controls (the steps committed as predicted).
+The kill's premise: the simulator assumes a replica computes as fast after a peer dies as before. Unpinned,
+a lone survivor takes the freed CPU and computes faster; so both runs pin each replica to a core of its own
+(--run.pin_cores). Even pinned, a core's speed moves with what runs beside it on a shared host, so the
+kill's wall-clock figure lives in benchmarks/calibration.py, run alone; the test asserts what it controls
+(the steps committed as predicted).
 The slow test needs no such premise: the slowed replica's steps end with its own stretched compute."""
 from __future__ import annotations
 
@@ -44,11 +43,8 @@ def train(out, steps: int, faults: str) -> None:
 
 
 def within(p) -> None:
-    """The target: 15% (issue 22 item 6). Measured on 2026-11-26 on 10 run pairs of this file's
-    configuration, after the spin aimed at the replica's own unslowed spans, the split charged sync
-    beyond the busiest replica's compute and the prediction took the replicas' own speeds: slow 0.7-1.5%
-    (4 pairs), kill 0.6-2.8% (6 pairs, 3 of which the premise check below would skip). Before: slow
-    1.8-28.6% and kill 0.6-15.9% on the same pairs."""
+    """The target: 15% of the measured wall seconds (figures per run pair: benchmarks/RESULTS.md and
+    benchmarks/calibration.py)."""
     print(f"predicted {p.predicted_wall:.2f} s, measured {p.measured_wall:.2f} s: {p.wall_error:.1%} off")
     assert p.wall_error < 0.15, (f"predicted {p.predicted_wall:.2f} s against {p.measured_wall:.2f} s measured: "
                                  f"{p.wall_error:.0%} off")

@@ -80,8 +80,7 @@ def options(group: int, plans: Mapping[int, P.Plan], full: P.Plan, alive: Collec
     # What the group's ranks hold is current only if the group kept stepping. One that lost a rank left
     # the step it was in (its microbatches are redone elsewhere; its survivors leave the cross-group
     # reduction), so its survivors' state misses that step's update and every rank of a re-formed plan
-    # pulls its whole holding (measured: a PP 2 -> 1 survivor received 1.64-1.70 MB, the whole model,
-    # where its lack alone was 0.79 MB predicted).
+    # pulls its whole holding, not only what it lacks.
     held = current if current is not None and current.ranks <= alive else None
     out: list[Option] = []
 

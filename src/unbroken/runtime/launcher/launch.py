@@ -151,9 +151,9 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
         error, lost = str(e), True
     except DistError:
         # A store call after the watch (the shutdown's write, a restart's) that found the coordinator gone
-        # ends the run as the watch's "lost" does. The watch sees the coordinator's end only once it is
-        # reaped: SIGKILLed as its trainers saw the store go, it was not yet, the watch said "failed", and
-        # the shutdown's write raised: no run_end, and no memory kept for `unbroken resume`.
+        # ends the run as the watch's "lost" does: the watch sees the coordinator's end only once it is
+        # reaped, so a coordinator SIGKILLed as its trainers saw the store go can still read as "failed"
+        # there, and without this the run would end with no run_end and no memory kept for resume.
         if watch is None or watch.coordinator is None or not watch._coordinator_gone(wait_s=2.0):
             raise
         error, lost = watch._lost(), True

@@ -431,9 +431,9 @@ def close_group() -> int:
     """Shut the broken group's sockets (sockets.py), then destroy its process groups (the default one, its
     mesh's sub-groups); the number of sockets shut. Why: a peer blocked in a receive from this rank
     (stage 0's, waiting on stage 1's survivor) wakes only when this rank's socket closes, and nothing this
-    rank can drop closes it (a pending receive on gloo's thread holds the group): it woke only when
-    torchrun stopped this survivor for a grow back, past the first survivor's claim window (3 s), and never
-    claimed. Call once per survivor, after dropping what it held of the group, before it claims."""
+    rank can drop closes it (a pending receive on gloo's thread holds the group); left blocked, the peer
+    would miss the first survivor's claim window (parallel.claim_wait) and never claim. Call once per
+    survivor, after dropping what it held of the group, before it claims."""
     shut = shut_recorded()
     if dist.is_initialized():
         dist.destroy_process_group()
