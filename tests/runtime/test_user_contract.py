@@ -23,7 +23,7 @@ import pytest
 from tests.runtime.test_groups import digests
 from unbroken.events import read_events
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCRIPT = '''
 """A user's script: a model through one documented path, and a data object of the four documented fields."""
@@ -103,7 +103,7 @@ def run(tmp: Path, name: str, layout: str, family: str = "gpt", rows: int = 6, f
     script.write_text(SCRIPT)
     args = [sys.executable, str(script), str(tmp / name), str(STEPS), layout, str(rows), family,
             *([faults] if faults else [])]
-    r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=180,
+    r = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if ok:
         assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-3000:]
