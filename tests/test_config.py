@@ -80,12 +80,23 @@ def test_coercion_from_cli_strings(key, raw, want):
     ({}, {"parallel.on_rank_loss": "replan"}, "parallel.on_rank_loss=replan with parallel.group_size=1"),
     ({}, {"parallel.group_size": "3", "parallel.tp": "3", "data.batch_size": "3"}, "parallel.tp=3 does not divide"),
     ({}, {"parallel.group_size": "4", "parallel.pp": "4"}, "parallel.pp=4: more stages than model.n_layer=2"),
-    ({}, {"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
 ])
 def test_validation_is_one_line_naming_the_key(tree, overrides, words):
     with pytest.raises(ConfigError) as e:
         build(tree, overrides)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"parallel.group_size": "2", "parallel.pp": "2", "data.seq_len": "8-32"}, "data.seq_len='8-32'"),
+    ({"parallel.group_size": "4", "data.batch_size": "6"}, "does not divide data.batch_size=6"),
+])
+def test_the_built_in_data_keys_are_held_to_the_layout_only_where_the_built_in_source_feeds_it(overrides, words):
+    """A user's data object brings its own shapes (model/data/contract.py): the data.* keys bind only the
+    built-in source, so the config itself builds, and the check before start names the key."""
+    from unbroken.config.tree import builtin_data_problem
+    problem = builtin_data_problem(build({}, overrides))
+    assert problem and words in problem and "\n" not in problem
 
 
 def test_fsdp2_beside_tensor_parallelism_reaches_the_topology_tp_innermost():

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.config import MOVED, Config, ConfigError, RunConfig, build, check_paths
+from unbroken.config.tree import builtin_data_problem
 from unbroken.faultspec import FaultSpecError, parse
 
 # flat keywords: the [run] keys, and the keys that [run] held before they moved (faults=, out=, restarts=, ...)
@@ -66,7 +67,7 @@ CUSTOM_REFUSED = ("a user's parallelize function sharded the model: a survivor c
 
 
 def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
-               parallelize: Callable | None = None) -> str | None:
+               parallelize: Callable | None = None, data: Callable | None = None) -> str | None:
     """The checks of a run whose every group this host's launcher starts (`unbroken train`, `resume`, the
     demo, `unbroken.train`), before anything is touched; not the standalone coordinator's, whose groups
     run on other hosts: a group needs a GPU per rank here if its device resolves to CUDA
@@ -79,9 +80,15 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     loses a rank cannot re-form onto fewer ranks under parallel.on_rank_loss=replan (a user's function
     sharded it, or the plan cannot say a lost rank's slices: plan.reform_problem), None where it can or
     the run drops such groups anyway: the coordinator then prices only drop for them (launch.launch's
-    `reform_refused`). Raises ConfigError (one line)."""
+    `reform_refused`). A user's `data` factory is built once and checked against the data contract on its
+    own microbatches (model/data/contract.py); without one, the built-in source's data.* keys against the
+    group's layout (config.tree.builtin_data_problem). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
-    check_data(cfg)
+    if data is None:
+        check_data(cfg)
+        problem = builtin_data_problem(cfg)
+        if problem:
+            raise ConfigError(problem)
     if model is not None or 12 * cfg.model.n_layer * cfg.model.n_embd ** 2 + cfg.model.vocab_size * cfg.model.n_embd > 1e7:
         from unbroken.model.builtin import memory_problem  # torch: only where the model may be large
         problem = memory_problem(cfg, model)
@@ -96,6 +103,9 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
             model is not None or plan is not None or cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         from unbroken.model.builtin import check
         refused = check(cfg, model, plan)
+    if data is not None:
+        from unbroken.model.data.contract import check_data_object
+        check_data_object(cfg, data)
     if cfg.parallel.cross_backend == "nccl":
         from unbroken.runtime.parallel.crossgroup import check
         check(cfg.parallel.cross_backend, cfg.parallel.device)  # CUDA here, or one line before anything starts
@@ -135,9 +145,6 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
-    refused = check_host(cfg, model, plan, parallelize)
-    if data is not None:
-        from unbroken.model.data.contract import check_data_object
-        check_data_object(cfg, data)
+    refused = check_host(cfg, model, plan, parallelize, data)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd, reform_refused=refused)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import os
 import tomllib
 import types
 import typing
@@ -249,7 +248,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
     g, pp, tp = max(1, p.group_size), p.pp, p.tp
     kv = (m.n_kv_head or m.n_head) if m.n_kv_head >= 0 and tp >= 1 else 0
     fsdp = g // (pp * tp) if pp >= 1 and tp >= 1 and g % (pp * tp) == 0 else 0
-    fixed = cfg.data.seq_len.strip().isdigit()
     return [
         (pp >= 1, f"parallel.pp={pp}: need at least 1 stage"),
         (tp >= 1, f"parallel.tp={tp}: need at least 1"),
@@ -262,8 +260,6 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (m.arch != "llama" or kv == 0 or kv % tp == 0,
          f"parallel.tp={tp} does not divide model.n_kv_head={kv} (each rank takes whole key/value heads)"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
-        (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
-                           f"activations of one fixed shape, so the sequence length must be one number"),
         (p.mixed_precision == "off" or pp == 1,
          f"parallel.mixed_precision={p.mixed_precision} with parallel.pp={pp}: pipeline stages pass float32 "
          f"activations and gradients between ranks; bf16 runs without stages"),
@@ -280,11 +276,23 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.on_rank_loss == "drop" or not cfg.coord.store,
          "parallel.on_rank_loss=replan with coord.store set: the groups' torchrun rendezvous is hosted on the "
          "coordinator's TCPStore, which an etcd store replaces"),
-        (fsdp == 0 or cfg.data.batch_size % fsdp == 0,
-         f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} "
-         f"into its {fsdp} FSDP shards (group_size / (pp x tp): each takes an equal share of every "
-         f"microbatch's sequences)"),
     ]
+
+
+def builtin_data_problem(cfg: Config) -> str | None:
+    """Why the built-in data source (data.* keys) cannot feed the run's group layout (None: it can): FSDP2's
+    shards must divide data.batch_size, and pipeline stages need one fixed data.seq_len. A user's data
+    object is checked on its own microbatches instead (model/data/contract.py). Call before start."""
+    p = cfg.parallel
+    fsdp = cfg.topology().dp_shard
+    if cfg.data.batch_size % fsdp:
+        return (f"parallel.group_size={p.group_size} does not divide data.batch_size={cfg.data.batch_size} into "
+                f"its {fsdp} FSDP shards (group_size / (pp x tp): each takes an equal share of every microbatch's "
+                f"sequences)")
+    if p.pp > 1 and not cfg.data.seq_len.strip().isdigit():
+        return (f"parallel.pp={p.pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass activations of "
+                f"one fixed shape, so the sequence length must be one number")
+    return None
 
 
 def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
