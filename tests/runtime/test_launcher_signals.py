@@ -103,13 +103,13 @@ def test_a_generation_that_fails_after_the_coordinator_died_ends_as_a_lost_coord
     a traceback)."""
     from unbroken.config import Config
     from unbroken.events import EventLog
-    from unbroken.runtime.launcher import launch as L
+    from unbroken.runtime.launcher import generation as G
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "events.jsonl").write_text('{"event":"step","step":4}\n')
-    watch = L._Watch(Config(), EventLog(tmp_path / "other.jsonl"), None, tmp_path, 0.0, None, None,
-                     lambda: None, dead)
+    watch = G.GenerationWatch(Config(), EventLog(tmp_path / "other.jsonl"), None, tmp_path, 0.0, None, None,
+                               lambda: None, dead)
     monkeypatch.setattr(watch, "_loop", lambda *a: ("failed", "replica 0: the store went away"))
     assert watch.run(None, {}) == ("lost", "the coordinator was lost; last committed step: 4")
     monkeypatch.setattr(watch, "_loop", lambda *a: ("done", None))

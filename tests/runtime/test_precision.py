@@ -117,7 +117,8 @@ def test_activation_checkpointing_keeps_every_digest(tmp_path, layout):
         assert len(said) == 2 * ranks if not layout else len(said) == ranks, said
         for who, blocks in said.items():
             stack = held.get(who, ["0", "1"])
-            assert blocks == (stack if mode == "full" else stack[1::2]), (mode, who, blocks, stack)
+            # every other block of the whole model (1, 3, ...), whichever stage holds it
+            assert blocks == (stack if mode == "full" else [k for k in stack if int(k) % 2]), (mode, who, blocks, stack)
         print(f"{mode}: blocks recomputed per (replica, rank): {said}")
 
 

@@ -1,18 +1,15 @@
 """The local launcher: coordinator, snapshot agents, one worker process per replica group; then watch.
 
-Owns: the run directory (config.json, events.jsonl, logs/), when processes start (how: starting.py),
-reporting each worker's exit to the store (as a torchrun
-agent sees its workers end), whole-job restarts (a new *generation*: fresh membership under the store
-prefix g{N}/, every trainer restarted and resumed from the agents' memory or the latest checkpoint), the
-launcher-side faults (chaos.py), live progress, summary.json, and killing everything it started.
-Does not own: liveness verdicts (coordinator), training, what a restart loads (persistence.py).
+Owns: the run directory (config.json, events.jsonl, logs/), the launch's phases (`_Launch`: start the
+control plane, run generations of workers, shut down, close), whole-job restarts (a new *generation*: fresh
+membership under the store prefix g{N}/, every trainer restarted and resumed from the agents' memory or the
+latest checkpoint), summary.json, and killing everything it started. Does not own: how processes start
+(starting.py), watching a generation to its verdict (generation.py), launcher-side faults (chaos.py),
+liveness verdicts (coordinator), training, what a restart loads (persistence.py).
 """
 from __future__ import annotations
 
-import json
-import os
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -30,25 +27,21 @@ from torch.distributed import DistError, PrefixStore  # noqa: E402
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.faultspec import parse
-from unbroken.policy.snapshotting import needs_restart, restore_source
+from unbroken.policy.snapshotting import restore_source
 from unbroken.observe.progress import LiveView
 from unbroken.observe.runs import finish_run
-from unbroken.runtime.launcher.processes import AgentGroup, kill_tree
+from unbroken.runtime.launcher.generation import Coordinators, GenerationWatch
+from unbroken.runtime.launcher.processes import kill_tree
 from unbroken.runtime.launcher.agents import AgentSet
 from unbroken.runtime.launcher.chaos import Chaos
 from unbroken.runtime.launcher.resume import Resumption, already_fired
 from unbroken.runtime.launcher.starting import DEFAULT_WORKER, fork_server, hold_port, start_coordinator, start_worker
 from unbroken.runtime.launcher.zygote import Forked
 from unbroken.runtime.store import keys
-from unbroken.runtime.store.client import connect, finished_among, last_committed, read
+from unbroken.runtime.store.client import connect
 from unbroken.runtime.store.client import preflight as store_preflight
 from unbroken.runtime.store.watch import wake
 from unbroken.runtime.coordinator.metrics import preflight
-
-# Records the watch neither acts on nor shows: most of the log (a few per replica and step), so they
-# are skipped unparsed (every record starts with its kind, events.py).
-_UNREAD = tuple(f'{{"event":"{kind}"'.encode() for kind in ("compute", "reduce", "applied"))
-
 
 @dataclass(frozen=True)
 class RunResult:
@@ -70,6 +63,36 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     m = cfg.metrics
     preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
     store_preflight(cfg.coord.store, resume.run_id if resume else None)  # etcd: answers, holds no other run
+    run_dir, run_id, log = _prepare(cfg, resume)
+    t0 = time.time()
+    run = _Launch(cfg, log, LiveView(cfg.run.steps, title, enabled=cfg.launch.progress), worker_cmd)
+    restore_sigterm = _sigterm_interrupts()
+    try:
+        run.start(run_dir, run_id, t0, resume, reform_refused)
+        run.error = run.generations(run_dir, run_id)
+        run.shut_down()
+    except KeyboardInterrupt:
+        run.error = "interrupted"
+    except _CoordinatorLost as e:
+        run.error, run.lost = str(e), True
+    except DistError:
+        # A store call after the watch (the shutdown's write, a restart's) that found the coordinator gone
+        # ends the run as the watch's "lost" does: the watch sees the coordinator's end only once it is
+        # reaped, so a coordinator SIGKILLed as its trainers saw the store go can still read as "failed"
+        # there, and without this the run would end with no run_end and no memory kept for resume.
+        watch = run.watch
+        if watch is None or watch.coordinator is None or not watch.coordinator_gone(wait_s=2.0):
+            raise
+        run.error, run.lost = watch.lost(), True
+    finally:
+        restore_sigterm()
+        run.close()
+    return _finish(cfg, run_dir, log, t0, run.error)
+
+
+def _prepare(cfg: Config, resume: Resumption | None) -> tuple[Path, str, EventLog]:
+    """The run directory (config.json, logs/, an earlier run's files cleared unless resuming), the run's
+    id and its event log, with `run_start` for a new run."""
     run_dir = Path(cfg.launch.out)
     if resume is None:
         shutil.rmtree(run_dir / "logs", ignore_errors=True)  # logs of an earlier run in this directory
@@ -81,94 +104,104 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     if resume:
         _cut_torn_line(run_dir / "events.jsonl")  # a launcher killed mid-record: no half line mid-log
     log = EventLog(run_dir / "events.jsonl", who="launcher")
-    t0 = time.time()
     if resume is None:
         log.emit("run_start", replicas=cfg.run.replicas, steps=cfg.run.steps, microbatches=cfg.run.microbatches,
                  exact=cfg.run.exact, seed=cfg.run.seed, faults=cfg.faults.spec, recovery=cfg.run.recovery,
                  run_id=run_id, group_size=cfg.parallel.group_size, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
-    procs: list[subprocess.Popen | Forked] = []
-    agents: AgentSet | None = None
-    held = hold_port(cfg)
-    zygote = fork_server(cfg, held) if worker_cmd is None else None
-    view = LiveView(cfg.run.steps, title, enabled=cfg.launch.progress)
-    error: str | None = "launcher failed"
-    restore_sigterm = _sigterm_interrupts()
-    lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
-    watch: _Watch | None = None
-    try:
-        coordinator, address = start_coordinator(cfg, run_dir, held=held, zygote=zygote, refused=reform_refused)
-        procs.append(coordinator)
+    return run_dir, run_id, log
+
+
+class _Launch:
+    """One launch's processes and state, in the order they start: `start` (coordinator, standbys, agents,
+    the watch; a resumed run's next generation), `generations` (workers until a verdict, whole-job
+    restarts between), `shut_down`, and `close` (everything it started, killed, in every case)."""
+
+    def __init__(self, cfg: Config, log: EventLog, view: LiveView, worker_cmd: list[str] | None):
+        self.cfg, self.log, self.view, self.worker_cmd = cfg, log, view, worker_cmd
+        self.held = hold_port(cfg)
+        self.zygote = fork_server(cfg, self.held) if worker_cmd is None else None
+        self.procs: list[subprocess.Popen | Forked] = []
+        self.agents: AgentSet | None = None
+        self.watch: GenerationWatch | None = None
+        self.error: str | None = "launcher failed"
+        self.lost = False  # the coordinator was lost: the nodes' memory stays for `unbroken resume`
+        self.generation, self.source = 0, ""
+
+    def start(self, run_dir: Path, run_id: str, t0: float, resume: Resumption | None, refused: str | None) -> None:
+        """The control plane: the coordinator (and its standbys with etcd), the store's run id, snapshot
+        agents, the launcher-side faults not yet fired, the watch; a resumed run's next generation."""
+        cfg = self.cfg
+        coordinator, self.address = start_coordinator(cfg, run_dir, held=self.held, zygote=self.zygote, refused=refused)
+        self.procs.append(coordinator)
         if cfg.coord.store:  # etcd: standbys beside it; the run has lost its coordinator once all are gone
-            coordinator = _Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n, zygote=zygote,
-                                                                            refused=reform_refused)[0]
-                                                         for n in range(1, 1 + cfg.coord.standbys)])
-            procs.extend(coordinator.procs[1:])
-        raw = connect(address)
+            coordinator = Coordinators([coordinator] + [start_coordinator(cfg, run_dir, n, zygote=self.zygote,
+                                                                           refused=refused)[0]
+                                                        for n in range(1, 1 + cfg.coord.standbys)])
+            self.procs.extend(coordinator.procs[1:])
+        self.coordinator = coordinator
+        self.raw = raw = connect(self.address)
         raw.set(keys.run_id(), run_id)  # whose keys these are (an etcd namespace outlives the run)
         if cfg.snapshot.enabled:
-            agents = AgentSet(cfg, address, raw, run_id, run_dir, log, zygote)
+            self.agents = AgentSet(cfg, self.address, raw, run_id, run_dir, self.log, self.zygote)
         faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
         fired = already_fired(faults, resume.fired) if resume else set()
-        chaos = Chaos(tuple(f for n, f in enumerate(faults) if n not in fired), cfg, log, agents, run_id)
-        watch = _Watch(cfg, log, view, run_dir, t0, chaos, agents, lambda: wake(raw), coordinator)
-        generation, source = 0, ""
+        self.chaos = Chaos(tuple(f for n, f in enumerate(faults) if n not in fired), cfg, self.log, self.agents, run_id)
+        self.watch = GenerationWatch(cfg, self.log, self.view, run_dir, t0, self.chaos, self.agents,
+                                     lambda: wake(raw), coordinator)
         if resume:  # one more whole-job restart of the run, into a fresh store: the next generation
             for n in fired:
                 raw.set(keys.fired(n), "1")  # trainers' faults.Injector: fired before, not again
-            generation = resume.generation
-            source = restore_source(cfg.run.recovery, agents is not None, cfg.checkpoint.every > 0)
-            raw.set(keys.generation(), str(generation))
-            watch.offset = (run_dir / "events.jsonl").stat().st_size  # the watch reads only new records
-            watch.last_step = resume.last_step
-            log.emit("restart", generation=generation, reason=f"resumed after: {resume.reason}", source=source,
-                     resumed=True)
+            self.generation = resume.generation
+            self.source = restore_source(cfg.run.recovery, self.agents is not None, cfg.checkpoint.every > 0)
+            raw.set(keys.generation(), str(self.generation))
+            self.watch.offset = (run_dir / "events.jsonl").stat().st_size  # the watch reads only new records
+            self.watch.last_step = resume.last_step
+            self.log.emit("restart", generation=self.generation, reason=f"resumed after: {resume.reason}",
+                          source=self.source, resumed=True)
+
+    def generations(self, run_dir: Path, run_id: str) -> str | None:
+        """Start every group's workers and watch them to a verdict; after a "restart" verdict (a whole-job
+        loss with persistence), restart them all as the next generation, at most launch.max_job_restarts
+        times. Returns the run's error (None: done). Raises _CoordinatorLost when the store went with it."""
+        cfg, raw, watch = self.cfg, self.raw, self.watch
         while True:
-            workers = {r: start_worker(cfg, worker_cmd or DEFAULT_WORKER, run_dir, address, r, generation,
-                                        source, run_id, watch.last_step, zygote) for r in range(cfg.run.replicas)}
-            procs.extend(workers.values())
-            outcome, error = watch.run(PrefixStore(keys.generation_prefix(generation), raw), workers)
+            workers = {r: start_worker(cfg, self.worker_cmd or DEFAULT_WORKER, run_dir, self.address, r,
+                                       self.generation, self.source, run_id, watch.last_step, self.zygote)
+                       for r in range(cfg.run.replicas)}
+            self.procs.extend(workers.values())
+            outcome, error = watch.run(PrefixStore(keys.generation_prefix(self.generation), raw), workers)
             if outcome == "lost":  # the store went with the coordinator: nothing to tell anyone, end
                 raise _CoordinatorLost(error)
             if outcome != "restart":
-                break
-            if generation >= cfg.launch.max_job_restarts:
-                error = f"gave up after {cfg.launch.max_job_restarts} restarts ({error})"
-                break
-            source = _restart(cfg, raw, workers, agents, chaos, watch.last_step, log, error)
-            generation += 1
-            raw.set(keys.generation(), str(generation))
+                return error
+            if self.generation >= cfg.launch.max_job_restarts:
+                return f"gave up after {cfg.launch.max_job_restarts} restarts ({error})"
+            self.source = _restart(cfg, raw, workers, self.agents, self.chaos, watch.last_step, self.log, error)
+            self.generation += 1
+            raw.set(keys.generation(), str(self.generation))
             wake(raw)
-            log.emit("restart", generation=generation, reason=error, source=source)
-        raw.set(keys.shutdown(), "1")
-        wake(raw)
+            self.log.emit("restart", generation=self.generation, reason=error, source=self.source)
+
+    def shut_down(self) -> None:
+        """Tell the coordinator the run has ended, and give it 10 s to write its last records."""
+        self.raw.set(keys.shutdown(), "1")
+        wake(self.raw)
         try:
-            coordinator.wait(timeout=10)
+            self.coordinator.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass  # killed below: nothing it holds matters once the run has ended
-    except KeyboardInterrupt:
-        error = "interrupted"
-    except _CoordinatorLost as e:
-        error, lost = str(e), True
-    except DistError:
-        # A store call after the watch (the shutdown's write, a restart's) that found the coordinator gone
-        # ends the run as the watch's "lost" does: the watch sees the coordinator's end only once it is
-        # reaped, so a coordinator SIGKILLed as its trainers saw the store go can still read as "failed"
-        # there, and without this the run would end with no run_end and no memory kept for resume.
-        if watch is None or watch.coordinator is None or not watch._coordinator_gone(wait_s=2.0):
-            raise
-        error, lost = watch._lost(), True
-    finally:
-        restore_sigterm()
-        view.close()
-        if agents is not None:
+
+    def close(self) -> None:
+        """Kill everything the launch started; call once, however it ended."""
+        self.view.close()
+        if self.agents is not None:
             # before the coordinator: agents talk to its store until they die. A lost coordinator
             # leaves the nodes' memory in place (a node outlives it): `unbroken resume` restores from it
-            agents.close(keep_memory=lost)
-        for p in procs:
+            self.agents.close(keep_memory=self.lost)
+        for p in self.procs:
             kill_tree(p)
-        if zygote is not None:
-            zygote.close()
-    return _finish(cfg, run_dir, log, t0, error)
+        if self.zygote is not None:
+            self.zygote.close()
 
 
 def _sigterm_interrupts() -> Callable[[], None]:
@@ -213,207 +246,5 @@ def _cut_torn_line(events: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-class _Coordinators:
-    """A leader and its standbys (etcd) seen as one coordinator by the watch: ended once all ended."""
-
-    def __init__(self, procs: list[subprocess.Popen]):
-        self.procs = procs
-
-    def poll(self) -> int | None:
-        codes = [p.poll() for p in self.procs]
-        return None if None in codes else codes[0]
-
-    def wait(self, timeout: float) -> int | None:
-        """Wait until one ends (the leader, at the end of the run) or `timeout` s pass."""
-        deadline = time.monotonic() + timeout
-        while all(p.poll() is None for p in self.procs):
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired("coordinators", timeout)
-            time.sleep(0.05)
-        return self.poll()
-
-
 class _CoordinatorLost(Exception):
     """The coordinator's process ended before the run did (killed, OOM, its host gone): its store is gone."""
-
-
-class _ExitWait:
-    """Sleeps until a worker process ends or a timeout passes: one pidfd per worker, so an exit wakes
-    the launcher at once where it polled every 20 ms before (0.8 ms of CPU a step of a 4-replica run).
-    Without pidfds (a kernel before 5.3) it sleeps 20 ms at most: exits are still seen within 20 ms."""
-
-    def __init__(self, workers: dict[int, subprocess.Popen]):
-        self.fds: dict[int, int] | None = {}
-        try:
-            for r, p in workers.items():
-                self.fds[r] = os.pidfd_open(p.pid)
-        except (AttributeError, OSError):  # no pidfd_open here, or the process was reaped already
-            self.close()
-            self.fds = None
-
-    def wait(self, seconds: float) -> None:
-        if self.fds is None:
-            time.sleep(min(seconds, 0.02))
-        else:
-            select.select(list(self.fds.values()), [], [], seconds)
-
-    def forget(self, r: int) -> None:
-        """Stop waiting on worker r (reported): its pidfd stays readable, and would wake every wait."""
-        if self.fds is not None and r in self.fds:
-            os.close(self.fds.pop(r))
-
-    def close(self) -> None:
-        for fd in (self.fds or {}).values():
-            os.close(fd)
-        self.fds = {}
-
-
-class _Watch:
-    """Watches one generation of workers until it finishes, fails, needs a restart, or times out."""
-
-    def __init__(self, cfg: Config, log: EventLog, view: LiveView, run_dir: Path, t0: float, chaos: Chaos,
-                 agents: AgentSet | None, wake: Callable[[], None], coordinator: subprocess.Popen | None = None):
-        self.cfg, self.log, self.view, self.t0, self.chaos, self.agents = cfg, log, view, t0, chaos, agents
-        self.wake = wake  # the coordinator's loop: an exit is a verdict it should reach at once
-        self.coordinator = coordinator  # its end ends the run (the store is gone)
-        self.events, self.offset, self.last_step = run_dir / "events.jsonl", 0, -1
-        self.persistent = cfg.snapshot.enabled or cfg.checkpoint.every > 0
-        self.worker_error: str | None = None
-
-    def run(self, store, workers: dict[int, subprocess.Popen]) -> tuple[str, str | None]:
-        """Watch until the generation ends: ("done" | "failed" | "timeout" | "restart" | "lost", error).
-        "lost": the coordinator's process ended, and with it the store (a store call that fails because
-        of it counts the same)."""
-        exits = _ExitWait(workers)
-        try:
-            outcome = self._loop(store, workers, exits)
-            # A trainer that lost the store reports an error (or exits) in the same round that the
-            # coordinator's death could be seen, after its check: the cause is the coordinator (seen in
-            # CI: "failed", then the shutdown's store write ended the launcher in a traceback).
-            if outcome[0] != "done" and self.coordinator is not None and self._coordinator_gone():
-                return "lost", self._lost()
-            return outcome
-        except DistError:
-            if self.coordinator is not None and self._coordinator_gone(wait_s=2.0):
-                return "lost", self._lost()
-            if self.cfg.coord.store:  # etcd, a cluster of its own: none of its members answers
-                return "lost", self._lost("the store was lost (no etcd member answers)")
-            raise
-        finally:
-            exits.close()
-
-    def _coordinator_gone(self, wait_s: float = 0.0) -> bool:
-        try:
-            self.coordinator.wait(timeout=wait_s) if wait_s else None
-        except subprocess.TimeoutExpired:
-            pass
-        return self.coordinator.poll() is not None
-
-    def _lost(self, what: str = "the coordinator was lost") -> str:
-        """The one line for a lost coordinator, with the last step whose record is in the log (read
-        directly: firing launcher-side faults on the way, as `_tail` would, is no longer wanted)."""
-        with open(self.events, "rb") as f:
-            f.seek(self.offset)
-            lines = f.read().splitlines()
-        for line in lines:
-            if line.startswith(b'{"event":"step"'):
-                try:
-                    self.last_step = max(self.last_step, json.loads(line)["step"])
-                except (ValueError, KeyError):
-                    pass  # a torn last line
-        return f"{what}; last committed step: {self.last_step}"
-
-    def _loop(self, store, workers: dict[int, subprocess.Popen], exits: _ExitWait) -> tuple[str, str | None]:
-        reported: set[int] = set()
-        rounds = 0
-        # this generation's store, as last read: (epoch, the dead) and (nfinished, the finished)
-        self.dead: tuple[bytes | None, set[int]] = (None, set())
-        self.finished: tuple[int, frozenset[int]] = (0, frozenset())
-        while True:
-            if rounds:
-                # Exits are reported at once (the coordinator's fast path to a verdict): the wait
-                # wakes on a worker's end. The rest (events, store reads) runs every 100 ms: it is CPU
-                # the trainers could use. Launcher-side faults still pending (node, crash-all) need a
-                # 20 ms pace: they fire on the step record they wait for, inside the step they name.
-                exits.wait(0.02 if self.chaos.pending else 0.1)
-            rounds += 1
-            if self.coordinator is not None and self._coordinator_gone():
-                return "lost", self._lost()
-            for r, p in workers.items():
-                code = p.poll()
-                if code is not None and r not in reported:
-                    reported.add(r)
-                    exits.forget(r)
-                    self.log.emit("exit", replica=r, code=code)
-                    if code != 0:  # a clean exit is a finished replica, not a failure
-                        # unless a rank already said why its group left (Coordination.leave): torchrun's
-                        # exit follows that report and must not replace the cause with its consequence
-                        store.compare_set(keys.exited(r), "", str(code))
-                        store.add(keys.exits(), 1)
-                        self.wake()
-            self._replace_lost_agents(workers, reported)
-            self._tail(workers)
-            if self.worker_error:  # an exception in a trainer is a bug: restarting would repeat it
-                return "failed", self.worker_error
-            finished, dead = self._read_store(store, workers)
-            for r, p in workers.items():
-                if isinstance(p, AgentGroup):
-                    if r in finished:  # its agents may linger in torchrun's exit barrier
-                        p.finished()
-                    for j in p.replace_lost(self.cfg.parallel.replace_after):
-                        self.log.emit("agent_replaced", replica=r, slot=j)
-            lost = [r for r in workers if r not in finished and (r in dead
-                                                                 or (r in reported and workers[r].returncode))]
-            live = len(workers) - len(lost) - len(finished)
-            last = self.last_step  # read from the store only for a verdict below
-            if lost and not finished and needs_restart(self.cfg.run.recovery, len(lost), live):
-                last = last_committed(store, last)
-                why = f"{len(lost)} of {len(workers)} replicas lost at step {last + 1}"
-                if self.persistent:
-                    return "restart", why
-                return "failed", f"every replica was lost; last committed step: {last}"
-            if all(r in reported or r in lost for r in workers):
-                if finished:
-                    return "done", None  # the rest are zombies (declared dead, still stopped): killed on exit
-                return "failed", f"every replica was lost; last committed step: {last_committed(store, last)}"
-            if time.time() - self.t0 > self.cfg.coord.run_timeout:
-                return "timeout", f"run timed out after {self.cfg.coord.run_timeout:.0f} s"
-
-    def _read_store(self, store, workers: dict[int, subprocess.Popen]) -> tuple[frozenset[int], set[int]]:
-        """The finished and the dead among `workers`: two round trips, unless a count moved.
-        Members are declared dead only in a new epoch, so `dead/{r}` is re-read when `epoch` moves."""
-        epoch = read(store, keys.epoch())
-        if epoch != self.dead[0]:
-            self.dead = (epoch, {r for r in workers if store.check([keys.dead(r)])})
-        self.finished = finished_among(store, workers, self.finished)
-        return self.finished[1], self.dead[1]
-
-    def _tail(self, workers: dict[int, subprocess.Popen]) -> None:
-        with open(self.events, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1
-        self.offset += end
-        records = [json.loads(line) for line in chunk[:end].splitlines()
-                   if line.strip() and not line.startswith(_UNREAD)]
-        for r in records:
-            if r["event"] == "worker_error":
-                self.worker_error = f"replica {r['replica']} failed: {r['error']}"
-            if r["event"] == "step" and r["step"] > self.last_step:
-                self.last_step = r["step"]
-                self.chaos.on_committed(r["step"], workers)
-        self.view.feed(records)
-
-    def _replace_lost_agents(self, workers: dict[int, subprocess.Popen], reported: set[int]) -> None:
-        """Under live recovery, start a fresh agent for each node a fault took, once every trainer of those
-        nodes has its exit reported: the survivors keep training and snapshotting (adopting the lost
-        replicas' shares), and a replacement node's agent must take those shares. Starting one blocks
-        this loop until it serves (~0.8 s here: it imports torch), and the exits it would hold back are
-        the coordinator's fast path to its verdict (`recovery.py`'s node loss: 0.8 s to `member_dead`
-        while the agent started first). Call every round, after the exits are reported."""
-        lost = self.chaos.lost_nodes
-        if self.agents is None or self.cfg.run.recovery != "live" or not lost:
-            return
-        node_of = self.cfg.topology().node_of
-        if all(r in reported for r in workers if node_of(r) in lost):
-            self.agents.replace(self.chaos.take_lost_nodes(), rebuild=False)

@@ -60,9 +60,9 @@ def autocast_forward(model: nn.Module, mixed_precision: str, device: torch.devic
 
 
 def checkpointed(mode: str, n: int) -> list[int]:
-    """Indices of the blocks out of `n` that `mode` checkpoints: all ("full"), every other one
-    ("selective": blocks 1, 3, 5, ..., as torchtitan's layer-wise selective checkpointing with frequency
-    2 picks them), none ("none")."""
+    """Indices of the blocks out of `n` (the whole model's) that `mode` checkpoints: all ("full"), every
+    other one ("selective": blocks 1, 3, 5, ..., as torchtitan's layer-wise selective checkpointing with
+    frequency 2 picks them), none ("none")."""
     if mode == "full":
         return list(range(n))
     if mode == "selective":
@@ -81,9 +81,16 @@ def checkpoint_layers(model: nn.Module, mode: str, plan: ParallelPlan | None = N
     if container is None:
         raise TopologyError(f"model.activation_checkpointing={mode} needs a model whose parallel plan names its "
                             f"layers")
-    blocks = list(container.values())
-    for i in checkpointed(mode, len(blocks)):
-        blocks[i].forward = _recomputed(blocks[i].forward)
+    # a block's index in the whole model: its key where the container is keyed by layer number (a pipeline
+    # stage keeps the whole model's keys), else its position; so every stage picks the same blocks the
+    # whole model would
+    keys = list(container)
+    index = [int(k) for k in keys] if all(str(k).isdigit() for k in keys) else list(range(len(keys)))
+    n = max(index) + 1 if index else 0
+    picked = set(checkpointed(mode, n))
+    for k, i in zip(keys, index):
+        if i in picked:
+            container[k].forward = _recomputed(container[k].forward)
     return model
 
 
