@@ -7,7 +7,7 @@ failures, skips (with the first skip's reason: a premise the host broke), and it
 own: retrying (nothing is retried: a failure counts as one) or the tests themselves.
 
     python benchmarks/flakiness.py --repeat 5                        # the whole suite, 5 times
-    python benchmarks/flakiness.py --repeat 20 -- tests/runtime/test_shrink.py -k "grows_back"
+    python benchmarks/flakiness.py --repeat 20 -- tests/runtime/trainer/test_shrink.py -k "grows_back"
 
 Prints one line per repetition as it ends, then the table of every test that did not pass every time
 (or `--all`), sorted by failures, and `flaky tests: K of T` (tests with any failure or skip over those

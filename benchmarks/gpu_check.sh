@@ -37,7 +37,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
 if want tests; then
 echo "== the gpu tests and the device unit tests"
-timeout 300 $py -m pytest tests/runtime/test_device.py tests/runtime/test_devicetime.py tests/runtime/test_nccl_machine.py -n 0 -o addopts="" -q -rA \
+timeout 300 $py -m pytest tests/runtime/parallel/test_device.py tests/runtime/trainer/test_devicetime.py tests/runtime/parallel/test_nccl_machine.py -n 0 -o addopts="" -q -rA \
   -p no:cacheprovider 2>&1 | tee "$out/pytest.txt" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | cut -c1-300
 fi
 # two ranks of one NCCL communicator on GPU 0 (the dup and hostid parts)

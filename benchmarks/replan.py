@@ -21,7 +21,7 @@ Wall clock (`ratio shrink_over_drop_wall`): on this 2-core host the ranks share 
 loss drop runs 2 processes on 2 cores and shrink 3 on the same 2: the survivor's "idle GPU" that shrink puts
 back to work is not idle capacity here, and the wall-clock ratio cannot show what the device-time one does.
 What both leave out: the all-reduce, commit and optimizer step (in the wall clock only); a replaced rank
-growing the group back (the lost rank never returns here; tests/runtime/test_shrink.py grows groups back).
+growing the group back (the lost rank never returns here; tests/runtime/trainer/test_shrink.py grows groups back).
 Usage: python benchmarks/replan.py [--rounds 1] [--steps 24] [--microbatches 12] [--layout pp|hsdp|pp-fsdp]
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ on one side, then on the other (ABBA: the first slice base first, the second cur
 `--workers` each (2: as CI runs). Each test is then timed next to its counterpart, minutes apart, on a
 host loaded only by its own side's workers; the wall clock is the sum of each side's slices.
 
-PYTEST_ARGS go to both sides' collection and runs (e.g. `--ignore=tests/runtime/test_shrink.py` to leave
+PYTEST_ARGS go to both sides' collection and runs (e.g. `--ignore=tests/runtime/trainer/test_shrink.py` to leave
 out files whose fault tests time out on a host loaded by other work; say so with the figure).
 
 What it leaves out: the tests only the current tree holds (their time is the suite's growth, not its

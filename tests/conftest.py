@@ -89,13 +89,13 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
 # first by each file's summed test wall time in a full run (test_shrink's ~350 s down to ~20 s). They go
 # first, and the many short files fill the run's end: in xdist's own order (most tests first) the two
 # shrink files started ~11 minutes in and the run's last minute had one worker busy.
-LONGEST_FIRST = ("tests/runtime/test_shrink.py", "tests/runtime/test_shrink_fsdp.py",
-                 "tests/runtime/test_llama_groups.py", "tests/runtime/test_cluster.py",
-                 "tests/runtime/test_hf_groups.py", "tests/runtime/test_fsdp_composed.py",
-                 "tests/runtime/test_pp_tp.py", "tests/runtime/test_groups.py",
-                 "tests/runtime/test_precision.py", "tests/runtime/test_restore_e2e.py",
-                 "tests/runtime/test_recovery_e2e.py", "tests/test_oracle_schedule.py",
-                 "tests/runtime/test_pp_tp_persist.py", "tests/runtime/test_clipping_groups.py")
+LONGEST_FIRST = ("tests/runtime/trainer/test_shrink.py", "tests/runtime/trainer/test_shrink_fsdp.py",
+                 "tests/runtime/parallel/test_llama_groups.py", "tests/runtime/launcher/test_cluster.py",
+                 "tests/runtime/parallel/test_hf_groups.py", "tests/runtime/parallel/test_fsdp_composed.py",
+                 "tests/runtime/parallel/test_pp_tp.py", "tests/runtime/trainer/test_groups.py",
+                 "tests/runtime/parallel/test_precision.py", "tests/runtime/persist/test_restore_e2e.py",
+                 "tests/runtime/trainer/test_recovery_e2e.py", "tests/test_oracle_schedule.py",
+                 "tests/runtime/persist/test_pp_tp_persist.py", "tests/runtime/trainer/test_clipping_groups.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_recovery_e2e import assert_killed
+from tests.runtime.trainer.test_recovery_e2e import assert_killed
 from unbroken.events import read_events
 from unbroken.observe.runs import audit
 

@@ -163,7 +163,7 @@ def test_document_positions_reach_the_rope_as_a_keyword_and_ranks_get_their_rows
     share = model_inputs(part(mb, 1, 2), ("positions",), torch.device("cpu"))
     assert list(share) == ["positions"] and torch.equal(share["positions"], restarted[1:])
     plan = replace(model.parallel_plan(), inputs=("positions",))
-    assert problems(model, plan, pp=2) == []  # every stage gets them (tests/runtime/test_llama_groups.py)
+    assert problems(model, plan, pp=2) == []  # every stage gets them (tests/runtime/parallel/test_llama_groups.py)
 
 
 def test_the_ignore_index_marks_padding_in_the_data_the_counts_and_the_loss():
@@ -241,7 +241,7 @@ def test_what_a_parallelize_function_cannot_do_is_one_line_before_anything_start
     """Pipeline stages come from a plan: with a user's parallelize function they are refused by
     `check_host`, which `unbroken.train` runs before any process starts. Re-forming onto survivors cuts
     slices by the plan too: under parallel.on_rank_loss=replan check_host says why such groups cannot
-    re-form (the coordinator then drops them: tests/runtime/test_replanning.py), and nothing under drop."""
+    re-form (the coordinator then drops them: tests/runtime/coordinator/test_replanning.py), and nothing under drop."""
     from unbroken.api import CUSTOM_REFUSED, check_host
     fn = lambda model, mesh, dims: model  # noqa: E731
     with pytest.raises(ConfigError, match=r"^parallel.pp=2 with a parallelize function") as e:

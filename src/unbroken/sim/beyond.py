@@ -14,10 +14,10 @@ BEYOND_RUNTIME: dict[str, str] = {
     # (rejoin left this list: the runtime admits restarted or new groups and heals them from a live
     # peer, with the same policy.membership.admit the simulator uses; so did TP x PP replica groups:
     # the runtime runs TP inside pipeline stages, rank = stage x tp + TP index, as the simulator's groups;
-    # and so did their snapshots and DCP checkpoints: tests/runtime/test_pp_tp_persist.py)
+    # and so did their snapshots and DCP checkpoints: tests/runtime/persist/test_pp_tp_persist.py)
     # the runtime's coordinator calls the same scheduler (runtime/coordinator/replan.py) when its detector
     # declares a group Slow or Healthy again (executing keep or reweight, and under --run.quotas=drop
-    # dropping a Slow group: parked for good, tests/runtime/test_slow_pp.py) and when a group of 2 pipeline
+    # dropping a Slow group: parked for good, tests/runtime/coordinator/test_slow_pp.py) and when a group of 2 pipeline
     # stages, 2 TP ranks or 2 FSDP2 shards, or a TP x FSDP2 x PP group, loses a rank (executing drop, shrink
     # onto one survivor or, for a pipeline, onto its survivors as merged full stages, each one rank (every
     # TP index and FSDP2 shard of its stages) or a whole TP team (each rank every FSDP2 shard of its part):

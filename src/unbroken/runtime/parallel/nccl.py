@@ -16,7 +16,7 @@ on a watcher thread of its own, never on a thread inside an NCCL call. The all-r
 accumulator; after an abort that copy's content is undefined and discarded.
 
 Never run: this module needs a CUDA build of torch and a GPU; the suite drives the machine against a fake
-backend (tests/runtime/test_nccl_machine.py) and benchmarks/gpu_check.sh runs it on a GPU.
+backend (tests/runtime/parallel/test_nccl_machine.py) and benchmarks/gpu_check.sh runs it on a GPU.
 """
 from __future__ import annotations
 

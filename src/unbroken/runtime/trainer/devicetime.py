@@ -11,7 +11,7 @@ noisy neighbour) does not accumulate it, a throttled core does (it needs more of
                 the little the heartbeat and sidecar threads spend meanwhile (they block on sockets).
 CUDA events time the stream from the span's first to its last event: gaps where the device idles
 waiting for the host to launch its next kernel count too (on a device-bound microbatch there are none).
-Not yet run on a GPU here (no device in this environment); tests/runtime/test_devicetime.py has the check.
+Not yet run on a GPU here (no device in this environment); tests/runtime/trainer/test_devicetime.py has the check.
 Does not own: injecting slowness (faults.py burns CPU through `Span.burn`, so that it shows here as a
 throttled core's would) or deciding anything from the times (policy/detection.py).
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import digests, plain_loop
+from tests.runtime.trainer.test_groups import digests, plain_loop
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 from unbroken.observe.runs import audit

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import assert_held, digests, longer, plain_loop, run_faults, timeline
-from tests.runtime.test_pp_tp import staged, train
+from tests.runtime.trainer.test_groups import assert_held, digests, longer, plain_loop, run_faults, timeline
+from tests.runtime.parallel.test_pp_tp import staged, train
 from tests.tolerance import assert_within, reorder_bound
 from unbroken.config import Config
 

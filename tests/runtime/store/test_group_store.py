@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from torch.distributed import HashStore
 
-from tests.runtime.test_cluster import free_port
+from tests.runtime.launcher.test_cluster import free_port
 from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.parallelize import unshared_store
 

@@ -1,6 +1,6 @@
 """A re-plan's measured cost beside its prediction (runtime/coordinator/replan_measure.py): the figures from committed
 steps' timings and the joiner's heal reports, and the coordinator's `group_plan_measured` event, without
-processes (a HashStore stands in for the coordinator's store). The torchrun path: tests/runtime/test_shrink.py."""
+processes (a HashStore stands in for the coordinator's store). The torchrun path: tests/runtime/trainer/test_shrink.py."""
 from __future__ import annotations
 
 import json

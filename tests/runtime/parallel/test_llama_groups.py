@@ -29,9 +29,9 @@ import xxhash
 
 from tests.conftest import unbroken
 from tests.oracle import adamw
-from tests.runtime.test_groups import digests, run_faults
-from tests.runtime.test_pp_tp import train
-from tests.runtime.test_shrink import HOLD, one
+from tests.runtime.trainer.test_groups import digests, run_faults
+from tests.runtime.parallel.test_pp_tp import train
+from tests.runtime.trainer.test_shrink import HOLD, one
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 from unbroken.model.data import DataSource

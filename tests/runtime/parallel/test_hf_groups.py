@@ -2,7 +2,7 @@
 (`unbroken.train(model=...)`) in 2 groups of 2 ranks, `--exact`, with the adapter's plan (model/hf.py):
 FSDP2 one unit per decoder layer plus the root, TP from the config's base_model_tp_plan, PP by decoder
 layers. Rank 1 of group 1 is killed in step 2, torchrun restarts the group and it rejoins healed rank by
-rank; every digest is the layout's failure-free trajectory: the oracle's (tests/runtime/test_llama_groups.py's
+rank; every digest is the layout's failure-free trajectory: the oracle's (tests/runtime/parallel/test_llama_groups.py's
 plain loop, on the adapter) for FSDP2 and PP, a failure-free run's for TP (the suite runs PP: LAYOUTS).
 In one process: the adapter's forward is Hugging Face's own bit for bit, its stages compose to it, its
 TP plan is the config's, and FSDP2 makes one unit per decoder layer plus the root."""
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_groups import digests
-from tests.runtime.test_llama_groups import oracle, sharded, staged
+from tests.runtime.trainer.test_groups import digests
+from tests.runtime.parallel.test_llama_groups import oracle, sharded, staged
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import digests, run_faults
-from tests.runtime.test_pp_tp import train
-from tests.runtime.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
+from tests.runtime.trainer.test_groups import digests, run_faults
+from tests.runtime.parallel.test_pp_tp import train
+from tests.runtime.trainer.test_shrink import GROW, HOLD, PIPELINE, STRETCH, assert_grown_back, assert_measured, \
     assert_ranks_counted, assert_stood_in, one, stand_in_heals
 from unbroken.events import read_events, steps
 

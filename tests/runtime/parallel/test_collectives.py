@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 VICTIM, TIMEOUT_S, N = 2, 30.0, 100_000
 
 # One member: reduce once in epoch 0 with all three; the victim then parks (never issues again) while the

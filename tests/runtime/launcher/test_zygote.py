@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_starting import bind
+from tests.runtime.launcher.test_starting import bind
 from unbroken.runtime.launcher.zygote import Zygote
 
 pytestmark = pytest.mark.timeout(90)
 # OMP_NUM_THREADS=1, as the launcher sets it: with more, importing torch starts OpenMP's pool (a thread)
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path]), "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), *sys.path]), "OMP_NUM_THREADS": "1"}
 
 
 def test_children_get_their_own_argv_env_and_log_and_exit_codes_come_back(tmp_path):

@@ -24,7 +24,7 @@ import xxhash
 from tests.oracle import adamw
 from tests.tolerance import perturb_linears
 from tests.conftest import unbroken
-from tests.runtime.test_restore_e2e import redone_after_restart
+from tests.runtime.persist.test_restore_e2e import redone_after_restart
 from unbroken.config import Config
 from unbroken.events import read_events, step_copies, steps
 from unbroken.model.data import DataSource, mix

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import digests
+from tests.runtime.trainer.test_groups import digests
 from unbroken.events import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

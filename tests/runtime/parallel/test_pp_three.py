@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_groups import assert_group_left, digests, run_faults
-from tests.runtime.test_pp_tp import COMMON, assert_stages_bitwise, train
-from tests.runtime.test_shrink import HOLD, one, stand_in_heals
+from tests.runtime.trainer.test_groups import assert_group_left, digests, run_faults
+from tests.runtime.parallel.test_pp_tp import COMMON, assert_stages_bitwise, train
+from tests.runtime.trainer.test_shrink import HOLD, one, stand_in_heals
 from unbroken.events import read_events, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

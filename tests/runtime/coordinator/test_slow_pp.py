@@ -14,8 +14,8 @@ import statistics
 import pytest
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import digests, plain_loop
-from tests.runtime.test_pp_tp import staged
+from tests.runtime.trainer.test_groups import digests, plain_loop
+from tests.runtime.parallel.test_pp_tp import staged
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 from unbroken.observe.runs import audit

@@ -14,8 +14,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import committed_before, digests, longer, plain_loop, run_faults
-from tests.runtime.test_pp_tp import BOTH, COMMON, PIPELINE, TENSOR, staged
+from tests.runtime.trainer.test_groups import committed_before, digests, longer, plain_loop, run_faults
+from tests.runtime.parallel.test_pp_tp import BOTH, COMMON, PIPELINE, TENSOR, staged
 from unbroken.config import Config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

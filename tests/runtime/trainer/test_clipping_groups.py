@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import digests
+from tests.runtime.trainer.test_groups import digests
 from unbroken.events import read_events, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

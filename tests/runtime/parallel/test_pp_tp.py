@@ -21,7 +21,7 @@ import pytest
 import xxhash
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import assert_group_left, digests, plain_loop, run_faults
+from tests.runtime.trainer.test_groups import assert_group_left, digests, plain_loop, run_faults
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 from unbroken.model.gpt import GPT

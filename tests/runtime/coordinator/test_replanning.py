@@ -1,5 +1,5 @@
 """The coordinator's re-planning step without processes: verdict changes in, `group_plan` events and quota
-weights out (runtime/coordinator/replan.py). The torchrun path is tests/runtime/test_slow_pp.py."""
+weights out (runtime/coordinator/replan.py). The torchrun path is tests/runtime/coordinator/test_slow_pp.py."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import side_by_side
-from tests.runtime.test_cluster import doc_lines, env, local_reference, one_line_exit_2
-from tests.runtime.test_standby_e2e import TTL, leads, took_over
+from tests.runtime.launcher.test_cluster import doc_lines, env, local_reference, one_line_exit_2
+from tests.runtime.coordinator.test_standby_e2e import TTL, leads, took_over
 from unbroken.events import read_events, steps
 from unbroken.observe.runs import audit, compare
 from unbroken.runtime.store import keys

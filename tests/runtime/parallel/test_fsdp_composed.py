@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import unbroken
-from tests.runtime.test_groups import digests, run_faults
-from tests.runtime.test_pp_tp import train
+from tests.runtime.trainer.test_groups import digests, run_faults
+from tests.runtime.parallel.test_pp_tp import train
 from unbroken.config import Config
 from unbroken.events import read_events, steps
 
