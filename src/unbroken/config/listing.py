@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unbroken.config import schema
+from unbroken.config.domains import DOMAINS
 from unbroken.config.tree import MOVED, SECTIONS, Config
 
 REGENERATE = "PYTHONPATH=src python -m unbroken.cli config --markdown > docs/config.md"
@@ -84,8 +85,10 @@ def keys(cfg: Config | None = None) -> list[Key]:
     for section, cls in SECTIONS.items():
         hints, docs = typing.get_type_hints(cls), _docs()[cls.__name__][1]
         for f in dataclasses.fields(cls):
+            domain = DOMAINS.get(f"{section}.{f.name}")  # the values the key takes, checked before start
+            doc = docs.get(f.name, "") + (f" Range: {domain.text()}." if domain else "")
             out.append(Key(section, f.name, type_name(hints[f.name]), value(getattr(getattr(cfg, section), f.name)),
-                           docs.get(f.name, "")))
+                           doc.strip()))
     return out
 
 
