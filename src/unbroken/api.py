@@ -82,6 +82,9 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     `reform_refused`). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
+    if cfg.model.init_from:  # only then: hfweights imports torch (~2 s)
+        from unbroken.model.hfweights import check_init_from
+        check_init_from(cfg, custom_model=model is not None)
     if parallelize is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
                           f"the model's parallel plan (pass plan=... instead)")

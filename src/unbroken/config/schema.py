@@ -58,6 +58,12 @@ class ModelConfig:
     "selective" (every other block: torchtitan's layer-wise selective checkpointing at a frequency of 2)
     or "none". torch.utils.checkpoint (non-reentrant) around each block, inside its FSDP2 unit; dropout
     recomputes the same masks, so the trajectory is bitwise the one without."""
+    init_from: str = ""
+    """A Hugging Face directory (config.json and model.safetensors, as `unbroken export --hf` writes) whose
+    weights the run starts from instead of the seed's initialisation: continued pre-training, nothing
+    downloaded. model.arch=llama (its config.json must describe [model]: checked before start) or a
+    model built by unbroken.model.hf.causal_lm; loaded whole by every rank, then sharded as the plan
+    shards it. Empty: none."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,8 @@ class SnapshotConfig:
 class CheckpointConfig:
     """Checkpoints on disk (torch.distributed.checkpoint)."""
     every: int = 0
-    """Committed steps between DCP checkpoints; 0: none."""
+    """Committed steps between DCP checkpoints, the last step saved too (what `unbroken export` reads); 0:
+    none."""
     dir: str = ""
     """Checkpoint directory; empty: RUN_DIR/checkpoints."""
 

@@ -42,7 +42,7 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     topology = cfg.topology()
     shape = (cfg.data.batch_size // topology.dp_shard, int(cfg.data.seq_len)) if topology.pp > 1 else None
     # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
-    model = factories.model(cfg).to(device)
+    model = factories.build_model(cfg).to(device)
     plan = factories.plan_of(model)
     model, stages = parallelize(model, topology, group, cfg.run.exact, who.rank, shape, device,
                                 cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
@@ -68,7 +68,7 @@ def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
 
     torch.manual_seed(cfg.run.seed)
     device = torch.device("cpu") if device is None else device
-    model = factories.model(cfg).to(device)
+    model = factories.build_model(cfg).to(device)
     plan = factories.plan_of(model)
     model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device,
                     plan)  # unsharded: autocast, not FSDP2's policy

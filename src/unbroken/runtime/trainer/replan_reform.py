@@ -143,7 +143,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     from unbroken.runtime.trainer.stepwork import Parts
 
     torch.manual_seed(cfg.run.seed)
-    model = factories.model(cfg).to(device)
+    model = factories.build_model(cfg).to(device)
     plan = factories.plan_of(model)  # the modules each parallelism acts on (model/plan.py)
     topology = cfg.topology()
     pipe = dist.group.WORLD
