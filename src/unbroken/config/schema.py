@@ -290,13 +290,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """The coordinator's Prometheus and TensorBoard outputs."""
+    """The coordinator's Prometheus, TensorBoard and Weights & Biases outputs."""
     port: int = 0
     """The coordinator serves Prometheus /metrics on this port; 0: off (needs unbroken[metrics])."""
     host: str = "127.0.0.1"
     """Address /metrics listens on; 0.0.0.0 lets a Prometheus elsewhere scrape it."""
     tensorboard: str = ""
     """Directory for TensorBoard event files, written by the coordinator; empty: off."""
+    wandb: str = ""
+    """A Weights & Biases project the coordinator logs to what TensorBoard gets (loss, lr, grad_norm,
+    throughput, live replicas, recoveries, faults), one W&B run per unbroken run, its id the run's, which
+    `unbroken resume` continues; empty: off (needs unbroken[wandb]; WANDB_MODE=offline writes RUN_DIR/wandb/
+    only)."""
 
 
 @dataclass(frozen=True)
