@@ -82,6 +82,8 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     `reform_refused`). Raises ConfigError (one line)."""
     from unbroken.model.data.check import check_data
     check_data(cfg)
+    if cfg.eval.every and cfg.eval.path:  # the held-out files, as the training files are checked
+        check_data(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=cfg.eval.path)))
     if cfg.model.init_from:  # only then: hfweights imports torch (~2 s)
         from unbroken.model.hfweights import check_init_from
         check_init_from(cfg, custom_model=model is not None)
@@ -133,6 +135,9 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
+    if data is not None and cfg.eval.every and cfg.eval.split:
+        raise ConfigError(f"eval.split={cfg.eval.split} with a data factory of your own: it decides what training "
+                          f"reads, so hold evaluation data out there and name it with eval.path")
     refused = check_host(cfg, model, plan, parallelize)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd, reform_refused=refused)

@@ -1,6 +1,6 @@
 """Weights & Biases from the coordinator, in W&B's offline mode (never a server): a run with
 --metrics.wandb=PROJECT writes one W&B run whose id is the run's, holding every committed step's loss and lr
-as the step records say, the injected fault and the recovery it caused; a coordinator that starts again on
+as the step records say, each evaluation's loss, the injected fault and the recovery it caused; a coordinator that starts again on
 the same run (a resume) continues that W&B run from where the last one stopped, logging no step twice. The
 assertions read the files W&B wrote (its .wandb log: a LevelDB-style log of protobuf records)."""
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_a_run_logs_its_steps_fault_and_recovery_to_one_offline_wandb_run(tmp_pa
     r = unbroken("train", "--replicas", "2", "--steps", "5", "--microbatches", "4", "--exact",
                  "--launch.progress=false", "--coord.heartbeat_timeout=2.0", "--coord.heartbeat_interval=0.1",
                  "--faults", "kill:replica=1,step=2,phase=compute", "--metrics.wandb=unbroken-test",
-                 "--optim.schedule=cosine", "--out", str(out))
+                 "--optim.schedule=cosine", "--eval.every=2", "--eval.split=0.1", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     events = read_events(out)
     start = next(e for e in events if e["event"] == "run_start")
@@ -76,6 +76,9 @@ def test_a_run_logs_its_steps_fault_and_recovery_to_one_offline_wandb_run(tmp_pa
     assert len(faults) == 1 and faults[0].startswith("kill at step 2: replica=1"), faults
     recovered = [h for h in history if "recovery/seconds" in h]
     assert [h["step"] for h in recovered] == [2] and recovered[0]["recovery/seconds"] > 0
+    evaluated = {e["step"]: e["loss"] for e in events if e["event"] == "eval"}
+    assert sorted(evaluated) == [1, 3]
+    assert {h["step"]: h["validation/loss"] for h in history if "validation/loss" in h} == evaluated
     assert json.loads((out / "wandb.json").read_text())["id"] == start["run_id"]
 
 

@@ -94,6 +94,24 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Validation loss on held-out data, computed by the live members after a committed step
+    (runtime/trainer/evaluation.py)."""
+    every: int = 0
+    """Evaluate the parameters committed after every this many steps (after step s where (s + 1) % every
+    == 0); 0: never. One-rank replica groups only (parallel.group_size=1)."""
+    microbatches: int = 4
+    """Evaluation microbatches (data.batch_size sequences each), the same ones at every evaluation, shared
+    out over the live members; a lost member's share is computed by the others."""
+    path: str = ""
+    """Held-out token files or a text file, as data.path reads them; empty: eval.split of the training
+    data."""
+    split: float = 0.0
+    """With eval.path empty: this fraction of the training data (the tail of a text corpus, the last
+    windows of token files) is held out for evaluation and never read by training; 0: none."""
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     """The AdamW optimizer, its learning-rate schedule, parameter groups and gradient clipping."""
     lr: float = 3e-3

@@ -160,6 +160,9 @@ class Exporter:
                                     "steps", value=v.tokens_per_second() or 0.0)
             yield GaugeMetricFamily("unbroken_loss", "Training loss of the latest committed step",
                                     value=last["loss"] if last else float("nan"))
+            yield GaugeMetricFamily("unbroken_eval_loss", "Validation loss of the latest evaluated step's "
+                                    "parameters (NaN: none yet; eval.every)",
+                                    value=v.evals[max(v.evals)] if v.evals else float("nan"))
             yield GaugeMetricFamily("unbroken_learning_rate", "Learning rate of the latest committed step "
                                     "(group 0's)", value=_number(last, "lr"))
             yield GaugeMetricFamily("unbroken_grad_norm", "Global norm of the latest committed step's reduced "

@@ -46,7 +46,7 @@ def figures(shown: list[tuple[str, dict[str, Any]]], view) -> list[Figure]:
             if tps is not None:
                 out.append(Figure("tokens_per_second", tps, s, t))
         elif kind == "eval":
-            out.append(Figure("eval/loss", r["loss"], r["step"], r["t"]))
+            out.append(Figure("validation/loss", r["loss"], r["step"], r["t"]))
         elif kind == "incident":
             s, t = r["step"], r["start"]
             out += [Figure("recovery/seconds", r["seconds"], s, t),

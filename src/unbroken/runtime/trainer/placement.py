@@ -148,5 +148,5 @@ def default_factories() -> Factories:
 
     return Factories(model=lambda cfg: built_in(cfg.model, cfg.data.ignore_index),
                      data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed,
-                                                  microbatches=cfg.run.microbatches),
+                                                  microbatches=cfg.run.microbatches, held_out=cfg.eval.split),
                      optimizer=default_optimizer)

@@ -1,0 +1,122 @@
+"""Validation loss after a committed step, computed by the live members and exact whoever computes it.
+
+Owns: when a member evaluates (after applying step s where (s + 1) % eval.every == 0), the evaluation data
+(eval.path's files, or the eval.split of the training data that training never reads: model/data), which
+microbatches each member of the commit computes (i goes to the (i mod n)-th of its n members, in id order),
+taking over a lost member's unfinished ones, and the `eval` record. Does not own: the step protocol
+(step.py calls `after_commit` from its Apply), membership (the coordinator), the model.
+
+Why it is exact. Evaluation microbatch i is the same at every evaluation (`microbatch(0, i)` of the
+evaluation source, as torchtitan's validator re-reads its set) and its loss is a pure function of the
+committed parameters, which every member holds bitwise; no dropout (eval mode), no gradient. Each result
+(loss x tokens as a float64, its tokens) goes to the store under its index, and the record sums them in
+index order, so the value is the failure-free run's bit for bit whoever computed which share, --exact or
+not. A member that dies mid-evaluation leaves its unfinished indices missing: once the coordinator's new
+epoch drops it, the survivors among the commit's members share them out (the i-th missing one to the
+(i mod n)-th survivor) and compute them. Members wait until every result is in before they go on, so no
+member is in a collective of the next step while another still evaluates.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import torch
+
+from unbroken.config import Config
+from unbroken.runtime.store import keys
+from unbroken.runtime.trainer.stepwork import model_inputs
+
+POLL_S = 0.05  # between looks at the store and the epoch while waiting for the others' results
+
+
+def eval_source(cfg: Config):
+    """The evaluation microbatches' DataSource: eval.path's files, else the held-out eval.split."""
+    from unbroken.model.data import DataSource
+
+    e = cfg.eval
+    if e.path:
+        return DataSource(replace(cfg.data, path=e.path), cfg.model.block_size, cfg.run.seed,
+                          microbatches=e.microbatches)
+    return DataSource(cfg.data, cfg.model.block_size, cfg.run.seed, microbatches=e.microbatches,
+                      held_out=e.split, part="eval")
+
+
+class Evaluator:
+    """One member's part in each evaluation. Build once per trainer where eval.every > 0; call
+    `after_commit(step, members)` from the Apply of every committed step, after the optimizer step."""
+
+    def __init__(self, cfg: Config, me: int, model, coord, log, heartbeat, injector, device, inputs, wait_s: float):
+        self.cfg, self.me, self.model, self.coord, self.log = cfg, me, model, coord, log
+        self.hb, self.faults, self.device, self.inputs, self.wait_s = heartbeat, injector, device, inputs, wait_s
+        self.source = eval_source(cfg)
+        self.n = cfg.eval.microbatches
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.cfg.eval.every == 0
+
+    def after_commit(self, step: int, members: tuple[int, ...]) -> None:
+        """Evaluate the parameters committed after `step` if due: this member's share, then any lost
+        member's the survivors owe, until every result is in; the record by one member. Returns early
+        where this member was dropped from the membership meanwhile (the step loop fences it)."""
+        if not self.due(step):
+            return
+        members = tuple(sorted(members))
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for n, i in enumerate(i for i in range(self.n) if members[i % len(members)] == self.me):
+                    self._compute(step, i)
+                    if n == 0:
+                        self.faults.at(step, "eval")  # a kill here leaves the rest of its share to the others
+                if not self._complete(step, members):
+                    return
+        finally:
+            self.model.train(training)
+        self._record(step)
+
+    def _compute(self, step: int, i: int) -> None:
+        self.hb.at(step, "eval", i)
+        mb = self.source.microbatch(0, i)
+        loss = self.model(mb.x.to(self.device), mb.y.to(self.device), **model_inputs(mb, self.inputs, self.device))
+        self.coord.store.set(keys.eval_result(step, i), json.dumps([float(loss) * mb.tokens, mb.tokens, self.me]))
+
+    def _complete(self, step: int, members: tuple[int, ...]) -> bool:
+        """Wait for every result, computing the lost members' missing ones this member owes; False where
+        this member left the membership. Raises TimeoutError after wait_s s without progress."""
+        store, last, since = self.coord.store, None, time.monotonic()
+        while True:
+            missing = [i for i in range(self.n) if not store.check([keys.eval_result(step, i)])]
+            if not missing:
+                return True
+            live = sorted(set(self.coord.members(self.coord.epoch())) & set(members))
+            if self.me not in live:
+                return False
+            lost = [i for i in missing if members[i % len(members)] not in live]
+            mine = [i for k, i in enumerate(lost) if live[k % len(live)] == self.me]
+            for i in mine:
+                if not store.check([keys.eval_result(step, i)]):
+                    self._compute(step, i)
+            if (missing, live) != last:
+                last, since = (missing, live), time.monotonic()
+            elif time.monotonic() - since > self.wait_s:
+                raise TimeoutError(f"evaluation after step {step}: microbatches {missing} missing for "
+                                   f"{self.wait_s:g} s (members {live})")
+            if not mine:
+                time.sleep(POLL_S)
+
+    def _record(self, step: int) -> None:
+        """Sum the results in index order (float64) and write the `eval` record, once (compare-and-set)."""
+        store = self.coord.store
+        values = [json.loads(v) for v in store.multi_get([keys.eval_result(step, i) for i in range(self.n)])]
+        total, tokens = 0.0, 0
+        owners: dict[str, list[int]] = {}
+        for i, (loss_sum, n, who) in enumerate(values):
+            total += loss_sum
+            tokens += n
+            owners.setdefault(str(who), []).append(i)
+        if store.compare_set(keys.eval_recorder(step), "", str(self.me)).decode() == str(self.me):
+            self.log.emit("eval", step=step, loss=total / tokens, tokens=tokens, microbatches=self.n,
+                          owners=owners, replica=self.me)
