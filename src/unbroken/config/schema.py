@@ -277,7 +277,8 @@ class ParallelConfig:
     mixed_precision: Literal["bf16", "off"] = "off"
     """"bf16": compute in bfloat16 (FSDP2's param dtype inside a group of shards, reducing in float32;
     autocast around the forward elsewhere), with float32 master weights, optimizer state and gradient
-    accumulator (float64 under --exact). Runs on the CPU too. Not with pipeline stages (parallel.pp > 1)."""
+    accumulator (float64 under --exact). Runs on the CPU too. Pipeline stages send their activations in bf16
+    (not with parallel.on_rank_loss=replan)."""
     on_rank_loss: Literal["drop", "replan"] = "drop"
     """What a group that loses a rank does: "drop" (the whole group leaves until torchrun brings it back)
     or "replan" (the scheduler of policy/replan_scheduler.py chooses; "shrink" runs the group on its

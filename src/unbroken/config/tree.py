@@ -281,9 +281,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
         (pp == 1 or fixed, f"parallel.pp={pp} with data.seq_len={cfg.data.seq_len!r}: pipeline stages pass "
                            f"activations of one fixed shape, so the sequence length must be one number"),
-        (p.mixed_precision == "off" or pp == 1,
-         f"parallel.mixed_precision={p.mixed_precision} with parallel.pp={pp}: pipeline stages pass float32 "
-         f"activations and gradients between ranks; bf16 runs without stages"),
+        (p.mixed_precision == "off" or pp == 1 or p.on_rank_loss == "drop",
+         f"parallel.mixed_precision={p.mixed_precision} with parallel.pp={pp} and parallel.on_rank_loss="
+         f"{p.on_rank_loss}: a re-formed pipeline passes float32 activations; bf16 stages run with on_rank_loss=drop"),
         (p.cross_backend != "nccl" or p.device != "cpu",
          "parallel.cross_backend=nccl with parallel.device=cpu: NCCL reduces CUDA tensors only; use "
          "--parallel.cross_backend=auto or gloo"),

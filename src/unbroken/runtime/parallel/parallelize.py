@@ -48,7 +48,8 @@ from torch.distributed import DistNetworkError, PrefixStore, ProcessGroup, Store
 from unbroken.model.plan import ParallelPlan, has, plan_of, problems
 from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
-from unbroken.runtime.parallel.precision import autocast_forward, checkpoint_layers, policy as precision_policy
+from unbroken.runtime.parallel.precision import (autocast_forward, checkpoint_layers, policy as precision_policy,
+                                                  stage_forward)
 from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Topology, TopologyError
 
@@ -142,8 +143,6 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     if topology.pp > 1:
         if shape is None:
             raise TopologyError(f"pp={topology.pp}: the stages need a static microbatch shape")
-        if mixed_precision != "off":  # config.tree refuses it first: the stages pass float32 tensors
-            raise TopologyError(f"parallel.mixed_precision={mixed_precision} with pp={topology.pp}")
         stage, shard, _ = topology.coords(rank)
         model, tied = split(model, stage, topology.pp, plan=plan)
         pipe, sharded = group, None
@@ -159,8 +158,11 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
         if topology.dp_shard > 1:
             model = _fully_shard(model, plan, mesh["dp_shard"], policy)
             sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
+        # bf16: FSDP2's policy casts the parameters where it shards, autocast where it does not; the stage
+        # sends its activations in bf16 either way
+        sends = stage_forward(model, mixed_precision, device, stage == topology.pp - 1, autocast=sharded is None)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
-                             plan.loss, device, sharded, extra=plan.inputs)
+                             plan.loss, device, sharded, extra=plan.inputs, activations=sends)
     mesh = _mesh(topology, group, device)
     if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
         model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)

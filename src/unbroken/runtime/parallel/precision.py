@@ -59,6 +59,29 @@ def autocast_forward(model: nn.Module, mixed_precision: str, device: torch.devic
     return model
 
 
+def stage_forward(model: nn.Module, mixed_precision: str, device: torch.device, last: bool,
+                  autocast: bool = True) -> torch.dtype:
+    """A pipeline stage's forward under bf16 ("bf16"): under autocast unless FSDP2's policy casts it
+    (`autocast` False), its floating output cast to bf16 on a stage that sends it on (the activations
+    between stages, and their gradients coming back, travel in bf16) and widened to float32 on the last
+    (its loss is float32 as elsewhere). Returns the dtype the stage sends (bf16), or float32 for "off"
+    (`model` then unchanged). Call once, after FSDP2, before `Stages` (its inputs and outputs take the dtype)."""
+    if mixed_precision == "off":
+        return torch.float32
+    forward, out_dtype = model.forward, torch.float32 if last else torch.bfloat16
+
+    def bf16_stage_forward(*args: Any, **kwargs: Any) -> Any:
+        if autocast:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = forward(*args, **kwargs)
+        else:
+            out = forward(*args, **kwargs)
+        return out.to(out_dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    model.forward = bf16_stage_forward
+    return torch.bfloat16
+
+
 def checkpointed(mode: str, n: int) -> list[int]:
     """Indices of the blocks out of `n` that `mode` checkpoints: all ("full"), every other one
     ("selective": blocks 1, 3, 5, ..., as torchtitan's layer-wise selective checkpointing with frequency

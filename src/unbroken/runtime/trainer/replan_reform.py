@@ -150,7 +150,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     if reform.tp > 1:  # TP before the stand-in takes its parameters: TP replaces them with DTensors
         team = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
         model, pipe = tensor_parallel(model, team, dist.group.WORLD, device, plan)
-    # unsharded: autocast rather than FSDP2's policy (bf16 never has stages: config.tree refuses it)
+    # unsharded: autocast rather than FSDP2's policy (bf16 with stages never re-forms: config.tree refuses it)
     model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device, plan)
     # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it; with FSDP2,
     # every shard's rows of that part (it computes each shard's rows of a microbatch in turn)
