@@ -90,6 +90,8 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     if parallelize is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
                           f"the model's parallel plan (pass plan=... instead)")
+    if cfg.model.compile:
+        _check_compile(cfg, parallelize)
     replan = cfg.parallel.group_size > 1 and cfg.parallel.on_rank_loss == "replan"
     refused = CUSTOM_REFUSED if parallelize is not None and replan else None
     if cfg.parallel.group_size > 1 and parallelize is None and (
@@ -104,6 +106,20 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     from unbroken.runtime.parallel.device import preflight
     preflight(cfg.parallel.device, cfg.parallel.group_size)
     return refused
+
+
+def _check_compile(cfg: Config, parallelize: Callable | None) -> None:
+    """model.compile: refused in one line where it cannot run here (a parallelize function of the user's
+    applies its own layout; the backend lacks its compiler or Triton)."""
+    if parallelize is not None:
+        raise ConfigError("model.compile=true with a parallelize function: apply torch.compile in it (per block, "
+                          "before fully_shard), as torchtitan's parallelize_llama does")
+    from unbroken.runtime.parallel.device import resolve
+    from unbroken.runtime.parallel.precision import compile_problem
+
+    problem = compile_problem(cfg.model.compile_backend, resolve(cfg.parallel.device).type)
+    if problem:
+        raise ConfigError(f"model.compile_backend={cfg.model.compile_backend}: {problem}")
 
 
 def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,

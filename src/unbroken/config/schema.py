@@ -58,6 +58,16 @@ class ModelConfig:
     "selective" (every other block: torchtitan's layer-wise selective checkpointing at a frequency of 2)
     or "none". torch.utils.checkpoint (non-reentrant) around each block, inside its FSDP2 unit; dropout
     recomputes the same masks, so the trajectory is bitwise the one without."""
+    compile: bool = False
+    """torch.compile each block (the plan's layers) in place, as torchtitan does: after TP and activation
+    checkpointing, before FSDP2, in every layout; a compiled run is bitwise its own failure-free compiled run
+    under --exact (the survivors and a restarted, recompiled group compute the same). Not with a
+    parallelize function of your own (compile in it); refused before start where model.compile_backend
+    cannot run here."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """model.compile's backend: "inductor" (generated kernels: needs a C++ compiler on the CPU, Triton on a
+    GPU), "aot_eager" (traced forward and backward graphs run by eager kernels: no code generation, quick
+    to compile) or "eager" (Dynamo's tracing only)."""
     init_from: str = ""
     """A Hugging Face directory (config.json and model.safetensors, as `unbroken export --hf` writes) whose
     weights the run starts from instead of the seed's initialisation: continued pre-training, nothing

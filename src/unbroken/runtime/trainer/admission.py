@@ -46,10 +46,15 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     plan = factories.plan_of(model)
     model, stages = parallelize(model, topology, group, cfg.run.exact, who.rank, shape, device,
                                 cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
-                                plan, factories.parallelize)
+                                plan, factories.parallelize, compile_backend=compiled(cfg))
     data = factories.data(cfg)
     return Parts(model, data, optimizer_for(factories, model, cfg), group, stages, inputs=plan.inputs,
-                 applied=describe(model, plan, stages) if group is not None else {})
+                 applied=describe(model, plan, stages) if group is not None or cfg.model.compile else {})
+
+
+def compiled(cfg: Config) -> str | None:
+    """The torch.compile backend each block is compiled with (model.compile), or None: eager."""
+    return cfg.model.compile_backend if cfg.model.compile else None
 
 
 def optimizer_for(factories: Factories, model, cfg: Config):
@@ -71,7 +76,7 @@ def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
     model = factories.build_model(cfg).to(device)
     plan = factories.plan_of(model)
     model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device,
-                    plan)  # unsharded: autocast, not FSDP2's policy
+                    plan, compiled(cfg))  # unsharded: autocast, not FSDP2's policy
     standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard, plan=plan)
     return Parts(model, factories.data(cfg), optimizer_for(factories, model, cfg), None, None, standin,
                  plan.inputs)
