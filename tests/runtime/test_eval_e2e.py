@@ -1,7 +1,7 @@
 """Validation loss through a fault: a replica killed in the middle of an evaluation (after its first
 evaluation microbatch) leaves its unfinished share to the survivors, and every `eval` record is the
 failure-free run's bit for bit under --exact; the report draws it beside the training loss. Bad [eval]
-settings are refused before start in one line."""
+settings are refused before start in one line. The same in groups of 2 FSDP2 ranks, a rank of one killed."""
 from __future__ import annotations
 
 import pytest
@@ -42,10 +42,29 @@ def test_a_rank_killed_during_an_evaluation_leaves_the_value_bitwise_the_failure
     assert "loss (9)" in r.stdout  # 6 training steps and 3 evaluations on the loss panel
 
 
+def test_in_fsdp2_groups_a_rank_killed_mid_evaluation_leaves_the_value_bitwise_the_failure_free_one(tmp_path):
+    """2 groups of 2 FSDP2 ranks: every rank of a group forwards the group's evaluation microbatches whole;
+    rank 1 of group 1 dies after its first one, its group leaves, group 0 computes the rest."""
+    run = [*RUN[RUN.index("--steps"):], "--replicas", "2", "--parallel.group_size=2", "--eval.microbatches=5"]
+    run[run.index("--steps") + 1] = "4"
+    ref, faulty = side_by_side(
+        lambda: unbroken("train", *run, "--out", str(tmp_path / "ref")),
+        lambda: unbroken("train", *run, "--faults", "kill:replica=1,rank=1,step=1,phase=eval",
+                         "--out", str(tmp_path / "kill")))
+    assert ref.returncode == 0 and faulty.returncode == 0, (ref.stderr[-1500:], faulty.stderr[-1500:])
+    fired = [e for e in read_events(tmp_path / "kill") if e["event"] == "fault"]
+    assert [(e["replica"], e.get("rank"), e["step"], e["phase"]) for e in fired] == [(1, 1, 1, "eval")]
+    a, b = evals(tmp_path / "ref"), evals(tmp_path / "kill")
+    assert sorted(a) == sorted(b) == [1, 3] and [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert a[1]["owners"] == {"0": [0, 2, 4], "1": [1, 3]} and b[1]["owners"] == {"0": [0, 2, 3, 4], "1": [1]}
+    ra, rb = steps(read_events(tmp_path / "ref")), steps(read_events(tmp_path / "kill"))
+    assert [ra[s]["param_digest"] for s in range(4)] == [rb[s]["param_digest"] for s in range(4)]
+
+
 def test_bad_eval_settings_are_refused_in_one_line(tmp_path):
     cases = [(["--eval.every=2"], "eval.every=2 needs held-out data"),
-             (["--eval.every=2", "--eval.split=0.1", "--parallel.group_size=2"],
-              "evaluation runs in one-rank replica groups only"),
+             (["--eval.every=2", "--eval.split=0.1", "--parallel.group_size=2", "--parallel.pp=2"],
+              "not yet through pipeline stages"),
              (["--eval.every=2", "--eval.path=" + str(tmp_path / "none.bin")], "eval.path="),
              (["--eval.split=1.5"], "eval.split=1.5: a fraction in [0, 1)")]
     results = side_by_side(*(lambda extra=extra: unbroken("train", "--steps", "2", *extra, "--out", str(tmp_path / "x"))

@@ -3,7 +3,10 @@
 Owns: when a member evaluates (after applying step s where (s + 1) % eval.every == 0), the evaluation data
 (eval.path's files, or the eval.split of the training data that training never reads: model/data), which
 microbatches each member of the commit computes (i goes to the (i mod n)-th of its n members, in id order),
-taking over a lost member's unfinished ones, and the `eval` record. Does not own: the step protocol
+taking over a lost member's unfinished ones, and the `eval` record. A member is a replica group: in a group of
+several ranks (FSDP2, TP) every rank forwards each of the group's evaluation microbatches whole, in the same
+order (rank 0's look at the store, broadcast over the group), and rank 0 publishes. Not with pipeline stages
+(config refuses it). Does not own: the step protocol
 (step.py calls `after_commit` from its Apply), membership (the coordinator), the model.
 
 Why it is exact. Evaluation microbatch i is the same at every evaluation (`microbatch(0, i)` of the
@@ -47,9 +50,14 @@ class Evaluator:
     """One member's part in each evaluation. Build once per trainer where eval.every > 0; call
     `after_commit(step, members)` from the Apply of every committed step, after the optimizer step."""
 
-    def __init__(self, cfg: Config, me: int, model, coord, log, heartbeat, injector, device, inputs, wait_s: float):
+    def __init__(self, cfg: Config, me: int, model, coord, log, heartbeat, injector, device, inputs, wait_s: float,
+                 group=None, rank: int = 0):
+        """`group`: the replica group's own process group where it has several ranks (FSDP2, TP: every rank
+        forwards each whole evaluation microbatch with the others, their collectives in step), None for
+        one rank; `rank`: this rank's index in it (rank 0 publishes and records)."""
         self.cfg, self.me, self.model, self.coord, self.log = cfg, me, model, coord, log
         self.hb, self.faults, self.device, self.inputs, self.wait_s = heartbeat, injector, device, inputs, wait_s
+        self.group, self.rank = group, rank
         self.source = eval_source(cfg)
         self.n = cfg.eval.microbatches
 
@@ -81,24 +89,42 @@ class Evaluator:
         self.hb.at(step, "eval", i)
         mb = self.source.microbatch(0, i)
         loss = self.model(mb.x.to(self.device), mb.y.to(self.device), **model_inputs(mb, self.inputs, self.device))
-        self.coord.store.set(keys.eval_result(step, i), json.dumps([float(loss) * mb.tokens, mb.tokens, self.me]))
+        if self.rank == 0:  # a group's ranks computed the same value
+            self.coord.store.set(keys.eval_result(step, i), json.dumps([float(loss) * mb.tokens, mb.tokens, self.me]))
+
+    def _look(self, step: int) -> tuple[list[int], int]:
+        """(the missing results, the latest epoch): this rank's look at the store; in a group of several
+        ranks rank 0's, broadcast, so that every rank of the group computes the same microbatches in the
+        same order (their collectives pair up)."""
+        store = self.coord.store
+        if self.group is None or self.rank == 0:
+            missing = [int(not store.check([keys.eval_result(step, i)])) for i in range(self.n)]
+            view = torch.tensor([self.coord.epoch(), *missing], dtype=torch.int64)
+        else:
+            view = torch.zeros(self.n + 1, dtype=torch.int64)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            view = view.to(self.device)  # the group's own backend: NCCL between GPUs
+            dist.broadcast(view, group=self.group, group_src=0)
+            view = view.cpu()
+        return [i for i in range(self.n) if view[1 + i]], int(view[0])
 
     def _complete(self, step: int, members: tuple[int, ...]) -> bool:
         """Wait for every result, computing the lost members' missing ones this member owes; False where
         this member left the membership. Raises TimeoutError after wait_s s without progress."""
-        store, last, since = self.coord.store, None, time.monotonic()
+        last, since = None, time.monotonic()
         while True:
-            missing = [i for i in range(self.n) if not store.check([keys.eval_result(step, i)])]
+            missing, epoch = self._look(step)
             if not missing:
                 return True
-            live = sorted(set(self.coord.members(self.coord.epoch())) & set(members))
+            live = sorted(set(self.coord.members(epoch)) & set(members))
             if self.me not in live:
                 return False
             lost = [i for i in missing if members[i % len(members)] not in live]
             mine = [i for k, i in enumerate(lost) if live[k % len(live)] == self.me]
-            for i in mine:
-                if not store.check([keys.eval_result(step, i)]):
-                    self._compute(step, i)
+            for i in mine:  # another survivor may be computing it too: the same value
+                self._compute(step, i)
             if (missing, live) != last:
                 last, since = (missing, live), time.monotonic()
             elif time.monotonic() - since > self.wait_s:
@@ -109,6 +135,8 @@ class Evaluator:
 
     def _record(self, step: int) -> None:
         """Sum the results in index order (float64) and write the `eval` record, once (compare-and-set)."""
+        if self.rank != 0:
+            return
         store = self.coord.store
         values = [json.loads(v) for v in store.multi_get([keys.eval_result(step, i) for i in range(self.n)])]
         total, tokens = 0.0, 0
