@@ -1,7 +1,8 @@
 """Validation loss through a fault: a replica killed in the middle of an evaluation (after its first
 evaluation microbatch) leaves its unfinished share to the survivors, and every `eval` record is the
 failure-free run's bit for bit under --exact; the report draws it beside the training loss. Bad [eval]
-settings are refused before start in one line. The same in groups of 2 FSDP2 ranks, a rank of one killed."""
+settings are refused before start in one line. The same in groups of 2 FSDP2 ranks and of 2 pipeline
+stages, a rank of one killed."""
 from __future__ import annotations
 
 import pytest
@@ -42,10 +43,14 @@ def test_a_rank_killed_during_an_evaluation_leaves_the_value_bitwise_the_failure
     assert "loss (9)" in r.stdout  # 6 training steps and 3 evaluations on the loss panel
 
 
-def test_in_fsdp2_groups_a_rank_killed_mid_evaluation_leaves_the_value_bitwise_the_failure_free_one(tmp_path):
-    """2 groups of 2 FSDP2 ranks: every rank of a group forwards the group's evaluation microbatches whole;
-    rank 1 of group 1 dies after its first one, its group leaves, group 0 computes the rest."""
-    run = [*RUN[RUN.index("--steps"):], "--replicas", "2", "--parallel.group_size=2", "--eval.microbatches=5"]
+@pytest.mark.parametrize("layout", ["fsdp", "pp"])
+def test_in_groups_of_two_ranks_a_rank_killed_mid_evaluation_leaves_the_value_bitwise_the_failure_free_one(
+        tmp_path, layout):
+    """2 groups of 2 ranks, FSDP2 (every rank forwards the group's evaluation microbatches whole) or 2 pipeline
+    stages (forward only through the stages, the last one's loss summed over the group): rank 1 of group 1
+    dies after its first evaluation microbatch, its group leaves, group 0 computes the rest."""
+    run = [*RUN[RUN.index("--steps"):], "--replicas", "2", "--parallel.group_size=2", "--eval.microbatches=5",
+           *(["--parallel.pp=2"] if layout == "pp" else [])]
     run[run.index("--steps") + 1] = "4"
     ref, faulty = side_by_side(
         lambda: unbroken("train", *run, "--out", str(tmp_path / "ref")),
@@ -63,8 +68,8 @@ def test_in_fsdp2_groups_a_rank_killed_mid_evaluation_leaves_the_value_bitwise_t
 
 def test_bad_eval_settings_are_refused_in_one_line(tmp_path):
     cases = [(["--eval.every=2"], "eval.every=2 needs held-out data"),
-             (["--eval.every=2", "--eval.split=0.1", "--parallel.group_size=2", "--parallel.pp=2"],
-              "not yet through pipeline stages"),
+             (["--eval.every=2", "--eval.split=0.1", "--parallel.group_size=2", "--parallel.on_rank_loss=replan"],
+              "a shrunk group does not evaluate yet"),
              (["--eval.every=2", "--eval.path=" + str(tmp_path / "none.bin")], "eval.path="),
              (["--eval.split=1.5"], "eval.split=1.5: a fraction in [0, 1)")]
     results = side_by_side(*(lambda extra=extra: unbroken("train", "--steps", "2", *extra, "--out", str(tmp_path / "x"))

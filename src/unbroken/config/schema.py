@@ -109,7 +109,8 @@ class EvalConfig:
     (runtime/trainer/evaluation.py)."""
     every: int = 0
     """Evaluate the parameters committed after every this many steps (after step s where (s + 1) % every
-    == 0); 0: never. One-rank, FSDP2 and TP groups (not pipeline stages, not on_rank_loss=replan)."""
+    == 0); 0: never. In every layout (one-rank, FSDP2, TP, pipeline stages), not with
+    parallel.on_rank_loss=replan."""
     microbatches: int = 4
     """Evaluation microbatches (data.batch_size sequences each), the same ones at every evaluation, shared
     out over the live members; a lost member's share is computed by the others."""

@@ -253,9 +253,6 @@ def _eval_checks(cfg: Config) -> list[tuple[bool, str]]:
         (not (e.path and e.split), f"eval.split={e.split} with eval.path={e.path!r}: held-out data comes from one"),
         (e.every == 0 or bool(e.path) or e.split > 0,
          f"eval.every={e.every} needs held-out data: eval.path=FILES or eval.split=FRACTION"),
-        (e.every == 0 or cfg.parallel.pp == 1,
-         f"eval.every={e.every} with parallel.pp={cfg.parallel.pp}: evaluation runs in one-rank, FSDP2 and TP "
-         f"groups, not yet through pipeline stages"),
         (e.every == 0 or cfg.parallel.group_size == 1 or cfg.parallel.on_rank_loss == "drop",
          f"eval.every={e.every} with parallel.on_rank_loss={cfg.parallel.on_rank_loss}: a shrunk group does not "
          f"evaluate yet; use on_rank_loss=drop"),

@@ -224,6 +224,24 @@ class Stages:
         self.before = self.after = None
         return [loss.detach() for loss in losses]
 
+    def evaluate(self, mb: Microbatch) -> torch.Tensor | None:
+        """A forward of one microbatch through the pipeline, no backward (validation: every rank of the group
+        calls it with the same microbatch, its shard's rows of it); the last stage's mean loss, None on the
+        others. The training schedule is built again at the next `run`: a schedule prepares the stage for
+        its own number of microbatches."""
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        schedule = ScheduleGPipe(self.stage, 1, loss_fn=self.loss, scale_grads=False)
+        self._schedule, self._n = None, 0
+        keywords, losses = self._keywords([mb]), []
+        if self.first:
+            schedule.eval(mb.x.to(self.device), **keywords)
+        elif self.last:
+            schedule.eval(target=mb.y.to(self.device), losses=losses, **keywords)
+        else:
+            schedule.eval(**keywords)
+        return losses[0].detach() if self.last else None
+
     def _keywords(self, microbatches: list[Microbatch]) -> dict[str, torch.Tensor]:
         """The extra inputs of a schedule's batch: each of `extra` that the microbatches hold, their rows
         concatenated in order as x's are, which the schedule splits back into one microbatch's rows per

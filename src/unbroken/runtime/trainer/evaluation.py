@@ -5,8 +5,9 @@ Owns: when a member evaluates (after applying step s where (s + 1) % eval.every 
 microbatches each member of the commit computes (i goes to the (i mod n)-th of its n members, in id order),
 taking over a lost member's unfinished ones, and the `eval` record. A member is a replica group: in a group of
 several ranks (FSDP2, TP) every rank forwards each of the group's evaluation microbatches whole, in the same
-order (rank 0's look at the store, broadcast over the group), and rank 0 publishes. Not with pipeline stages
-(config refuses it). Does not own: the step protocol
+order (rank 0's look at the store, broadcast over the group), and rank 0 publishes; through pipeline stages
+each rank forwards its shard's rows and the last stage's loss is summed over the group. Not in a shrunk
+group (config refuses on_rank_loss=replan). Does not own: the step protocol
 (step.py calls `after_commit` from its Apply), membership (the coordinator), the model.
 
 Why it is exact. Evaluation microbatch i is the same at every evaluation (`microbatch(0, i)` of the
@@ -51,13 +52,15 @@ class Evaluator:
     `after_commit(step, members)` from the Apply of every committed step, after the optimizer step."""
 
     def __init__(self, cfg: Config, me: int, model, coord, log, heartbeat, injector, device, inputs, wait_s: float,
-                 group=None, rank: int = 0):
+                 group=None, rank: int = 0, stages=None, role=None):
         """`group`: the replica group's own process group where it has several ranks (FSDP2, TP: every rank
         forwards each whole evaluation microbatch with the others, their collectives in step), None for
-        one rank; `rank`: this rank's index in it (rank 0 publishes and records)."""
+        one rank; `rank`: this rank's index in it (rank 0 publishes and records); `stages`: its pipeline
+        stage (parallel/pipeline.py), None without; `role`: the rank's RankRole (whose rows it computes,
+        whether it counts the loss), needed with stages."""
         self.cfg, self.me, self.model, self.coord, self.log = cfg, me, model, coord, log
         self.hb, self.faults, self.device, self.inputs, self.wait_s = heartbeat, injector, device, inputs, wait_s
-        self.group, self.rank = group, rank
+        self.group, self.rank, self.stages, self.role = group, rank, stages, role
         self.source = eval_source(cfg)
         self.n = cfg.eval.microbatches
 
@@ -87,10 +90,33 @@ class Evaluator:
 
     def _compute(self, step: int, i: int) -> None:
         self.hb.at(step, "eval", i)
+        if self.stages is not None:
+            return self._compute_stages(step, i)
         mb = self.source.microbatch(0, i)
         loss = self.model(mb.x.to(self.device), mb.y.to(self.device), **model_inputs(mb, self.inputs, self.device))
         if self.rank == 0:  # a group's ranks computed the same value
             self.coord.store.set(keys.eval_result(step, i), json.dumps([float(loss) * mb.tokens, mb.tokens, self.me]))
+
+    def _compute_stages(self, step: int, i: int) -> None:
+        """Microbatch i through the group's pipeline, forward only: each rank its shard's rows; the last
+        stage's ranks that count the loss (TP index 0) hold (loss x tokens, tokens) of their rows, summed
+        over the group in float64, which rank 0 (stage 0) publishes."""
+        import torch.distributed as dist
+
+        from unbroken.model.data import part
+
+        whole, role = self.source.microbatch(0, i), self.role
+        total = torch.zeros(2, dtype=torch.float64)
+        for share in role.computes:
+            mb = part(whole, share, role.shares)
+            loss = self.stages.evaluate(mb)
+            if loss is not None and role.counts_loss:
+                total += torch.tensor([float(loss) * mb.tokens, mb.tokens], dtype=torch.float64)
+        total = total.to(self.device)
+        dist.all_reduce(total, group=self.group)
+        if self.rank == 0:
+            loss_sum, tokens = total.cpu().tolist()
+            self.coord.store.set(keys.eval_result(step, i), json.dumps([loss_sum, int(tokens), self.me]))
 
     def _look(self, step: int) -> tuple[list[int], int]:
         """(the missing results, the latest epoch): this rank's look at the store; in a group of several

@@ -117,7 +117,8 @@ class Trainer:
                                self.accs, choose(cfg.parallel.cross_backend, self.device) == "gloo",
                                int(cfg.parallel.bucket_mb * 2 ** 20))
         self.evaluator = Evaluator(cfg, self.me, self.model, coord, log, heartbeat, injector, self.device,
-                                   self.inputs, self.wait_s, parts.group, who.rank) if cfg.eval.every else None
+                                   self.inputs, self.wait_s, parts.group, who.rank, self.stages,
+                                   self.role) if cfg.eval.every else None
         self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                            cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
                                j, self.optimizer)) if standin else None, self.role.shard_tag)
