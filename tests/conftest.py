@@ -95,7 +95,9 @@ LONGEST_FIRST = ("tests/runtime/test_shrink.py", "tests/runtime/test_shrink_fsdp
                  "tests/runtime/test_pp_tp.py", "tests/runtime/test_groups.py",
                  "tests/runtime/test_precision.py", "tests/runtime/test_restore_e2e.py",
                  "tests/runtime/test_recovery_e2e.py", "tests/test_oracle_schedule.py",
-                 "tests/runtime/test_pp_tp_persist.py", "tests/runtime/test_clipping_groups.py")
+                 "tests/runtime/test_pp_tp_persist.py", "tests/runtime/test_clipping_groups.py",
+                 "tests/runtime/test_compile.py", "tests/runtime/test_hf_causal_export.py",
+                 "tests/runtime/test_eval_e2e.py", "tests/test_hf_example.py")
 
 
 def pytest_collection_modifyitems(config, items):

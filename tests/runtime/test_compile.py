@@ -66,3 +66,24 @@ def test_compiling_keeps_parameter_names():
     compile_layers(model, "eager")
     assert [n for n, _ in model.named_parameters()] == names
     assert all(b._compiled_call_impl is not None for b in model.layers.values())
+
+
+def test_a_hugging_face_causal_lm_compiles_per_decoder_layer():
+    """hf.causal_lm's plan names its decoder layers: each compiles in place and computes the eager loss."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from unbroken.model.hf import causal_lm
+    from unbroken.runtime.parallel.precision import compile_layers
+
+    torch.manual_seed(0)
+    model = causal_lm(transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=16))
+    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager = model(x, x)
+    compile_layers(model, "aot_eager")
+    compiled = model(x, x)
+    compiled.backward()
+    assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
+    assert torch.equal(eager, compiled) and all(p.grad is not None for p in model.parameters())
