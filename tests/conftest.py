@@ -96,7 +96,9 @@ LONGEST_FIRST = ("tests/runtime/trainer/test_shrink.py", "tests/runtime/trainer/
                  "tests/runtime/parallel/test_pp_tp.py", "tests/runtime/trainer/test_groups.py",
                  "tests/runtime/parallel/test_precision.py", "tests/runtime/persist/test_restore_e2e.py",
                  "tests/runtime/trainer/test_recovery_e2e.py", "tests/test_oracle_schedule.py",
-                 "tests/runtime/persist/test_pp_tp_persist.py", "tests/runtime/trainer/test_clipping_groups.py")
+                 "tests/runtime/persist/test_pp_tp_persist.py", "tests/runtime/trainer/test_clipping_groups.py",
+                 "tests/runtime/parallel/test_compile.py", "tests/runtime/persist/test_hf_causal_export.py",
+                 "tests/runtime/trainer/test_eval_e2e.py", "tests/test_hf_example.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -89,6 +89,11 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
         problem = builtin_data_problem(cfg)
         if problem:
             raise ConfigError(problem)
+    if cfg.eval.every and cfg.eval.path:  # the held-out files, as the training files are checked
+        check_data(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=cfg.eval.path)))
+    if cfg.model.init_from:  # only then: hfweights imports torch (~2 s)
+        from unbroken.model.hfweights import check_init_from
+        check_init_from(cfg, custom_model=model is not None)
     if model is not None or 12 * cfg.model.n_layer * cfg.model.n_embd ** 2 + cfg.model.vocab_size * cfg.model.n_embd > 1e7:
         from unbroken.model.builtin import memory_problem  # torch: only where the model may be large
         problem = memory_problem(cfg, model)
@@ -97,6 +102,8 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     if parallelize is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with a parallelize function: pipeline stages come from "
                           f"the model's parallel plan (pass plan=... instead)")
+    if cfg.model.compile:
+        _check_compile(cfg, parallelize)
     replan = cfg.parallel.group_size > 1 and cfg.parallel.on_rank_loss == "replan"
     refused = CUSTOM_REFUSED if parallelize is not None and replan else None
     if cfg.parallel.group_size > 1 and parallelize is None and (
@@ -114,6 +121,20 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
     from unbroken.runtime.parallel.device import preflight
     preflight(cfg.parallel.device, cfg.parallel.group_size)
     return refused
+
+
+def _check_compile(cfg: Config, parallelize: Callable | None) -> None:
+    """model.compile: refused in one line where it cannot run here (a parallelize function of the user's
+    applies its own layout; the backend lacks its compiler or Triton)."""
+    if parallelize is not None:
+        raise ConfigError("model.compile=true with a parallelize function: apply torch.compile in it (per block, "
+                          "before fully_shard), as torchtitan's parallelize_llama does")
+    from unbroken.runtime.parallel.device import resolve
+    from unbroken.runtime.parallel.precision import compile_problem
+
+    problem = compile_problem(cfg.model.compile_backend, resolve(cfg.parallel.device).type)
+    if problem:
+        raise ConfigError(f"model.compile_backend={cfg.model.compile_backend}: {problem}")
 
 
 def train(config: Config | None = None, *, model: Callable | None = None, data: Callable | None = None,
@@ -145,6 +166,9 @@ def train(config: Config | None = None, *, model: Callable | None = None, data: 
         sys.stdout.flush()
         os._exit(code)
     cfg = make_config(config, **run)
+    if data is not None and cfg.eval.every and cfg.eval.split:
+        raise ConfigError(f"eval.split={cfg.eval.split} with a data factory of your own: it decides what training "
+                          f"reads, so hold evaluation data out there and name it with eval.path")
     refused = check_host(cfg, model, plan, parallelize, data)
     cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]] if custom else None
     return launch.launch(cfg, cmd, reform_refused=refused)

@@ -28,13 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     # coordinator, a run's end); the command reports what happened in one line of its own instead.
     # Before torch is imported: c10 reads it once.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from unbroken import commands
+    from unbroken import commands, export
     from unbroken.eval import real_runs
     from unbroken.sim import cli as sim_cli
 
     ap = _Parser(prog="unbroken", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     commands.add_parsers(sub)
+    export.add_parser(sub)
     sim_cli.add_parser(sub).set_defaults(run=lambda args, rest: sim_cli.run(args))
     real_runs.add_parser(sub).set_defaults(run=lambda args, rest: real_runs.run(args))
     args, rest = ap.parse_known_args(argv)

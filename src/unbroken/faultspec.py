@@ -22,7 +22,8 @@ bucket of its all-reduce is issued inside its last microbatch's backward (one-ra
 the reduction overlaps backward; elsewhere as `allreduce`), `allreduce` as its all-reduce is issued (the
 last of its buckets), `commit` once the all-reduce succeeded, before the replica adds itself to the
 done count (so the step can only be retried: its peers, which may have stepped their optimizers ahead,
-must undo that), `optimizer` once the commit decision is known, before the replica applies it.
+must undo that), `optimizer` once the commit decision is known, before the replica applies it, `eval`
+after the replica's first evaluation microbatch of the parameters committed after step s (eval.every).
 
 Steps count from 0. Owns parsing and validation against the run's size; every error is a FaultSpecError
 whose message names the offending token in one line.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("compute", "overlap", "allreduce", "commit", "optimizer")
+PHASES = ("compute", "overlap", "allreduce", "commit", "optimizer", "eval")
 NODE_PHASES = ("parity",)  # node: lost inside its agent's parity encode (the snapshot agents' phase)
 
 

@@ -6,12 +6,12 @@ the JSON form handed to worker processes, and the listing of every key (listing.
 docs/config.md). Does not own: what the values do.
 """
 from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
-                                    FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
+                                    EvalConfig, FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, RunConfig, SnapshotConfig)
 from unbroken.config.tree import (MOVED, SECTIONS, Config, build, canonical, check_paths, load, parse_overrides,
                                   store_url_problem, upgrade, validate)
 
 __all__ = ["MOVED", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "CoordConfig", "DataConfig",
-           "DetectorSection", "FaultsConfig", "HardwareSection", "LaunchConfig", "MetricsConfig", "ModelConfig",
+           "DetectorSection", "EvalConfig", "FaultsConfig", "HardwareSection", "LaunchConfig", "MetricsConfig", "ModelConfig",
            "OptimConfig", "ParallelConfig", "RunConfig", "SnapshotConfig", "build", "canonical", "check_paths", "load",
            "parse_overrides", "store_url_problem", "upgrade", "validate"]

@@ -58,6 +58,22 @@ class ModelConfig:
     "selective" (every other block: torchtitan's layer-wise selective checkpointing at a frequency of 2)
     or "none". torch.utils.checkpoint (non-reentrant) around each block, inside its FSDP2 unit; dropout
     recomputes the same masks, so the trajectory is bitwise the one without."""
+    compile: bool = False
+    """torch.compile each block (the plan's layers) in place, as torchtitan does: after TP and activation
+    checkpointing, before FSDP2, in every layout; a compiled run is bitwise its own failure-free compiled run
+    under --exact (the survivors and a restarted, recompiled group compute the same). Not with a
+    parallelize function of your own (compile in it); refused before start where model.compile_backend
+    cannot run here."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """model.compile's backend: "inductor" (generated kernels: needs a C++ compiler on the CPU, Triton on a
+    GPU), "aot_eager" (traced forward and backward graphs run by eager kernels: no code generation, quick
+    to compile) or "eager" (Dynamo's tracing only)."""
+    init_from: str = ""
+    """A Hugging Face directory (config.json and model.safetensors, as `unbroken export --hf` writes) whose
+    weights the run starts from instead of the seed's initialisation: continued pre-training, nothing
+    downloaded. model.arch=llama (its config.json must describe [model]: checked before start) or a
+    model built by unbroken.model.hf.causal_lm; loaded whole by every rank, then sharded as the plan
+    shards it. Empty: none."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,25 @@ class DataConfig:
     """Tokens per sequence; "variable" or "MIN-MAX": lengths from document lengths."""
     max_files: int = 400
     """Default corpus: how many standard-library files to read."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation loss on held-out data, computed by the live members after a committed step
+    (runtime/trainer/evaluation.py)."""
+    every: int = 0
+    """Evaluate the parameters committed after every this many steps (after step s where (s + 1) % every
+    == 0); 0: never. In every layout (one-rank, FSDP2, TP, pipeline stages), not with
+    parallel.on_rank_loss=replan."""
+    microbatches: int = 4
+    """Evaluation microbatches (data.batch_size sequences each), the same ones at every evaluation, shared
+    out over the live members; a lost member's share is computed by the others."""
+    path: str = ""
+    """Held-out token files or a text file, as data.path reads them; empty: eval.split of the training
+    data."""
+    split: float = 0.0
+    """With eval.path empty: this fraction of the training data (the tail of a text corpus, the last
+    windows of token files) is held out for evaluation and never read by training; 0: none."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +267,8 @@ class SnapshotConfig:
 class CheckpointConfig:
     """Checkpoints on disk (torch.distributed.checkpoint)."""
     every: int = 0
-    """Committed steps between DCP checkpoints; 0: none."""
+    """Committed steps between DCP checkpoints, the last step saved too (what `unbroken export` reads); 0:
+    none."""
     dir: str = ""
     """Checkpoint directory; empty: RUN_DIR/checkpoints."""
 
@@ -252,7 +288,8 @@ class ParallelConfig:
     mixed_precision: Literal["bf16", "off"] = "off"
     """"bf16": compute in bfloat16 (FSDP2's param dtype inside a group of shards, reducing in float32;
     autocast around the forward elsewhere), with float32 master weights, optimizer state and gradient
-    accumulator (float64 under --exact). Runs on the CPU too. Not with pipeline stages (parallel.pp > 1)."""
+    accumulator (float64 under --exact). Runs on the CPU too. Pipeline stages send their activations in bf16
+    (not with parallel.on_rank_loss=replan)."""
     on_rank_loss: Literal["drop", "replan"] = "drop"
     """What a group that loses a rank does: "drop" (the whole group leaves until torchrun brings it back)
     or "replan" (the scheduler of policy/replan_scheduler.py chooses; "shrink" runs the group on its
@@ -283,13 +320,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """The coordinator's Prometheus and TensorBoard outputs."""
+    """The coordinator's Prometheus, TensorBoard and Weights & Biases outputs."""
     port: int = 0
     """The coordinator serves Prometheus /metrics on this port; 0: off (needs unbroken[metrics])."""
     host: str = "127.0.0.1"
     """Address /metrics listens on; 0.0.0.0 lets a Prometheus elsewhere scrape it."""
     tensorboard: str = ""
     """Directory for TensorBoard event files, written by the coordinator; empty: off."""
+    wandb: str = ""
+    """A Weights & Biases project the coordinator logs to what TensorBoard gets (loss, lr, grad_norm,
+    throughput, live replicas, recoveries, faults), one W&B run per unbroken run, its id the run's, which
+    `unbroken resume` continues; empty: off (needs unbroken[wandb]; WANDB_MODE=offline writes RUN_DIR/wandb/
+    only)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 from unbroken import storeurl
 from unbroken.config.domains import domain_problem
 from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
-                                    FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
+                                    EvalConfig, FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, RunConfig, SnapshotConfig, literal_problem)
 from unbroken.topology import Topology
 
@@ -36,6 +36,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     coord: CoordConfig = field(default_factory=CoordConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -231,6 +232,7 @@ def validate(cfg: Config) -> None:
          f"snapshot.parity={s.parity} with k={s.k}, m={s.m} does not fit snapshot.nodes={s.nodes} (xor: m=1)"),
         (cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0"),
         *_optim_checks(cfg),
+        *_eval_checks(cfg),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port={cfg.metrics.port}: must be in 0..65535"),
     ]
     checks += _tuning_checks(cfg)
@@ -238,7 +240,25 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     _check_data_path(cfg.data.path)
+    if cfg.eval.path:
+        _check_data_path(cfg.eval.path, "eval.path")
     _check_seq_len(cfg.data.seq_len, m.block_size)
+
+
+def _eval_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """[eval]: a held-out source, and the layouts evaluation runs in."""
+    e = cfg.eval
+    return [
+        (e.every >= 0, f"eval.every={e.every}: must be >= 0 (0: no evaluation)"),
+        (e.microbatches >= 1, f"eval.microbatches={e.microbatches}: need at least 1"),
+        (0.0 <= e.split < 1.0, f"eval.split={e.split}: a fraction in [0, 1)"),
+        (not (e.path and e.split), f"eval.split={e.split} with eval.path={e.path!r}: held-out data comes from one"),
+        (e.every == 0 or bool(e.path) or e.split > 0,
+         f"eval.every={e.every} needs held-out data: eval.path=FILES or eval.split=FRACTION"),
+        (e.every == 0 or cfg.parallel.group_size == 1 or cfg.parallel.on_rank_loss == "drop",
+         f"eval.every={e.every} with parallel.on_rank_loss={cfg.parallel.on_rank_loss}: a shrunk group does not "
+         f"evaluate yet; use on_rank_loss=drop"),
+    ]
 
 
 def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
@@ -260,9 +280,9 @@ def _parallel_checks(cfg: Config) -> list[tuple[bool, str]]:
         (m.arch != "llama" or kv == 0 or kv % tp == 0,
          f"parallel.tp={tp} does not divide model.n_kv_head={kv} (each rank takes whole key/value heads)"),
         (pp <= m.n_layer, f"parallel.pp={pp}: more stages than model.n_layer={m.n_layer} blocks"),
-        (p.mixed_precision == "off" or pp == 1,
-         f"parallel.mixed_precision={p.mixed_precision} with parallel.pp={pp}: pipeline stages pass float32 "
-         f"activations and gradients between ranks; bf16 runs without stages"),
+        (p.mixed_precision == "off" or pp == 1 or p.on_rank_loss == "drop",
+         f"parallel.mixed_precision={p.mixed_precision} with parallel.pp={pp} and parallel.on_rank_loss="
+         f"{p.on_rank_loss}: a re-formed pipeline passes float32 activations; bf16 stages run with on_rank_loss=drop"),
         (p.cross_backend != "nccl" or p.device != "cpu",
          "parallel.cross_backend=nccl with parallel.device=cpu: NCCL reduces CUDA tensors only; use "
          "--parallel.cross_backend=auto or gloo"),
@@ -384,16 +404,16 @@ def _unwritable(path: Path) -> str | None:
     return None
 
 
-def _check_data_path(spec: str) -> None:
+def _check_data_path(spec: str, key: str = "data.path") -> None:
     """data.path names a file, or a glob matching at least one (what the files hold is checked where
     the run's groups start: model/data/check.py, from api.check_host)."""
     if not spec:
         return
     if any(c in spec for c in "*?["):
         if not any(Path(f).is_file() for f in glob.iglob(spec, recursive=True)):
-            raise ConfigError(f"data.path={spec!r}: the glob matches no file")
+            raise ConfigError(f"{key}={spec!r}: the glob matches no file")
     elif not Path(spec).is_file():
-        raise ConfigError(f"data.path={spec!r}: no such file")
+        raise ConfigError(f"{key}={spec!r}: no such file")
 
 
 def _check_seq_len(spec: str, block_size: int) -> None:

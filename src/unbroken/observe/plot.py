@@ -2,7 +2,8 @@
 the goodput benchmark.
 
 Owns: drawing `Timeline`s with matplotlib (Agg). Does not own: reading runs (observe/report.py).
-Panels, top to bottom, sharing the time axis (s since each run's own start): loss (references dashed),
+Panels, top to bottom, sharing the time axis (s since each run's own start): loss (references dashed; the
+validation loss, where the run evaluates, as squares beside it),
 committed tokens, live replica groups, seconds lost per recovery, microbatches redone, each replica's share
 of the step's microbatches (its executed quota, stacked). Start-up (before the first commit) is grey. Faults are red dotted lines on every panel, named on the
 first (a reference's faults: thin lines in its colour on the first two); recoveries are shaded from first
@@ -37,6 +38,10 @@ def write_png(run: Timeline, refs: list[Timeline], png: str | Path, title: str |
             xs, _, ys = zip(*r.loss)
             ax["loss"].plot(xs, ys, style, lw=lw, marker="o" if n == 0 else None, ms=2.5,
                             label=f"{r.name} (start-up {xs[0]:.1f} s)")
+            drawn["loss"] += len(xs)
+        if r.evals:  # validation loss beside the training loss, at the commit of the step evaluated
+            xs, _, ys = zip(*r.evals)
+            ax["loss"].plot(xs, ys, style, lw=lw, marker="s", ms=4, label=f"{r.name}: validation loss")
             drawn["loss"] += len(xs)
         xs, ys = zip(*r.tokens, (r.end, r.tokens[-1][1]))
         line, = ax["committed tokens"].step(xs, ys, style, where="post", lw=lw, label=r.name)

@@ -29,6 +29,7 @@ class Timeline:
     faults: list[tuple[float, str]]  # (t, "kill r1 @3 allreduce")
     incidents: list[Incident]  # start/end already relative
     shares: dict[int, list[tuple[float, float]]]  # replica -> (t, share of the step's microbatches)
+    evals: tuple[tuple[float, int, float], ...] = ()  # (t of the step's first commit, step, validation loss)
 
 
 def timeline(run: str | Path, name: str | None = None) -> Timeline:
@@ -61,7 +62,9 @@ def timeline(run: str | Path, name: str | None = None) -> Timeline:
     return Timeline(name or path.name, view, view.ended["t"] - t0,
                     [(r["t"] - t0, r["step"], r["loss"]) for r in firsts],
                     [(0.0, 0)] + [(t - t0, n) for t, n in view.tokens_curve],
-                    [(t - t0, n) for t, n in view.live], faults, incidents, shares)
+                    [(t - t0, n) for t, n in view.live], faults, incidents, shares,
+                    tuple((view.committed[s]["t"] - t0, s, loss) for s, loss in sorted(view.evals.items())
+                          if s in view.committed))
 
 
 def summary_table(runs: list[Timeline]) -> Table:

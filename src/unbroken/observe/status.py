@@ -25,7 +25,8 @@ def render(s: dict[str, Any]) -> Group:
     loss = "-" if s["loss"] is None else f"{s['loss']:.4f}"
     head = Text.from_markup(
         f"[bold]{s['run_id']}[/]  {state}[/]  step {s['step'] + 1}/{s['steps']} committed  loss {loss}  "
-        f"tokens {s['tokens']:,}" + (f" ({tps:,.0f}/s)" if tps else "") +
+        + (f"validation {s['eval_loss']:.4f} (step {s['eval_step']})  " if s.get("eval_loss") is not None else "")
+        + f"tokens {s['tokens']:,}" + (f" ({tps:,.0f}/s)" if tps else "") +
         f"  epoch {s['epoch']}  generation {s['generation']}  members {s['members']}")
     members = Table(title="replica groups", title_justify="left")
     beats = s.get("heartbeats")

@@ -92,6 +92,7 @@ class RunView:
     snapshot: dict[str, Any] | None = None  # the latest `snapshot` record
     snapshots_skipped: int = 0
     checkpoint_step: int | None = None  # set by the reader (from disk), not from events
+    evals: dict[int, float] = field(default_factory=dict)  # step -> validation loss of its parameters
     unreadable: int = 0  # records skipped: a field the fold needs is missing or of the wrong type
     _epoch_cause: dict[int, str] = field(default_factory=dict)
     _open: dict[tuple[int, int], Incident] = field(default_factory=dict)
@@ -100,7 +101,8 @@ class RunView:
 
     def feed(self, records: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         """Fold records in; returns what a live writer shows per record: ("step", the step record) the
-        first time a step commits, ("fault", record), ("incident", Incident.as_dict()) once one ends."""
+        first time a step commits, ("eval", record) the first time a step's parameters are evaluated,
+        ("fault", record), ("incident", Incident.as_dict()) once one ends."""
         out: list[tuple[str, dict[str, Any]]] = []
         for r in records:
             try:
@@ -116,6 +118,14 @@ class RunView:
         self.schema = r.get("schema", 0)
         self.replicas, self.steps_planned = r.get("replicas", 0), r.get("steps", 0)
         self.microbatches, self.run_id, self.t0 = r.get("microbatches", 0), r.get("run_id", ""), r["t"]
+
+    def _on_eval(self, r):
+        """An `eval` record (runtime/trainer/evaluation.py): shown once per step (a whole-job restart that
+        evaluates the same step again gives the same value)."""
+        if r["step"] not in self.evals:
+            self.evals[r["step"]] = float(r["loss"])
+            return [("eval", r)]
+        return None
 
     def _on_run_end(self, r):
         self.ended = r
@@ -247,6 +257,8 @@ class RunView:
             "ok": bool(self.ended and self.ended.get("ok")), "failed": self.failed or (
                 self.ended.get("error") if self.ended else None),
             "step": self.frontier, "steps": self.steps_planned, "loss": last["loss"] if last else None,
+            "eval_loss": self.evals[max(self.evals)] if self.evals else None,
+            "eval_step": max(self.evals) if self.evals else None,
             "tokens": self.tokens, "tokens_per_second": self.tokens_per_second(), "epoch": self.epoch,
             "generation": self.generation, "members": self.members, "replicas": replicas,
             "faults": [{k: v for k, v in f.items() if k not in ("who", "pid", "seconds")}

@@ -61,7 +61,7 @@ def observed(tmp_path_factory):
     cfg = make_config(replicas=3, steps=STEPS, microbatches=6, progress=False, out=str(tmp / "run"),
                       faults=f"kill:replica=1,step={KILL_AT},phase=allreduce", metrics__port=port,
                       metrics__tensorboard=str(tmp / "tb"), optim__schedule="cosine", optim__warmup_steps=5,
-                      optim__max_grad_norm=0.5)
+                      optim__max_grad_norm=0.5, eval__every=4, eval__split=0.05)
     result: dict = {}
     runner = threading.Thread(target=lambda: result.setdefault("r", launch(cfg)))
     runner.start()
@@ -137,6 +137,21 @@ def test_tensorboard_loss_equals_the_step_records(observed):
     assert live[KILL_AT - 1] == 3 and live[STEPS - 1] == 2
     assert [e.step for e in ea.Scalars("recovery/seconds")] == [KILL_AT]
     assert "faults/text_summary" in ea.Tags()["tensors"]
+
+
+def test_the_validation_loss_reaches_tensorboard_and_metrics(observed):
+    """Each `eval` record's loss is TensorBoard's validation/loss at its step and, once it is the newest,
+    /metrics' unbroken_eval_loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    result, scrapes, _, tmp = observed
+    evaluated = {e["step"]: e["loss"] for e in read_events(result.run_dir) if e["event"] == "eval"}
+    assert sorted(evaluated) == [s for s in range(STEPS) if (s + 1) % 4 == 0]
+    ea = EventAccumulator(str(tmp / "tb"))
+    ea.Reload()
+    assert {e.step: e.value for e in ea.Scalars("validation/loss")} == {
+        s: float(np.float32(v)) for s, v in evaluated.items()}
+    shown = [_value(s, "unbroken_eval_loss") for s in scrapes]
+    assert any(v == v for v in shown) and all(v in evaluated.values() for v in shown if v == v)  # NaN: none yet
 
 
 def test_the_learning_rate_and_gradient_norm_reach_tensorboard_and_metrics(observed):
@@ -217,10 +232,10 @@ def test_snapshot_and_checkpoint_figures_of_a_real_run(tmp_path):
     assert _value(scrape, "unbroken_snapshot_step") == 5
     assert _value(scrape, "unbroken_snapshots_skipped", "unbroken_snapshots_skipped_total") == len(skipped)
     assert _value(scrape, "unbroken_snapshot_age_seconds") > 0
-    assert _value(scrape, "unbroken_checkpoint_step") == 4  # steps 0, 2, 4 checkpointed; 4 the newest whole one
+    assert _value(scrape, "unbroken_checkpoint_step") == 5  # steps 0, 2, 4 and the last, 5, checkpointed
     assert _value(scrape, "unbroken_committed_step") == 5 and _value(scrape, "unbroken_live_replica_groups") == 2
     status = json.loads(store.kv[status_key()])
-    assert status["snapshot"]["step"] == 5 and status["checkpoint_step"] == 4 and status["finished"]
+    assert status["snapshot"]["step"] == 5 and status["checkpoint_step"] == 5 and status["finished"]
 
 
 def test_a_record_the_fold_cannot_read_never_takes_the_coordinator_down(tmp_path):

@@ -172,7 +172,8 @@ def test_activation_checkpointing_lowers_the_memory_kept_for_backward():
 @pytest.mark.parametrize("args, token", [
     (["--parallel.mixed_precision=fp8"], "parallel.mixed_precision='fp8'"),
     (["--model.activation_checkpointing=some"], "model.activation_checkpointing='some'"),
-    (["--parallel.mixed_precision=bf16", "--parallel.group_size=2", "--parallel.pp=2"], "parallel.pp=2"),
+    (["--parallel.mixed_precision=bf16", "--parallel.group_size=2", "--parallel.pp=2", "--parallel.on_rank_loss=replan"],
+     "parallel.on_rank_loss=replan"),
 ])
 def test_bad_precision_input_is_one_line_and_exit_2(tmp_path, args, token):
     out = tmp_path / "run"

@@ -28,6 +28,15 @@ class Corpus:
             return from_bytes(Path(path).read_bytes())
         return stdlib(max_files)
 
+    def split(self, held_out: float, part: str) -> "Corpus":
+        """The head (`part` "train") or the tail ("eval") of the tokens, the tail `held_out` of them: a span
+        drawn from one never reaches into the other."""
+        cut = len(self.tokens) - int(np.ceil(held_out * len(self.tokens)))
+        if part == "train":
+            return Corpus(self.tokens[:cut], self.starts[self.starts < cut])
+        tail = self.starts[self.starts >= cut] - cut
+        return Corpus(self.tokens[cut:], np.unique(np.concatenate([[0], tail])).astype(np.int64))
+
     def doc_end(self, pos: int) -> int:
         j = int(np.searchsorted(self.starts, pos, side="right"))
         return int(self.starts[j]) if j < len(self.starts) else len(self.tokens)

@@ -65,18 +65,24 @@ class Windows:
     end (`(tokens - 1) // length` per shard; a shard's tail shorter than a window is never drawn), and
     sample n -> window: epoch n // total, position n % total of that epoch's permutation."""
 
-    def __init__(self, shards: list[Shard], length: int, eos: int = -1):
+    def __init__(self, shards: list[Shard], length: int, eos: int = -1, held_out: float = 0.0,
+                 part: str = "train"):
+        """`held_out` > 0: the last ceil(held_out x windows) windows of the tiling (in shard order) are
+        evaluation's, `part` "eval" draws only them and "train" only the others: training never reads them."""
         self.shards, self.length, self.eos = shards, length, eos
         counts = [(len(s.tokens) - 1) // length for s in shards]
         self.ends = np.cumsum(counts, dtype=np.int64)
-        self.total = int(self.ends[-1]) if len(shards) else 0
+        every = int(self.ends[-1]) if len(shards) else 0
+        kept = every - int(np.ceil(held_out * every)) if held_out > 0 else every
+        self.first, self.total = (0, kept) if part == "train" else (kept, every - kept)
         if self.total == 0:
-            raise ValueError(f"no window of {length + 1} tokens in {len(shards)} shard(s)")
+            raise ValueError(f"no window of {length + 1} tokens in {len(shards)} shard(s)"
+                             + (f" for {part} (held out: {held_out})" if held_out > 0 else ""))
 
     def locate(self, seed: int, sample: int) -> tuple[int, int]:
         """(shard index, token offset) of sample `sample` (>= 0) of the run seeded `seed`."""
         epoch, r = divmod(sample, self.total)
-        w = permute(r, self.total, mix(seed, epoch, self.total))
+        w = self.first + permute(r, self.total, mix(seed, epoch, self.total))
         k = int(np.searchsorted(self.ends, w, side="right"))
         return k, (w - (int(self.ends[k - 1]) if k else 0)) * self.length
 

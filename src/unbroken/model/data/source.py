@@ -29,19 +29,24 @@ from unbroken.model.data.sampling import Windows, length_range, mix
 class DataSource:
     """Microbatches of a run. Build one per process; `microbatch` is cheap and pure in (seed, step, i).
 
+    `held_out` > 0 (eval.split): that fraction of the data is evaluation's (the tail of a text corpus, the
+    last windows of token files); `part` "train" never reads it, "eval" reads only it.
+
     `microbatches` is the run's microbatches per step (run.microbatches): token files number their samples
     densely with it, so call `microbatch(step, i)` with 0 <= i < microbatches. Text corpora ignore it."""
 
     def __init__(self, cfg: DataConfig, block_size: int, seed: int, corpus: Corpus | None = None,
-                 microbatches: int = 1):
+                 microbatches: int = 1, held_out: float = 0.0, part: str = "train"):
         self.cfg, self.block, self.seed, self.microbatches = cfg, block_size, seed, microbatches
         self.lo, self.hi = length_range(cfg.seq_len, block_size)
         self.corpus, self.windows = corpus, None
         if corpus is None and cfg.path and not is_text(cfg.path, cfg.format):
             self.windows = Windows(_long_enough(open_shards(cfg.path, cfg.format, cfg.dtype), self.hi),
-                                   self.hi, cfg.eos)
+                                   self.hi, cfg.eos, held_out, part)
             return
         self.corpus = corpus or Corpus.load(cfg.path, cfg.max_files)
+        if held_out > 0:  # eval.split: the corpus's tail is evaluation's, its head training's
+            self.corpus = self.corpus.split(held_out, part)
         if len(self.corpus.tokens) <= self.hi + 1:
             raise ValueError(f"corpus has {len(self.corpus.tokens)} tokens, fewer than one sequence")
 

@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--tensorboard", default="", help="write TensorBoard event files to this directory")
+    ap.add_argument("--wandb", default="", help="log to this Weights & Biases project (trackers.py)")
     ap.add_argument("--checkpoint-dir", default="", help="where to look for the newest complete checkpoint")
     ap.add_argument("--store", default="", help="etcd://...: the run's state lives there (else: serve a TCPStore)")
     ap.add_argument("--lease-ttl", type=int, default=5, help="s: with etcd, a standby leads this long after a death")
@@ -307,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         address = f"{a.host}:{store.port}"
     print(f"UNBROKEN_STORE={address}", flush=True)
     # what the run is doing, for operators: /metrics, TensorBoard, the store's status snapshot
-    exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir)
+    exporter = Exporter(a.run_dir, store, a.metrics_port, a.metrics_host, a.tensorboard, a.checkpoint_dir,
+                        wandb=a.wandb)
     return serve(store, address, a.replicas, log,
                  lambda s: Coordinator(s, a.replicas, log, a.heartbeat_timeout, a.progress_timeout,
                                        a.startup_timeout, quotas=a.quotas, beat_every=a.poll,

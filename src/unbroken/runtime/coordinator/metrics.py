@@ -1,5 +1,5 @@
 """Live figures of a running job, kept by the coordinator: Prometheus `/metrics`, TensorBoard event files,
-and the status snapshot in the store that `unbroken status HOST:PORT` reads.
+Weights & Biases (trackers.py), and the status snapshot in the store that `unbroken status HOST:PORT` reads.
 
 Owns: tailing RUN_DIR/events.jsonl into a `RunView` (the coordinator sees every process's records
 there, as the launcher does), the Prometheus metric names and labels, what goes to TensorBoard, and the
@@ -7,7 +7,8 @@ there, as the launcher does), the Prometheus metric names and labels, what goes 
 (the coordinator and members), rendering (observe/status.py).
 
 Both exporters are optional extras (`pip install unbroken[metrics]`): `prometheus_client` is imported only
-with `--metrics.port`, `torch.utils.tensorboard` (which needs `tensorboard`) only with `--metrics.tensorboard`.
+with `--metrics.port`, `torch.utils.tensorboard` (which needs `tensorboard`) only with `--metrics.tensorboard`,
+`wandb` (`unbroken[wandb]`) only with `--metrics.wandb`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 from unbroken.config import ConfigError
 from unbroken.runtime.store import keys
 from unbroken.observe.view import RunView
+from unbroken.runtime.coordinator.trackers import Figure, WandbRun, figures
 
 # Records the view does not fold (most of the log): skipped unparsed, as the launcher's tail does.
 _SKIP = tuple(f'{{"event":"{kind}"'.encode() for kind in ("compute", "reduce", "applied"))
@@ -29,15 +31,17 @@ HEALTH = ("healthy", "suspect", "slow", "dead")
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)  # s
 
 
-def preflight(port: int, host: str, tensorboard: str) -> None:
+def preflight(port: int, host: str, tensorboard: str, wandb: str = "") -> None:
     """Raise ConfigError (one line naming the option) when the metrics asked for cannot be served: an
     extra not installed, or `host:port` not bindable. Call before a run touches its directory; the
     coordinator binds the port for real moments later."""
     import importlib.util
 
-    for option, value, module in (("port", port, "prometheus_client"), ("tensorboard", tensorboard, "tensorboard")):
+    for option, value, module, extra in (("port", port, "prometheus_client", "metrics"),
+                                         ("tensorboard", tensorboard, "tensorboard", "metrics"),
+                                         ("wandb", wandb, "wandb", "wandb")):
         if value and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"metrics.{option}={value}: needs {module} (pip install 'unbroken[metrics]')")
+            raise ConfigError(f"metrics.{option}={value}: needs {module} (pip install 'unbroken[{extra}]')")
     if port:
         check_port(host, port)
 
@@ -59,7 +63,7 @@ class Exporter:
     thread and read the view under a lock."""
 
     def __init__(self, run_dir: str | Path, store, port: int = 0, host: str = "127.0.0.1", tensorboard: str = "",
-                 checkpoint_dir: str = "", every: float = 0.5):
+                 checkpoint_dir: str = "", every: float = 0.5, wandb: str = ""):
         self.events, self.store, self.every = Path(run_dir) / "events.jsonl", store, every
         self.run_dir = str(Path(run_dir).resolve())
         self.view, self.lock, self.offset = RunView(history=False), threading.Lock(), 0
@@ -75,6 +79,7 @@ class Exporter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(tensorboard)
+        self.wandb = WandbRun(wandb, run_dir) if wandb else None
 
     def poll(self, force: bool = False) -> None:
         """Read what the log gained, update the figures and the store's status snapshot. Never raises:
@@ -112,44 +117,31 @@ class Exporter:
                 self.next_ckpt = now + 2.0  # a directory listing: not every round
                 self.view.checkpoint_step = latest_checkpoint_step(self.ckpt_dir, self.view.run_id)
             status = self.view.status(time.time())
+        points = figures(shown, self.view) if self.writer is not None or self.wandb is not None else []
+        if self.wandb is not None:
+            self.wandb.log(points, self.view.run_id)
         if self.writer is not None:
-            self._tensorboard(shown)
+            self._tensorboard(points)
         status["run_dir"] = self.run_dir
         status["metrics_error"] = self.error
         self.store.set(keys.status(), json.dumps(status))
 
-    def _tensorboard(self, shown: list[tuple[str, dict[str, Any]]]) -> None:
-        """Per committed step: loss, tokens/s, live replicas, committed tokens; per recovery its seconds
-        and redone microbatches at the step it interrupted; faults as text. Global step = training step."""
-        w, v = self.writer, self.view
-        for kind, r in shown:
-            if kind == "step":
-                s, t = r["step"], r["t"]
-                w.add_scalar("loss", r["loss"], s, walltime=t)
-                for key in ("lr", "grad_norm"):  # what the optimizer step recorded (None: not taken)
-                    if r.get(key) is not None:
-                        w.add_scalar(key, r[key], s, walltime=t)
-                w.add_scalar("live_replicas", r["replicas"], s, walltime=t)
-                w.add_scalar("committed_tokens", v.tokens, s, walltime=t)
-                tps = v.tokens_per_second()
-                if tps is not None:
-                    w.add_scalar("tokens_per_second", tps, s, walltime=t)
-            elif kind == "incident":
-                w.add_scalar("recovery/seconds", r["seconds"], r["step"], walltime=r["start"])
-                w.add_scalar("recovery/redone_microbatches", r["redone"], r["step"], walltime=r["start"])
-                w.add_text("recoveries", f"step {r['step']}: {r['cause']}, {r['seconds']:.3f} s lost, "
-                                         f"{r['redone']} microbatches redone", r["step"], walltime=r["start"])
-            elif kind == "fault":
-                detail = ", ".join(f"{k}={r[k]}" for k in ("replica", "node", "phase") if r.get(k) is not None)
-                w.add_text("faults", f"{r['kind']} at step {r.get('step')}: {detail}", r.get("step") or 0,
-                           walltime=r["t"])
-        if shown:
-            w.flush()
+    def _tensorboard(self, points: list[Figure]) -> None:
+        """trackers.figures' points: scalars, and texts (recoveries, faults). Global step = training step."""
+        for p in points:
+            if isinstance(p.value, str):
+                self.writer.add_text(p.tag, p.value, p.step, walltime=p.t)
+            else:
+                self.writer.add_scalar(p.tag, p.value, p.step, walltime=p.t)
+        if points:
+            self.writer.flush()
 
     def close(self) -> None:
         self.poll(force=True)
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.server is not None:
             self.server.shutdown()
 
@@ -168,6 +160,9 @@ class Exporter:
                                     "steps", value=v.tokens_per_second() or 0.0)
             yield GaugeMetricFamily("unbroken_loss", "Training loss of the latest committed step",
                                     value=last["loss"] if last else float("nan"))
+            yield GaugeMetricFamily("unbroken_eval_loss", "Validation loss of the latest evaluated step's "
+                                    "parameters (NaN: none yet; eval.every)",
+                                    value=v.evals[max(v.evals)] if v.evals else float("nan"))
             yield GaugeMetricFamily("unbroken_learning_rate", "Learning rate of the latest committed step "
                                     "(group 0's)", value=_number(last, "lr"))
             yield GaugeMetricFamily("unbroken_grad_norm", "Global norm of the latest committed step's reduced "

@@ -139,7 +139,7 @@ def _run_dir(cfg: Config) -> Path:
     except OSError as e:
         raise ConfigError(f"--out {str(out)!r}: {e.strerror or e}") from None
     m = cfg.metrics
-    preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
+    preflight(m.port, m.host, m.tensorboard, m.wandb)  # a bad metrics option fails before anything is touched
     return out
 
 
@@ -182,7 +182,8 @@ def _serve(cfg: Config, store: Store, address: str, log: EventLog, out: Path) ->
                                        shape=group_shape(cfg), detector=cfg.detector),
                  c.heartbeat_interval, until_finished=True,
                  exporter=Exporter(out, store, m.port, m.host, m.tensorboard,
-                                   str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else ""))
+                                   str(cfg.checkpoint.dir or out / "checkpoints") if cfg.checkpoint.every else "",
+                                   wandb=m.wandb))
 
 
 def _verdict(store: Store, code: int) -> str | None:

@@ -61,7 +61,7 @@ def launch(cfg: Config, worker_cmd: list[str] | None = None, title: str = "train
     `reform_refused`: why a group that loses a rank cannot re-form onto fewer ranks (api.check_host), for
     the coordinator's scheduler (replan.GroupShape)."""
     m = cfg.metrics
-    preflight(m.port, m.host, m.tensorboard)  # a bad metrics option fails before anything is touched
+    preflight(m.port, m.host, m.tensorboard, m.wandb)  # a bad metrics option fails before anything is touched
     store_preflight(cfg.coord.store, resume.run_id if resume else None)  # etcd: answers, holds no other run
     run_dir, run_id, log = _prepare(cfg, resume)
     t0 = time.time()

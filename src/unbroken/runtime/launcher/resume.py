@@ -26,7 +26,7 @@ from unbroken.faultspec import Fault
 
 # sections whose keys change the trajectory, the layout or how processes start: a resumed run runs as the run
 # it continues
-_FIXED = ("run.", "faults.", "launch.", "model.", "data.", "optim.", "snapshot.", "checkpoint.")
+_FIXED = ("run.", "faults.", "launch.", "model.", "data.", "eval.", "optim.", "snapshot.", "checkpoint.")
 _MAY_CHANGE = ("launch.progress", "run.threads")
 
 

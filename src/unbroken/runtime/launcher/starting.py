@@ -63,7 +63,7 @@ def start_coordinator(cfg: Config, run_dir: Path, n: int = 0, held: socket.socke
            "--detector", json.dumps(asdict(cfg.detector)),
            "--poll", str(cfg.coord.heartbeat_interval),  # reading beats faster than they come is waste
            "--metrics-port", str(cfg.metrics.port), "--metrics-host", cfg.metrics.host,
-           "--tensorboard", cfg.metrics.tensorboard,
+           "--tensorboard", cfg.metrics.tensorboard, "--wandb", cfg.metrics.wandb,
            "--checkpoint-dir", str(cfg.checkpoint.dir or run_dir / "checkpoints") if cfg.checkpoint.every else "",
            "--store", cfg.coord.store,  # etcd: the coordinator binds nothing, the state lives there
            "--lease-ttl", str(cfg.coord.lease_ttl), *(["--listen-fd", str(held.fileno())] if held else [])]

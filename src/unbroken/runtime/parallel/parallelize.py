@@ -48,7 +48,8 @@ from torch.distributed import DistNetworkError, PrefixStore, ProcessGroup, Store
 from unbroken.model.plan import ParallelPlan, has, plan_of, problems
 from unbroken.runtime.store import keys
 from unbroken.runtime.parallel.pipeline import Stages, split
-from unbroken.runtime.parallel.precision import autocast_forward, checkpoint_layers, policy as precision_policy
+from unbroken.runtime.parallel.precision import (autocast_forward, checkpoint_layers, compile_layers, prepare,
+                                                  policy as precision_policy, stage_forward)
 from unbroken.runtime.parallel.sockets import recorded
 from unbroken.topology import Topology, TopologyError
 
@@ -114,7 +115,8 @@ def unshared_store(env: dict[str, str], timeout: datetime.timedelta, relay: Stor
 def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None = None, exact: bool = False,
                 rank: int = 0, shape: tuple[int, int] | None = None, device: torch.device | None = None,
                 mixed_precision: str = "off", checkpointing: str = "none", plan: ParallelPlan | None = None,
-                custom: Callable[..., nn.Module] | None = None) -> tuple[nn.Module, Stages | None]:
+                custom: Callable[..., nn.Module] | None = None,
+                compile_backend: str | None = None) -> tuple[nn.Module, Stages | None]:
     """(The module this rank trains, its pipeline stage or None). Call once, after the model's construction
     (seeded: identical on every rank) and before building the optimizer over the module's parameters.
     `group` is the replica group's own process group (`intra_group`; None for one-rank groups); `rank`
@@ -124,15 +126,18 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     precision.py applies, checkpointing after TP and before FSDP2, bf16 through FSDP2's policy where it
     shards the model and autocast where it does not. `plan`: the modules each parallelism acts on
     (`plan_of(model)` when None). `custom`: a user's torchtitan-style parallelize(model, mesh, dims) that
-    applies FSDP2 and TP itself in place of the plan's (`_custom`). Raises TopologyError for a layout it
-    or the plan cannot apply."""
+    applies FSDP2 and TP itself in place of the plan's (`_custom`). `compile_backend`: torch.compile each
+    block with it (model.compile: precision.compile_layers, after TP and checkpointing, before FSDP2); None:
+    eager. Raises TopologyError for a layout it or the plan cannot apply."""
     device = torch.device("cpu") if device is None else device
     plan = plan_of(model) if plan is None else plan
     if topology.group_size == 1:
-        return autocast_forward(checkpoint_layers(model, checkpointing, plan), mixed_precision, device), None
+        return prepare(model, mixed_precision, checkpointing, device, plan, compile_backend), None
     if group is None or group.size() != topology.group_size:
         raise TopologyError(f"group_size={topology.group_size} needs the replica group's process group")
     if custom is not None:
+        if compile_backend:  # api.check_host refuses it first
+            raise TopologyError("model.compile=true with a parallelize function: compile the blocks in it")
         return _custom(model, custom, topology, _mesh(topology, group, device), precision_policy(mixed_precision,
                                                                                                  exact)), None
     wrong = problems(model, plan, topology.tp, topology.pp)
@@ -142,8 +147,6 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
     if topology.pp > 1:
         if shape is None:
             raise TopologyError(f"pp={topology.pp}: the stages need a static microbatch shape")
-        if mixed_precision != "off":  # config.tree refuses it first: the stages pass float32 tensors
-            raise TopologyError(f"parallel.mixed_precision={mixed_precision} with pp={topology.pp}")
         stage, shard, _ = topology.coords(rank)
         model, tied = split(model, stage, topology.pp, plan=plan)
         pipe, sharded = group, None
@@ -156,15 +159,22 @@ def parallelize(model: nn.Module, topology: Topology, group: ProcessGroup | None
             if topology.tp > 1:
                 model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)
         model = checkpoint_layers(model, checkpointing, plan)  # the stage's own blocks, inside their FSDP2 units
+        if compile_backend:
+            model = compile_layers(model, compile_backend, plan)
         if topology.dp_shard > 1:
             model = _fully_shard(model, plan, mesh["dp_shard"], policy)
             sharded = (shard, topology.dp_shard, policy.reduce_dtype or next(model.parameters()).dtype)
+        # bf16: FSDP2's policy casts the parameters where it shards, autocast where it does not; the stage
+        # sends its activations in bf16 either way
+        sends = stage_forward(model, mixed_precision, device, stage == topology.pp - 1, autocast=sharded is None)
         return model, Stages(model, stage, topology.pp, pipe, tied, shape, plan.pp.hidden, plan.pp.vocab,
-                             plan.loss, device, sharded, extra=plan.inputs)
+                             plan.loss, device, sharded, extra=plan.inputs, activations=sends)
     mesh = _mesh(topology, group, device)
     if topology.tp > 1:  # TP first, then FSDP2 over it (torchtitan's order)
         model = _tensor_parallel(model, plan, mesh["tp"], topology.tp)
     model = checkpoint_layers(model, checkpointing, plan)
+    if compile_backend:
+        model = compile_layers(model, compile_backend, plan)
     if topology.dp_shard > 1:
         return _fully_shard(model, plan, mesh["dp_shard"], policy), None
     return autocast_forward(model, mixed_precision, device), None
@@ -175,7 +185,8 @@ def describe(model: nn.Module, plan: ParallelPlan, stages: Stages | None) -> dic
     `parallelized` event): `fsdp_units`, the paths of its FSDP2 units in module order ("" the root);
     `tp_sharded`, how many of its parameters a mesh's "tp" dimension splits; `stage`, its pipeline stage
     (None without); `stack`, the keys of the plan's layers container it holds (None without one); and
-    `inputs`, the plan's extra inputs its forward takes. Call once, after `parallelize`."""
+    `inputs`, the plan's extra inputs its forward takes; `compiled`, how many of those layers torch.compile
+    wraps (model.compile). Call once, after `parallelize`."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
@@ -189,7 +200,8 @@ def describe(model: nn.Module, plan: ParallelPlan, stages: Stages | None) -> dic
     return {"fsdp_units": [n for n, m in model.named_modules() if isinstance(m, FSDPModule)],
             "tp_sharded": sum(split_by_tp(p) for p in model.parameters()),
             "stage": stages.index if stages is not None else None,
-            "stack": list(held) if held is not None else None, "inputs": list(plan.inputs)}
+            "stack": list(held) if held is not None else None, "inputs": list(plan.inputs),
+            "compiled": sum(getattr(b, "_compiled_call_impl", None) is not None for b in (held or {}).values())}
 
 
 def tensor_parallel(model: nn.Module, topology: Topology, group: ProcessGroup, device: torch.device,

@@ -140,7 +140,7 @@ class Stages:
                  tied: Tied, shape: tuple[int, int], width: int, vocab: int,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | None = None,
                  sharded: tuple[int, int, torch.dtype] | None = None, apart: bool = False,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), activations: torch.dtype = torch.float32):
         """`shape`: (rows, tokens) of every microbatch; `width`: the hidden size C passed between stages;
         `vocab`: the last stage's output size; `loss(output, targets)`: a microbatch's mean loss; `device`:
         the rank's (the model already on it; CPU when None); `sharded`: (this rank's FSDP shard, the
@@ -150,7 +150,9 @@ class Stages:
         gradient, not their float32 sum (a pipeline re-formed from a group whose full plan had FSDP2 inside
         its stages, trainer/replan_reform.py: that plan added the parts in float64, `_sum_tied_shards`);
         `extra`: the microbatch fields beyond x and y that the model's forward takes as keywords (its
-        plan's `inputs`), handed to every stage's forward (`_keywords`)."""
+        plan's `inputs`), handed to every stage's forward (`_keywords`); `activations`: the dtype of the
+        hidden states passed between stages and of their gradients (bf16 under parallel.mixed_precision:
+        precision.stage_forward casts what a stage sends), the last stage's logits float32 either way."""
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.index, self.stages, self.group = model, stage, stages, group
@@ -161,8 +163,9 @@ class Stages:
         # forward/backward of its own (it would call the loss and touch .grad outside our accounting).
         # Hidden states carry gradients (requires_grad: the stage derives the gradients' buffers from it).
         inputs = (torch.empty(B, T, dtype=torch.int64, device=device) if self.first
-                  else torch.empty(B, T, width, device=device, requires_grad=True))
-        outputs = torch.empty(B, T, vocab if self.last else width, device=device, requires_grad=True)
+                  else torch.empty(B, T, width, dtype=activations, device=device, requires_grad=True))
+        outputs = torch.empty(B, T, vocab if self.last else width, dtype=torch.float32 if self.last else activations,
+                              device=device, requires_grad=True)
         self.stage = PipelineStage(model, stage, stages, device, input_args=inputs, output_args=outputs, group=group)
         self.loss = loss
         self.sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (parameter, its gradient)
@@ -220,6 +223,24 @@ class Stages:
             self._sum_tied(n)
         self.before = self.after = None
         return [loss.detach() for loss in losses]
+
+    def evaluate(self, mb: Microbatch) -> torch.Tensor | None:
+        """A forward of one microbatch through the pipeline, no backward (validation: every rank of the group
+        calls it with the same microbatch, its shard's rows of it); the last stage's mean loss, None on the
+        others. The training schedule is built again at the next `run`: a schedule prepares the stage for
+        its own number of microbatches."""
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        schedule = ScheduleGPipe(self.stage, 1, loss_fn=self.loss, scale_grads=False)
+        self._schedule, self._n = None, 0
+        keywords, losses = self._keywords([mb]), []
+        if self.first:
+            schedule.eval(mb.x.to(self.device), **keywords)
+        elif self.last:
+            schedule.eval(target=mb.y.to(self.device), losses=losses, **keywords)
+        else:
+            schedule.eval(**keywords)
+        return losses[0].detach() if self.last else None
 
     def _keywords(self, microbatches: list[Microbatch]) -> dict[str, torch.Tensor]:
         """The extra inputs of a schedule's batch: each of `extra` that the microbatches hold, their rows

@@ -1,9 +1,9 @@
-"""What a rank computes in and what it keeps: bf16 mixed precision and activation checkpointing.
+"""What a rank computes in and what it keeps: bf16 mixed precision, activation checkpointing, torch.compile.
 
 Owns: the FSDP2 `MixedPrecisionPolicy` of a group of shards (`policy`), autocast around the forward of a
 model FSDP2 does not wrap (`autocast_forward`: one-rank groups, tensor parallelism without shards, a
-shrunk group's stand-in), and torch.utils.checkpoint around each transformer block
-(`checkpoint_layers`). Does not own: which modules are the blocks (the model's plan says: its layers container), the
+shrunk group's stand-in), torch.utils.checkpoint around each transformer block
+(`checkpoint_layers`), and torch.compile of each block (`compile_layers`). Does not own: which modules are the blocks (the model's plan says: its layers container), the
 order of TP, checkpointing and FSDP2 (parallelize.py applies them as torchtitan does: TP, then
 checkpointing, then FSDP2), or the accumulator's dtype (accumulator.py: float32, float64 under --exact,
 whatever the compute dtype).
@@ -59,6 +59,29 @@ def autocast_forward(model: nn.Module, mixed_precision: str, device: torch.devic
     return model
 
 
+def stage_forward(model: nn.Module, mixed_precision: str, device: torch.device, last: bool,
+                  autocast: bool = True) -> torch.dtype:
+    """A pipeline stage's forward under bf16 ("bf16"): under autocast unless FSDP2's policy casts it
+    (`autocast` False), its floating output cast to bf16 on a stage that sends it on (the activations
+    between stages, and their gradients coming back, travel in bf16) and widened to float32 on the last
+    (its loss is float32 as elsewhere). Returns the dtype the stage sends (bf16), or float32 for "off"
+    (`model` then unchanged). Call once, after FSDP2, before `Stages` (its inputs and outputs take the dtype)."""
+    if mixed_precision == "off":
+        return torch.float32
+    forward, out_dtype = model.forward, torch.float32 if last else torch.bfloat16
+
+    def bf16_stage_forward(*args: Any, **kwargs: Any) -> Any:
+        if autocast:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = forward(*args, **kwargs)
+        else:
+            out = forward(*args, **kwargs)
+        return out.to(out_dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    model.forward = bf16_stage_forward
+    return torch.bfloat16
+
+
 def checkpointed(mode: str, n: int) -> list[int]:
     """Indices of the blocks out of `n` (the whole model's) that `mode` checkpoints: all ("full"), every
     other one ("selective": blocks 1, 3, 5, ..., as torchtitan's layer-wise selective checkpointing with
@@ -94,6 +117,38 @@ def checkpoint_layers(model: nn.Module, mode: str, plan: ParallelPlan | None = N
     return model
 
 
+def compile_layers(model: nn.Module, backend: str, plan: ParallelPlan | None = None) -> nn.Module:
+    """`model` with each block of `plan`'s layers container (`plan_of(model)` when None; those a pipeline
+    stage kept) compiled in place (`nn.Module.compile`: its `__call__`, so parameter names stay), as
+    torchtitan's apply_compile compiles each TransformerBlock: after TP and activation checkpointing, before
+    FSDP2. Compiled lazily, at the first forward. Raises TopologyError for a plan without layers."""
+    container = (plan or plan_of(model)).layer_container(model)
+    if container is None:
+        raise TopologyError("model.compile=true needs a model whose parallel plan names its layers")
+    if backend == "inductor":
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1  # compile in this process: no pool of compile workers beside each rank
+    for block in container.values():
+        block.compile(backend=backend)
+    return model
+
+
+def compile_problem(backend: str, device: str) -> str | None:
+    """Why model.compile_backend=`backend` cannot run on `device` ("cpu" or "cuda") here, or None."""
+    import importlib.util
+    import shutil
+
+    if backend != "inductor":
+        return None
+    if device == "cuda" and importlib.util.find_spec("triton") is None:
+        return "inductor on a GPU needs Triton (pip install triton), or use --model.compile_backend=aot_eager"
+    if device == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "inductor on the CPU needs a C++ compiler (c++, g++ or clang++ on PATH), or use " \
+               "--model.compile_backend=aot_eager"
+    return None
+
+
 def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
     from torch.utils.checkpoint import checkpoint
 
@@ -115,8 +170,11 @@ def recomputed_blocks(model: nn.Module, plan: ParallelPlan | None = None) -> lis
 
 
 def prepare(model: nn.Module, mixed_precision: str, checkpointing: str, device: torch.device,
-            plan: ParallelPlan | None = None) -> nn.Module:
-    """A model FSDP2 does not shard, as parallelize leaves one: its blocks checkpointed, then its forward
-    under autocast. For a shrunk group's stand-in (trainer/admission.py, trainer/replan_reform.py), built
-    apart from parallelize."""
-    return autocast_forward(checkpoint_layers(model, checkpointing, plan), mixed_precision, device)
+            plan: ParallelPlan | None = None, compile_backend: str | None = None) -> nn.Module:
+    """A model FSDP2 does not shard, as parallelize leaves one: its blocks checkpointed, compiled where
+    `compile_backend` names a backend (model.compile), then its forward under autocast. For a shrunk
+    group's stand-in (trainer/admission.py, trainer/replan_reform.py) and one-rank groups."""
+    model = checkpoint_layers(model, checkpointing, plan)
+    if compile_backend:
+        model = compile_layers(model, compile_backend, plan)
+    return autocast_forward(model, mixed_precision, device)

@@ -3,7 +3,7 @@
 Owns: when to snapshot (every `snapshot.every` committed steps, each live replica writing the shares
 `policy.snapshotting.shares_of` gives it, adopted shares of dead replicas included; in replica groups,
 rank j snapshots its own FSDP2 shards into shard index j's family, shared across the groups), when to write a
-DCP checkpoint (every `checkpoint.every` steps, by the lowest live replica: data-parallel replicas hold
+DCP checkpoint (every `checkpoint.every` steps and the last, by the lowest live replica: data-parallel replicas hold
 identical state, so one copy suffices), and resuming a restarted trainer from the agents' memory or the
 latest checkpoint, verified before the first step. Does not own: slots, parity, agents (snapshot/),
 DCP's format (checkpoint.py), or deciding to restart (the launcher).
@@ -66,7 +66,9 @@ class Persistence:
     def after_commit(self, step: int, members: tuple[int, ...], on_snapshot=None) -> None:
         """Call once per committed step, after the optimizer step. Starts the copies and returns."""
         due_snap = self.cfg.snapshot.enabled and step % self.cfg.snapshot.every == 0
-        due_ckpt = self.ckpt is not None and step % self.cfg.checkpoint.every == 0 and self.me == min(members)
+        # the last step too, as torchtitan saves it: what `unbroken export` and a continued run start from
+        due_ckpt = (self.ckpt is not None and self.me == min(members)
+                    and (step % self.cfg.checkpoint.every == 0 or step == self.cfg.run.steps - 1))
         if not (due_snap or due_ckpt):
             return
         if due_snap:
@@ -88,7 +90,7 @@ class Persistence:
                 finally:
                     gate.set()
         if due_ckpt:
-            self.ckpt.maybe_save(step, training_state(self.model, self.optimizer))  # DCP stages a copy
+            self.ckpt.save_async(step, training_state(self.model, self.optimizer))  # DCP stages a copy
 
     def resume(self, source: str, generation: int, newest: int | None = None) -> int:
         """Load the state a restarted job continues from; returns the first step to run.

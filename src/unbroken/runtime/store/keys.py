@@ -28,6 +28,9 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   recorded/{s}          "1" once step s's record is written       its writer (with last_commit)
   last_commit           last committed step whose record is out   the record's writer
   reclaim/{s}           a survivor that writes it instead         CAS (the proposer died first)
+  eval/{s}/{i}          JSON [loss x tokens, tokens, group]: evaluation microbatch i of the parameters
+                        committed after step s                     whoever computed it (equal values)
+  evaled/{s}            the group that writes step s's `eval` record   CAS
   finished/{g}, nfinished   a member applied the last step; their count       member
   failed                JSON {"reason","last_committed_step"}     coordinator: every group lost
   pg/{shard}/{e}/{m}/... gloo's rendezvous of epoch e's group of members m (dot-joined) for shard index
@@ -169,6 +172,14 @@ def recorded(step: int) -> str:
 
 def last_commit() -> str:
     return "last_commit"
+
+
+def eval_result(step: int, i: int) -> str:
+    return f"eval/{step}/{i}"
+
+
+def eval_recorder(step: int) -> str:
+    return f"evaled/{step}"
 
 
 def reclaim(step: int) -> str:

@@ -40,15 +40,20 @@ def build(cfg: Config, factories: Factories, who: Identity, group, device=None) 
     device = torch.device("cpu") if device is None else device
     topology = cfg.topology()
     # moved before parallelize: TP and the pipeline stage move only what they split, FSDP2 all of it
-    model = factories.model(cfg).to(device)
+    model = factories.build_model(cfg).to(device)
     data = factories.data(cfg)  # after the model: its initial parameters take the seed's first draws
     shape = stage_shape(data, topology.dp_shard) if topology.pp > 1 else None
     plan = factories.plan_of(model)
     model, stages = parallelize(model, topology, group, cfg.run.exact, who.rank, shape, device,
                                 cfg.parallel.mixed_precision, cfg.model.activation_checkpointing,
-                                plan, factories.parallelize)
+                                plan, factories.parallelize, compile_backend=compiled(cfg))
     return Parts(model, data, optimizer_for(factories, model, cfg), group, stages, inputs=plan.inputs,
-                 applied=describe(model, plan, stages) if group is not None else {})
+                 applied=describe(model, plan, stages) if group is not None or cfg.model.compile else {})
+
+
+def compiled(cfg: Config) -> str | None:
+    """The torch.compile backend each block is compiled with (model.compile), or None: eager."""
+    return cfg.model.compile_backend if cfg.model.compile else None
 
 
 def stage_shape(data, shards: int) -> tuple[int, int]:
@@ -75,10 +80,10 @@ def build_standin(cfg: Config, factories: Factories, device=None) -> Parts:
 
     torch.manual_seed(cfg.run.seed)
     device = torch.device("cpu") if device is None else device
-    model = factories.model(cfg).to(device)
+    model = factories.build_model(cfg).to(device)
     plan = factories.plan_of(model)
     model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device,
-                    plan)  # unsharded: autocast, not FSDP2's policy
+                    plan, compiled(cfg))  # unsharded: autocast, not FSDP2's policy
     standin = StandIn(model, cfg.parallel.pp, cfg.parallel.tp, cfg.topology().dp_shard, plan=plan)
     return Parts(model, factories.data(cfg), optimizer_for(factories, model, cfg), None, None, standin,
                  plan.inputs)

@@ -58,6 +58,16 @@ class Factories:
     plan: object | None = None
     parallelize: Callable | None = None
 
+    def build_model(self, cfg: Config):
+        """The whole model as `model(cfg)` builds it, its weights replaced by model.init_from's Hugging Face
+        directory where the run names one (model/hfweights.py): every rank loads the same tensors before
+        its plan shards them. Call after seeding, where `model(cfg)` was called."""
+        model = self.model(cfg)
+        if cfg.model.init_from:
+            from unbroken.model.hfweights import load_into
+            load_into(model, cfg.model.init_from, cfg.model)
+        return model
+
     def plan_of(self, model) -> object:
         """The parallel plan of `model` (the whole model this process built): the user's, else the model's."""
         from unbroken.model.plan import plan_of
@@ -138,5 +148,5 @@ def default_factories() -> Factories:
 
     return Factories(model=lambda cfg: built_in(cfg.model, cfg.data.ignore_index),
                      data=lambda cfg: DataSource(cfg.data, cfg.model.block_size, cfg.run.seed,
-                                                  microbatches=cfg.run.microbatches),
+                                                  microbatches=cfg.run.microbatches, held_out=cfg.eval.split),
                      optimizer=default_optimizer)

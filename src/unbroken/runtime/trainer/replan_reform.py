@@ -135,7 +135,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     """This rank's `trainer.Parts`: the whole model (its state comes from a peer group's ranks by healing),
     tensor parallel over its team where the plan keeps TP, a stand-in of its held shard indices on it,
     pruned to its stage (the full stages it merged) and fed through the new group's pipeline, if any."""
-    from unbroken.runtime.trainer.admission import optimizer_for, stage_shape
+    from unbroken.runtime.trainer.admission import compiled, optimizer_for, stage_shape
     from unbroken.runtime.parallel.parallelize import tensor_parallel
     from unbroken.runtime.parallel.pipeline import Stages, merged_bounds, split
     from unbroken.runtime.parallel.precision import prepare
@@ -143,7 +143,7 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     from unbroken.runtime.trainer.stepwork import Parts
 
     torch.manual_seed(cfg.run.seed)
-    model = factories.model(cfg).to(device)
+    model = factories.build_model(cfg).to(device)
     data = factories.data(cfg)  # after the model: its initial parameters take the seed's first draws
     plan = factories.plan_of(model)  # the modules each parallelism acts on (model/plan.py)
     topology = cfg.topology()
@@ -151,8 +151,9 @@ def build(cfg: Config, factories, reform: Reform, device: torch.device):
     if reform.tp > 1:  # TP before the stand-in takes its parameters: TP replaces them with DTensors
         team = Topology(1, reform.size, tp=reform.tp, pp=reform.stages)
         model, pipe = tensor_parallel(model, team, dist.group.WORLD, device, plan)
-    # unsharded: autocast rather than FSDP2's policy (bf16 never has stages: config.tree refuses it)
-    model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device, plan)
+    # unsharded: autocast rather than FSDP2's policy (bf16 with stages never re-forms: config.tree refuses it)
+    model = prepare(model, cfg.parallel.mixed_precision, cfg.model.activation_checkpointing, device, plan,
+                    compiled(cfg))
     # a TP rank's part: slices of whole tensors without TP, its DTensors' local shards with it; with FSDP2,
     # every shard's rows of that part (it computes each shard's rows of a microbatch in turn)
     standin = StandIn(model, topology.pp, topology.tp, topology.dp_shard, held=reform.held,

@@ -49,6 +49,7 @@ from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.store.reasons import evicted, lost_rank
 from unbroken.runtime.trainer.devicetime import DeviceClock
+from unbroken.runtime.trainer.evaluation import Evaluator
 from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
@@ -115,6 +116,9 @@ class Trainer:
         self.reducer = Reducer(self.role, coord, log, injector, heartbeat, self.pipeline, self.group_of, self.params,
                                self.accs, choose(cfg.parallel.cross_backend, self.device) == "gloo",
                                int(cfg.parallel.bucket_mb * 2 ** 20))
+        self.evaluator = Evaluator(cfg, self.me, self.model, coord, log, heartbeat, injector, self.device,
+                                   self.inputs, self.wait_s, parts.group, who.rank, self.stages,
+                                   self.role) if cfg.eval.every else None
         self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                            cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
                                j, self.optimizer)) if standin else None, self.role.shard_tag)
@@ -467,6 +471,8 @@ class Trainer:
             step=step, loss=loss, microbatches=self.cfg.run.microbatches, tokens=work.tokens,
             step_time=round(work.stepped - work.started, 6), lr=work.lr, grad_norm=work.grad_norm), digests)
         self.donor.heal(step, members, commit.plan)
+        if self.evaluator is not None:  # the committed parameters' validation loss (evaluation.py)
+            self.evaluator.after_commit(step, members)
 
     def fence(self, step: int, reason: str) -> None:
         """Leave the run: declared dead, this process must write nothing into a later step. Raises
