@@ -33,7 +33,10 @@ in 23 steps, 1.5x in 7, 2x in 3; 1.2x (log 0.18) is below the allowance: never.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import deque
+from itertools import repeat
+from operator import sub
 from dataclasses import dataclass
 
 
@@ -156,12 +159,17 @@ def robust_sd(xs: list[float]) -> float:
     srt = sorted(xs)
     n = len(srt)
     mid = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
-    dev = sorted(abs(v - mid) for v in srt)
+    dev = sorted(map(abs, map(sub, srt, repeat(mid))))
     scale = dev[min(n - 1, (3 * n) // 4)] / Q75_TO_SD
     lo, hi = (mid - WINSOR * scale, mid + WINSOR * scale) if scale > 0 else (-math.inf, math.inf)
-    clipped = [min(max(v, lo), hi) for v in srt]
-    mean = math.fsum(clipped) / n
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in clipped) / n)
+    # clipping a sorted list: a prefix below lo becomes lo, a suffix above hi becomes hi. fsum is exactly
+    # rounded, so the order the values are summed in does not change a bit of the result.
+    below, kept = bisect_left(srt, lo), bisect_right(srt, hi)
+    inner = srt[below:kept]
+    mean = math.fsum((*repeat(lo, below), *inner, *repeat(hi, n - kept))) / n
+    sq = math.fsum((*repeat((lo - mean) ** 2, below), *map(pow, map(sub, inner, repeat(mean)), repeat(2)),
+                    *repeat((hi - mean) ** 2, n - kept)))
+    return math.sqrt(sq / n)
 
 
 def effective(own: float | None, fleet: float | None, cfg: NoiseConfig) -> float:

@@ -35,8 +35,9 @@ from typing import Any
 
 from unbroken.policy import workload
 from unbroken.policy.detection import Detector, RegimeChange, Verdict, VerdictChange
-from unbroken.policy.predictor import MicrobatchTiming
+from unbroken.policy.predictor import SameWork
 from unbroken.sim.cluster import Fault
+from unbroken.sim.gauss import GaussStream
 from unbroken.sim.strategies.live import Live
 
 MB_NOISE = 0.05  # measured (see above): log-sd of a microbatch's device time about its replica-step
@@ -55,6 +56,7 @@ class LiveDetect(Live):
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self.detector = Detector()
+        self.noise = GaussStream(self.engine.rng)  # the engine's stream, drawn in blocks (sim/gauss.py)
         cfg = self.detector.config
         # observed steps after an episode changes: recover_steps calm steps take Slow back to Healthy, a
         # CUSUM at its cap drains by about `drift` a calm step; +1 for the step in flight at the change
@@ -144,17 +146,24 @@ class LiveDetect(Live):
         focus = [r for r in seg.members if r in factors or verdicts.get(r, Verdict.HEALTHY) is not Verdict.HEALTHY]
         keep = set(focus)
         healthy = [r for r in seg.members if r not in keep][:HEALTHY_SAMPLE]
-        gauss, mb, (tokens, sumsq) = self.engine.rng.gauss, self.sc.workload.microbatch_seconds, self.features
+        mb, (tokens, sumsq) = self.sc.workload.microbatch_seconds, self.features
         step = self.step - 1
         timings = {}
-        for r in sorted(keep.union(healthy)):
+        observed = sorted(keep.union(healthy))
+        # the deviates in the order one `gauss` call each would draw them: per replica (ascending), its
+        # replica-step component, then one per microbatch
+        sizes = [1 + counts[r] for r in observed]
+        z = self.noise.take(sum(sizes))
+        step_z = (0.0 + z * STEP_NOISE).tolist()
+        mb_e = list(map(math.exp, (0.0 + z * MB_NOISE).tolist()))
+        at, exp, lag, fresh = 0, math.exp, STEP_NOISE_LAG1, math.sqrt(1.0 - STEP_NOISE_LAG1 ** 2)
+        for r, size in zip(observed, sizes):
             # AR(1) with stationary log-sd STEP_NOISE: x' = phi x + sqrt(1 - phi^2) e
-            shared = STEP_NOISE_LAG1 * self.step_noise.get(r, 0.0) + \
-                math.sqrt(1.0 - STEP_NOISE_LAG1 ** 2) * gauss(0.0, STEP_NOISE)
+            shared = lag * self.step_noise.get(r, 0.0) + fresh * step_z[at]
             self.step_noise[r] = shared
-            base = mb * factors.get(r, 1.0) * math.exp(shared)
-            timings[r] = [MicrobatchTiming(tokens, sumsq, base * math.exp(gauss(0.0, MB_NOISE)))
-                          for _ in range(counts[r])]
+            base = mb * factors.get(r, 1.0) * exp(shared)
+            timings[r] = SameWork(tokens, sumsq, [base * e for e in mb_e[at + 1:at + size]])
+            at += size
             if r in factors:
                 self.slowed_until[r] = step
         self.observed += len(timings)
