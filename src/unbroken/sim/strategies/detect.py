@@ -207,6 +207,8 @@ class LiveDetect(Live):
         """Take new speeds; the stretch is rebuilt (next step boundary) only when the quotas change."""
         old, self.weights = self.weights, weights
         members = self.seg.members
+        if weights == old:  # quotas are a pure function of (M, members, weights): nothing moves
+            return
         if workload.quotas(self.M, members, weights) != workload.quotas(self.M, members, old):
             self.log.emit("quotas", t, step=self.step,
                           weights={str(r): round(s, 4) for r, s in (weights or {}).items() if s != 1.0})
