@@ -1,0 +1,78 @@
+"""The 131,072-GPU member of the scenario family: same seed, same log; the family's rates scale with size;
+the simulator's fast paths give exactly the values of the plain ones."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from unbroken.policy.detection import Detector
+from unbroken.policy.predictor import MicrobatchTiming, SameWork
+from unbroken.sim.gauss import GaussStream
+from unbroken.sim.runner import simulate
+from unbroken.sim.scenario import load
+from unbroken.sim.strategies import STRATEGIES
+
+FAMILY = {"1k": 1024, "16k": 16384, "131k": 131072}
+
+
+def short(name: str, hours: float):
+    sc = load(f"scenarios/llama3_{name}.toml")
+    return dataclasses.replace(sc, workload=dataclasses.replace(sc.workload, duration_hours=hours))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_131k_same_seed_same_log(strategy):
+    # 1.5 h of the 131K scenario at full DP 1,024: ~4 interruptions expected (one every 23 min)
+    sc = short("131k", 1.5)
+    a = simulate(sc, strategy, seed=11, keep=True)
+    b = simulate(sc, strategy, seed=11, keep=True)
+    assert a.digest == b.digest and a.records == b.records
+    assert a.end["tokens"] > 0 and a.records[0]["gpus"] == 131072
+    assert sum(r["event"] == "fault" for r in a.records) >= 2  # failures did happen, and were replayed alike
+
+
+def test_family_rates_grow_with_components():
+    rates = {n: load(f"scenarios/llama3_{n}.toml") for n in FAMILY}
+    for n, sc in rates.items():
+        assert sc.cluster.gpus == FAMILY[n] and sc.cluster.tp == 8 and sc.cluster.pp == 16
+        assert {"cluster.dp", "workload.duration_hours"} <= set(sc.chosen) or n == "16k"
+    base = rates["16k"]
+    for n, sc in rates.items():
+        k = sc.cluster.gpus / base.cluster.gpus
+        for c, c16 in zip(sc.causes, base.causes):  # the same causes, each rate x the GPU count
+            assert c.name == c16.name
+            assert c.rate_per_second(sc.cluster.gpus) == pytest.approx(k * c16.rate_per_second(base.cluster.gpus))
+        # the same GPU-hours in each member, so the same expected interruptions (419 unexpected)
+        assert sc.failure_rate() * sc.workload.duration_hours * 3600 == pytest.approx(419, rel=1e-9)
+
+
+def test_gauss_stream_is_random_gauss():
+    for seed in range(3):
+        ref, src = random.Random(f"engine:{seed}"), random.Random(f"engine:{seed}")
+        stream = GaussStream(src)
+        got = [x for n in (1, 2, 17, 70_000, 3) for x in stream.take(n).tolist()]
+        assert got == [ref.gauss(0.0, 1.0) for _ in got]
+        assert [0.0 + z * 0.05 for z in got[:100]] == [random.Random(f"engine:{seed}").gauss(0.0, 0.05)
+                                                      for _ in range(1)] + [0.0 + z * 0.05 for z in got[1:100]]
+    src = random.Random(1)
+    src.gauss()
+    with pytest.raises(ValueError):
+        GaussStream(src)  # a cached second deviate would be skipped: refused
+
+
+def test_same_work_scores_as_plain_timings():
+    rng = random.Random(4)
+    a, b = Detector(), Detector()
+    for step in range(60):
+        timings = {r: [rng.lognormvariate(-1.0, 0.05) * (1.6 if r == 3 and step > 30 else 1.0) for _ in range(8)]
+                   for r in range(12)}
+        va = a.observe(step, {r: SameWork(8192, 8192.0 ** 2, s) for r, s in timings.items()})
+        vb = b.observe(step, {r: [MicrobatchTiming(8192, 8192.0 ** 2, x) for x in s] for r, s in timings.items()})
+        assert va == vb and a.speeds() == b.speeds() and a.noise() == b.noise()
+        assert a.take_events() == b.take_events()
+    assert a.verdicts()[3].value == "slow"  # the 1.6x replica was found, by both
+    with pytest.raises(ValueError):
+        SameWork(1, 1.0, [0.5, 0.0])
