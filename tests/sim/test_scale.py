@@ -76,3 +76,24 @@ def test_same_work_scores_as_plain_timings():
     assert a.verdicts()[3].value == "slow"  # the 1.6x replica was found, by both
     with pytest.raises(ValueError):
         SameWork(1, 1.0, [0.5, 0.0])
+
+
+def test_cost_model_prices_bytes_at_the_stated_links(capsys):
+    from unbroken.sim import calibrate, costmodel
+    sc16, sc131 = load("scenarios/llama3_16k.toml"), load("scenarios/llama3_131k.toml")
+    c16 = {c.name: c for c in costmodel.derive(sc16)}
+    c131 = {c.name: c for c in costmodel.derive(sc131)}
+    per_gpu = 126 * 51.2e9 / 128  # the 405B state of one rank of a TP 8 x PP 16 group
+    assert c16["rejoin_seconds"].seconds == pytest.approx(11.8 + per_gpu / 50e9)
+    # the snapshot share is the rank's state over DP: 8x more groups, an 8x smaller copy
+    copy16 = c16["snapshot_seconds"].seconds - 0.00135
+    assert c131["snapshot_seconds"].seconds - 0.00135 == pytest.approx(copy16 / 8)
+    # gloo through host memory is priced apart from NCCL, and far above it
+    assert c16["reduce_gloo_host_per_step"].seconds > 50 * c16["reduce_nccl_per_step"].seconds
+    for c in c16.values():
+        assert c.seconds > 0 and c.inputs and all(k in costmodel.FIGURES for k in c.inputs)
+    assert calibrate.main(["costs", "scenarios/llama3_16k.toml"]) == 0
+    out = capsys.readouterr().out
+    assert "reduce_gloo_host_per_step" in out and "PCI-SIG" in out and "measured here" in out
+    assert calibrate.main(["costs", "nope.toml"]) == 2
+    assert calibrate.main([]) == 2
