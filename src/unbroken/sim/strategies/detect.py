@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import islice
 from typing import Any
 
 from unbroken.policy import workload
@@ -68,6 +69,7 @@ class LiveDetect(Live):
         self.observed = self.false_alarms = self.alarms = 0  # replica-steps observed; Slow verdicts
         self.armed = -1  # seg_id whose next step end has a `detect` event
         self.plan_of = (-1, Counter(), {})  # (seg_id, microbatches per member, slowdown factors != 1)
+        self.member_set: tuple[int, frozenset[int]] = (-1, frozenset())  # (seg_id, its members)
         w = self.sc.workload
         self.features = (w.tokens_per_microbatch, float(w.tokens_per_microbatch) ** 2)
         # steps between the starts of healthy-stretch windows: the failure-free step count over HEALTHY_WINDOWS
@@ -143,9 +145,13 @@ class LiveDetect(Live):
         seg = self.seg
         _, counts, factors = self.plan_of
         verdicts = self.detector.verdicts()
-        focus = [r for r in seg.members if r in factors or verdicts.get(r, Verdict.HEALTHY) is not Verdict.HEALTHY]
-        keep = set(focus)
-        healthy = [r for r in seg.members if r not in keep][:HEALTHY_SAMPLE]
+        if self.member_set[0] != self.seg_id:
+            self.member_set = (self.seg_id, frozenset(seg.members))
+        members = self.member_set[1]
+        # the members slowed or not Healthy, found from those few (not by a pass over the fleet)
+        keep = {r for r in factors if r in members} | \
+            {r for r, v in verdicts.items() if v is not Verdict.HEALTHY and r in members}
+        healthy = list(islice((r for r in seg.members if r not in keep), HEALTHY_SAMPLE))
         mb, (tokens, sumsq) = self.sc.workload.microbatch_seconds, self.features
         step = self.step - 1
         timings = {}
