@@ -97,3 +97,28 @@ def test_cost_model_prices_bytes_at_the_stated_links(capsys):
     assert "reduce_gloo_host_per_step" in out and "PCI-SIG" in out and "measured here" in out
     assert calibrate.main(["costs", "nope.toml"]) == 2
     assert calibrate.main([]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_cli_family_writes_one_table_and_plot(tmp_path, capsys):
+    from unbroken.sim import cli
+    # the family at 1K and 131K for 1 h each, two strategies: one table row per size and strategy
+    paths = []
+    for n in ("1k", "131k"):
+        lines = open(f"scenarios/llama3_{n}.toml").read().splitlines()
+        text = "\n".join("duration_hours = 1.0" if x.startswith("duration_hours") else x for x in lines)
+        paths.append(tmp_path / f"{n}.toml")
+        paths[-1].write_text(text)
+    out = tmp_path / "out"
+    args = [str(p) for p in paths] + ["--out", str(out), "--strategy", "checkpoint_restart",
+                                      "--strategy", "unbroken_live"]
+    assert cli.main(["sim", *args]) == 0
+    table = (out / "family.md").read_text()
+    sizes = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert sizes == ["1,024", "1,024", "131,072", "131,072"] and "1.000x" in table
+    assert (out / "family.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "llama3-131k" / "unbroken_live" / "events.jsonl").stat().st_size > 0
+    capsys.readouterr()
+    assert cli.main(["sim", str(paths[0]), str(tmp_path / "missing.toml"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.toml" in err[0]
