@@ -21,3 +21,14 @@ def test_run_start_names_what_the_runtime_cannot_do(path, keys):
         recs = simulate(load(path), strategy, seed=0, keep=True, aggregate_seconds=3600).records
         start = next(r for r in recs if r["event"] == "run_start")
         assert start["beyond_runtime"] == [BEYOND_RUNTIME[k] for k in keys]
+
+
+@pytest.mark.timeout(60)
+def test_a_replanning_run_labels_layer_moves_as_beyond_the_runtime(small):
+    # the runtime does not move layers between stages yet: a run that may re-partition says so up front
+    recs = simulate(small, "unbroken_replan", seed=0, keep=True).records
+    start = recs[0]
+    assert BEYOND_RUNTIME["replanning"] in start["beyond_runtime"]
+    assert "moving layers off a slow stage" in BEYOND_RUNTIME["replanning"]
+    kinds = {r["decision"] for r in recs if r["event"] == "group_plan"}
+    assert kinds  # the scheduler was called and its decisions logged beside that label

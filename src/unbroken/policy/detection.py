@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from unbroken.policy.noise import NoiseConfig, NoiseTracker, Thresholds, effective, fleet_noise, thresholds
-from unbroken.policy.predictor import MicrobatchTiming, Predictor, median
+from unbroken.policy.predictor import CostModel, MicrobatchTiming, Predictor, SameWork, median
 
 
 class Verdict(StrEnum):
@@ -145,6 +145,8 @@ class Detector:
         self._observed = 0  # steps observed so far (the warm-up counts them)
         self._fleet: dict[str, float | None] = {}  # device class -> its fleet noise, re-estimated ...
         self._fleet_age: dict[str, int] = {}  # ... every `noise.every` scored steps
+        self._base = self.config.base()
+        self._levels: dict[float, Thresholds] = {}  # noise -> thresholds at it (pure: a cache)
 
     def observe(self, step: int, timings: Mapping[int, Sequence[MicrobatchTiming]]) -> dict[int, Verdict]:
         """Score one step and update verdicts. Returns the verdict of every replica tracked."""
@@ -166,8 +168,8 @@ class Detector:
             if self.predictor.ready(cls):
                 self._score(step, cls, group)
             # Only replicas believed healthy teach the predictor: slowness must not become the norm.
-            self.predictor.observe([m for r, mbs in sorted(group.items())
-                                    if self._tracks[r].verdict is Verdict.HEALTHY for m in mbs], cls)
+            self.predictor.observe(_Concat([mbs for r, mbs in sorted(group.items())
+                                            if self._tracks[r].verdict is Verdict.HEALTHY]), cls)
         return {r: t.verdict for r, t in sorted(self._tracks.items())}
 
     def _score(self, step: int, cls: str, group: Mapping[int, Sequence[MicrobatchTiming]]) -> None:
@@ -175,9 +177,7 @@ class Detector:
         med: dict[int, float] = {}  # median microbatch log ratio: robust to one outlier microbatch
         tot: dict[int, float] = {}  # log(step time / predicted step time): what quotas care about
         for r, mbs in group.items():
-            preds = [model.predict(m.tokens, m.sumsq) for m in mbs]
-            med[r] = median([math.log(m.seconds / p) for m, p in zip(mbs, preds)])
-            tot[r] = math.log(sum(m.seconds for m in mbs) / sum(preds))
+            med[r], tot[r] = _log_ratios(model, mbs)
         n = len(med)
         up = sum(1 for x in med.values() if x > cfg.regime_move)
         down = sum(1 for x in med.values() if x < -cfg.regime_move)
@@ -263,7 +263,12 @@ class Detector:
         `.latency(factor)` is the steps a sustained slowdown by `factor` takes to reach Slow."""
         t = self._tracks.get(replica)
         noise = self._noise_of(t) if t is not None else self.config.noise.design_noise
-        return thresholds(noise, self.config.base(), self.config.noise)
+        levels = self._levels.get(noise)
+        if levels is None:
+            if len(self._levels) >= 4096:  # estimates drift: keep the cache small
+                self._levels.clear()
+            levels = self._levels[noise] = thresholds(noise, self._base, self.config.noise)
+        return levels
 
     def _noise_of(self, t: _Track) -> float:
         return effective(t.noise.own(), self._fleet.get(t.device_class), self.config.noise)
@@ -279,3 +284,46 @@ class Detector:
     def forget(self, replica: int) -> None:
         """Drop a replica's state (declared dead, or replaced by a fresh one). Unknown replicas are ignored."""
         self._tracks.pop(replica, None)
+
+
+def _log_ratios(model: CostModel, mbs: Sequence[MicrobatchTiming]) -> tuple[float, float]:
+    """(median over the microbatches of log(observed / predicted), log(step seconds / predicted step
+    seconds)) of one replica-step. Microbatches of the same work (`SameWork`) share one prediction."""
+    if isinstance(mbs, SameWork):
+        p, secs = model.predict(mbs.tokens, mbs.sumsq), mbs.seconds
+        preds = [p] * len(secs)
+        return median([math.log(x / p) for x in secs]), math.log(sum(secs) / sum(preds))
+    preds = [model.predict(m.tokens, m.sumsq) for m in mbs]
+    return (median([math.log(m.seconds / p) for m, p in zip(mbs, preds)]),
+            math.log(sum(m.seconds for m in mbs) / sum(preds)))
+
+
+class _Concat(Sequence[MicrobatchTiming]):
+    """Several replicas' timings end to end, as one sequence, without copying them: the predictor keeps
+    only the last `window` of a step's samples, and slices only those."""
+
+    def __init__(self, parts: list[Sequence[MicrobatchTiming]]):
+        self._parts = parts
+        self._len = sum(map(len, parts))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[MicrobatchTiming]:
+        for part in self._parts:
+            yield from part
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if not isinstance(i, slice):
+            return list(self)[i]
+        start, stop, stride = i.indices(self._len)
+        if stride != 1:
+            return list(self)[i]
+        out: list[MicrobatchTiming] = []
+        at = 0  # index of the first item of `part`
+        for part in self._parts:
+            n = len(part)
+            if at + n > start and at < stop:
+                out.extend(part[max(0, start - at):min(n, stop - at)])
+            at += n
+        return out

@@ -33,7 +33,10 @@ in 23 steps, 1.5x in 7, 2x in 3; 1.2x (log 0.18) is below the allowance: never.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import deque
+from itertools import chain, repeat
+from operator import sub
 from dataclasses import dataclass
 
 
@@ -133,7 +136,7 @@ def fleet_noise(trackers: list[NoiseTracker], min_samples: int) -> float | None:
     pool, and without them the first steps after the run's warm-up were judged by the fixed thresholds
     (trace replay at noise 0.15: a healthy replica Slow at step 6). Pooled about their common median,
     not each replica's own: 3 scores a replica centred on their own median read 0.06 at noise 0.15."""
-    xs = [v for t in trackers for v in (*t.scores, *t.pending)]
+    xs = list(chain.from_iterable(chain(t.scores, t.pending) for t in trackers))
     return upper(robust_sd(xs), len(xs)) if len(xs) >= min_samples else None
 
 
@@ -156,12 +159,40 @@ def robust_sd(xs: list[float]) -> float:
     srt = sorted(xs)
     n = len(srt)
     mid = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
-    dev = sorted(abs(v - mid) for v in srt)
-    scale = dev[min(n - 1, (3 * n) // 4)] / Q75_TO_SD
+    scale = _kth_deviation(srt, mid, min(n - 1, (3 * n) // 4)) / Q75_TO_SD
     lo, hi = (mid - WINSOR * scale, mid + WINSOR * scale) if scale > 0 else (-math.inf, math.inf)
-    clipped = [min(max(v, lo), hi) for v in srt]
-    mean = math.fsum(clipped) / n
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in clipped) / n)
+    # clipping a sorted list: a prefix below lo becomes lo, a suffix above hi becomes hi. fsum is exactly
+    # rounded, so the order the values are summed in does not change a bit of the result.
+    below, kept = bisect_left(srt, lo), bisect_right(srt, hi)
+    inner = srt[below:kept]
+    mean = math.fsum((*repeat(lo, below), *inner, *repeat(hi, n - kept))) / n
+    sq = math.fsum((*repeat((lo - mean) ** 2, below), *map(pow, map(sub, inner, repeat(mean)), repeat(2)),
+                    *repeat((hi - mean) ** 2, n - kept)))
+    return math.sqrt(sq / n)
+
+
+def _kth_deviation(srt: list[float], mid: float, k: int) -> float:
+    """The k-th smallest (from 0) of abs(v - mid) over sorted `srt`, without sorting the deviations: those
+    of the values below mid (mid - v, rising as v falls: exactly abs(v - mid), rounding being symmetric)
+    and those of the rest (v - mid, rising with v) are two sorted runs; a binary search finds how many of
+    the k + 1 smallest come from each. O(log n)."""
+    m = bisect_left(srt, mid)
+
+    def below(i: int) -> float:  # i-th smallest deviation among values below mid
+        return mid - srt[m - 1 - i]
+
+    def above(j: int) -> float:  # j-th smallest among the others
+        return srt[m + j] - mid
+
+    lo, hi = max(0, k + 1 - (len(srt) - m)), min(k + 1, m)
+    while lo < hi:  # the smallest i (taken from below) with below(i) >= above(k - i)
+        i = (lo + hi) // 2
+        if below(i) < above(k - i):
+            lo = i + 1
+        else:
+            hi = i
+    i, j = lo, k + 1 - lo
+    return max(below(i - 1) if i > 0 else -math.inf, above(j - 1) if j > 0 else -math.inf)
 
 
 def effective(own: float | None, fleet: float | None, cfg: NoiseConfig) -> float:

@@ -60,6 +60,32 @@ class CostModel:
         return CostModel(self.a * factor, self.b * factor, self.c * factor)
 
 
+class SameWork(Sequence[MicrobatchTiming]):
+    """One replica-step's microbatches that all hold the same work (`tokens`, `sumsq`): only their seconds
+    differ. A `Sequence[MicrobatchTiming]` (item i is `MicrobatchTiming(tokens, sumsq, seconds[i])`), so it
+    goes wherever a list of timings does; the detector scores it without building those objects (one
+    prediction instead of one per microbatch, the same arithmetic). The simulator's timings are of this
+    form (fixed-length microbatches); the runtime's are plain lists."""
+
+    __slots__ = ("tokens", "sumsq", "seconds")
+
+    def __init__(self, tokens: int, sumsq: float, seconds: Sequence[float]):
+        if tokens < 0 or sumsq < 0 or (len(seconds) and not min(seconds) > 0):
+            raise ValueError(f"bad timings ({tokens}, {sumsq}, {seconds}): features must be >= 0 and seconds > 0")
+        self.tokens, self.sumsq, self.seconds = tokens, sumsq, tuple(seconds)
+
+    def __len__(self) -> int:
+        return len(self.seconds)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [MicrobatchTiming(self.tokens, self.sumsq, x) for x in self.seconds[i]]
+        return MicrobatchTiming(self.tokens, self.sumsq, self.seconds[i])
+
+    def __repr__(self) -> str:
+        return f"SameWork({self.tokens}, {self.sumsq}, {self.seconds})"
+
+
 def median(xs: Sequence[float]) -> float:
     """Median of a non-empty sequence (O(n log n)). Raises IndexError when empty."""
     s = sorted(xs)
@@ -147,13 +173,16 @@ def fit_cost_model(samples: Sequence[MicrobatchTiming], start: CostModel | None 
         beta = [start.a * st, start.b * sq, start.c]
         huber_iters = 0
     for it in range(max_iter):
-        preds = [max(x[0] * beta[0] + x[1] * beta[1] + x[2] * beta[2], 1e-9) for x in rows]
+        b0, b1, b2 = beta
+        # max(v, 1e-9) spelled out (the same value, NaN included): this loop runs on every step's refit
+        preds = [1e-9 if 1e-9 > (v := x0 * b0 + x1 * b1 + x2 * b2) else v for x0, x1, x2 in rows]
         rel = [(y - p) / p for y, p in zip(ys, preds)]
-        scale = max(_MAD_TO_SIGMA * median([abs(r) for r in rel]), _MIN_SCALE)
+        scale = max(_MAD_TO_SIGMA * median(list(map(abs, rel))), _MIN_SCALE)
         if it < huber_iters:
             wr = [min(1.0, _HUBER_K * scale / abs(r)) if r else 1.0 for r in rel]
         else:
-            wr = [(1.0 - (r / (_TUKEY_C * scale)) ** 2) ** 2 if abs(r) < _TUKEY_C * scale else 0.0 for r in rel]
+            cut = _TUKEY_C * scale
+            wr = [(1.0 - (r / cut) ** 2) ** 2 if abs(r) < cut else 0.0 for r in rel]
             if sum(1 for w in wr if w > 0) < 3:  # a bad start would reject nearly everything: fall back
                 wr = [min(1.0, _HUBER_K * scale / abs(r)) if r else 1.0 for r in rel]
         new = _nonneg_fit(rows, ys, [w / (p * p) for w, p in zip(wr, preds)])
@@ -198,8 +227,8 @@ class Predictor:
         samples. Refits when `refit_every` new ones arrived, or as soon as `min_samples` are held while the
         class has no fit for its current regime (first samples, or after `rescale`). O(samples + window)."""
         win = self._samples.setdefault(device_class, deque(maxlen=self.window))
-        new = list(samples)
-        win.extend(new)
+        new = samples if isinstance(samples, Sequence) else list(samples)
+        win.extend(new[max(0, len(new) - self.window):])  # the window keeps only the last `window` anyway
         fresh = self._fresh.get(device_class, 0) + len(new)
         # Refit when enough new samples arrived, or at once when the class has no fit for its current
         # regime (first samples, or just after `rescale`).

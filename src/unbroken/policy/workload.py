@@ -10,6 +10,8 @@ derives the same owners without talking to the others.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
+from operator import eq
 
 PARKED = 0.0  # a quota weight that parks its member: it owns no microbatch of the step (see `assign`)
 
@@ -132,7 +134,7 @@ def replay(owners: Sequence[int], history: Sequence[Sequence[int]], weights: Map
 
 def mine(owners: Sequence[int], replica: int) -> frozenset[int]:
     """The microbatch indices owned by `replica`."""
-    return frozenset(i for i, o in enumerate(owners) if o == replica)
+    return frozenset(compress(range(len(owners)), map(eq, owners, repeat(replica))))
 
 
 def loss_weight(microbatch_tokens: int, step_tokens: int) -> float:

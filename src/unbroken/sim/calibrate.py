@@ -260,3 +260,27 @@ def predict_other(calibration_dir: str | Path, target_dir: str | Path) -> Predic
     predicted = (done[0] if done else res.end["seconds"]) - first * step_time
     tokens = sum(r["tokens"] for r in recs if r["event"] == "step")
     return Prediction(commit[n - 1] - commit[first - 1], predicted, tokens, n * (tokens // len(commit)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m unbroken.sim.calibrate costs SCENARIO.toml ...`: print each derived cost and its source
+    (sim/costmodel.py) beside the scenario's chosen costs. Exit 2 with one line on bad input."""
+    import sys
+
+    from unbroken.sim import costmodel
+    from unbroken.sim.scenario import ScenarioError, load
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2 or args[0] != "costs":
+        print("usage: python -m unbroken.sim.calibrate costs SCENARIO.toml [...]", file=sys.stderr)
+        return 2
+    for path in args[1:]:
+        try:
+            print(costmodel.table(load(path)) + "\n")
+        except ScenarioError as e:
+            print(f"calibrate: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,9 @@
-"""`unbroken sim SCENARIO.toml [--strategy NAME ...] [--seed K] --out DIR`: compare recovery strategies.
+"""`unbroken sim SCENARIO.toml [MORE.toml ...] [--strategy NAME ...] [--seed K] --out DIR`: compare recovery strategies.
 
 Owns: the sim subcommand's arguments, its progress display, and what it writes under DIR:
-STRATEGY/events.jsonl per strategy, summary.json, tokens.png / throughput.png / lost.png. Does not own:
+STRATEGY/events.jsonl per strategy, summary.json, tokens.png / throughput.png / lost.png; with several
+scenarios (a family: one job at several sizes), each under DIR/NAME/ and, across them, family.md (one
+table) and family.png (sim/family.py). Does not own:
 the top-level CLI (unbroken/cli.py wires `add_parser` and `run` in). Bad input is one line on stderr and
 exit code 2.
 """
@@ -25,7 +27,7 @@ from unbroken.sim.summary import summarize, table
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `sim` on the top-level parser's subparsers; `run(args)` executes it."""
     p = subparsers.add_parser("sim", help="simulate recovery strategies on a described cluster")
-    p.add_argument("scenario", help="scenario TOML file (see scenarios/)")
+    p.add_argument("scenario", nargs="+", help="scenario TOML file(s) (see scenarios/); several: a family")
     p.add_argument("--strategy", action="append", default=None, metavar="NAME",
                    help=f"strategy to run, repeatable (default: all of {', '.join(STRATEGIES)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault trace (same seed, same log)")
@@ -40,9 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Execute `unbroken sim`; returns the process exit code (0 ok, 2 bad input)."""
-    err = Console(stderr=True)
     try:
-        sc = scenario_mod.load(args.scenario)
+        scs = [scenario_mod.load(path) for path in args.scenario]
     except scenario_mod.ScenarioError as e:
         print(f"unbroken sim: {e}", file=sys.stderr)
         return 2
@@ -54,7 +55,30 @@ def run(args: argparse.Namespace) -> int:
     if args.aggregate_seconds <= 0:
         print("unbroken sim: --aggregate-seconds must be > 0", file=sys.stderr)
         return 2
+    if len({sc.name for sc in scs}) < len(scs):
+        print("unbroken sim: two scenarios share a name; each needs its own folder", file=sys.stderr)
+        return 2
     out = Path(args.out)
+    if len(scs) == 1:
+        _one(scs[0], names, args, out)
+        return 0
+    from unbroken.sim import family
+    table = []
+    for sc in scs:
+        ends = _one(sc, names, args, out / sc.name)
+        table += family.rows(sc.name, sc.cluster.gpus, family.step_seconds(sc), sc.step_tokens, ends)
+    text = family.markdown(table)
+    (out / "family.md").write_text(text + "\n")
+    Console().print(text)
+    if not args.no_plots:
+        family.plot(table, out / "family.png", " / ".join(sc.name for sc in scs))
+    return 0
+
+
+def _one(sc: scenario_mod.Scenario, names: list[str], args: argparse.Namespace, out: Path) -> dict[str, dict]:
+    """Simulate `names` on `sc` under `out`; writes the logs, summary.json and the plots; returns each
+    strategy's run_end record."""
+    err = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     with Progress(console=err, transient=True) as progress:
@@ -76,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         from unbroken.sim.plots import write_plots  # matplotlib only when plotting
         write_plots(summaries, out, sc.name)
-    return 0
+    return {r.strategy: r.end for r in results}
 
 
 def main(argv: list[str] | None = None) -> int:

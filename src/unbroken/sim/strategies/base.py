@@ -145,7 +145,8 @@ class Run(abc.ABC):
 
     # ---- state changes ----------------------------------------------------------------------------
     def slowdown(self, r: int) -> float:
-        return max((f for f, _ in self.slow.get(r, ())), default=1.0)
+        episodes = self.slow.get(r)
+        return max(f for f, _ in episodes) if episodes else 1.0
 
     def available(self) -> tuple[int, ...]:
         return tuple(r for r in range(self.R) if r not in self.out)
@@ -186,7 +187,8 @@ class Run(abc.ABC):
         if not members:
             return
         if members != self.members:  # the runtime's membership policy: removals, then rejoins admitted
-            gone = [r for r in self.members if r not in members]
+            alive = set(members)
+            gone = [r for r in self.members if r not in alive]
             new = Membership(self.epoch, self.members).without(gone).admit(members)
             self.epoch, self.members = new.epoch, new.members
             self.log.emit("epoch", t, epoch=self.epoch, members=list(members))

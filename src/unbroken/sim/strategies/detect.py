@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import islice
 from typing import Any
 
 from unbroken.policy import workload
 from unbroken.policy.detection import Detector, RegimeChange, Verdict, VerdictChange
-from unbroken.policy.predictor import MicrobatchTiming
+from unbroken.policy.predictor import SameWork
 from unbroken.sim.cluster import Fault
+from unbroken.sim.gauss import GaussStream
 from unbroken.sim.strategies.live import Live
 
 MB_NOISE = 0.05  # measured (see above): log-sd of a microbatch's device time about its replica-step
@@ -55,6 +57,7 @@ class LiveDetect(Live):
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self.detector = Detector()
+        self.noise = GaussStream(self.engine.rng)  # the engine's stream, drawn in blocks (sim/gauss.py)
         cfg = self.detector.config
         # observed steps after an episode changes: recover_steps calm steps take Slow back to Healthy, a
         # CUSUM at its cap drains by about `drift` a calm step; +1 for the step in flight at the change
@@ -66,6 +69,7 @@ class LiveDetect(Live):
         self.observed = self.false_alarms = self.alarms = 0  # replica-steps observed; Slow verdicts
         self.armed = -1  # seg_id whose next step end has a `detect` event
         self.plan_of = (-1, Counter(), {})  # (seg_id, microbatches per member, slowdown factors != 1)
+        self.member_set: tuple[int, frozenset[int]] = (-1, frozenset())  # (seg_id, its members)
         w = self.sc.workload
         self.features = (w.tokens_per_microbatch, float(w.tokens_per_microbatch) ** 2)
         # steps between the starts of healthy-stretch windows: the failure-free step count over HEALTHY_WINDOWS
@@ -141,20 +145,31 @@ class LiveDetect(Live):
         seg = self.seg
         _, counts, factors = self.plan_of
         verdicts = self.detector.verdicts()
-        focus = [r for r in seg.members if r in factors or verdicts.get(r, Verdict.HEALTHY) is not Verdict.HEALTHY]
-        keep = set(focus)
-        healthy = [r for r in seg.members if r not in keep][:HEALTHY_SAMPLE]
-        gauss, mb, (tokens, sumsq) = self.engine.rng.gauss, self.sc.workload.microbatch_seconds, self.features
+        if self.member_set[0] != self.seg_id:
+            self.member_set = (self.seg_id, frozenset(seg.members))
+        members = self.member_set[1]
+        # the members slowed or not Healthy, found from those few (not by a pass over the fleet)
+        keep = {r for r in factors if r in members} | \
+            {r for r, v in verdicts.items() if v is not Verdict.HEALTHY and r in members}
+        healthy = list(islice((r for r in seg.members if r not in keep), HEALTHY_SAMPLE))
+        mb, (tokens, sumsq) = self.sc.workload.microbatch_seconds, self.features
         step = self.step - 1
         timings = {}
-        for r in sorted(keep.union(healthy)):
+        observed = sorted(keep.union(healthy))
+        # the deviates in the order one `gauss` call each would draw them: per replica (ascending), its
+        # replica-step component, then one per microbatch
+        sizes = [1 + counts[r] for r in observed]
+        z = self.noise.take(sum(sizes))
+        step_z = (0.0 + z * STEP_NOISE).tolist()
+        mb_e = list(map(math.exp, (0.0 + z * MB_NOISE).tolist()))
+        at, exp, lag, fresh = 0, math.exp, STEP_NOISE_LAG1, math.sqrt(1.0 - STEP_NOISE_LAG1 ** 2)
+        for r, size in zip(observed, sizes):
             # AR(1) with stationary log-sd STEP_NOISE: x' = phi x + sqrt(1 - phi^2) e
-            shared = STEP_NOISE_LAG1 * self.step_noise.get(r, 0.0) + \
-                math.sqrt(1.0 - STEP_NOISE_LAG1 ** 2) * gauss(0.0, STEP_NOISE)
+            shared = lag * self.step_noise.get(r, 0.0) + fresh * step_z[at]
             self.step_noise[r] = shared
-            base = mb * factors.get(r, 1.0) * math.exp(shared)
-            timings[r] = [MicrobatchTiming(tokens, sumsq, base * math.exp(gauss(0.0, MB_NOISE)))
-                          for _ in range(counts[r])]
+            base = mb * factors.get(r, 1.0) * exp(shared)
+            timings[r] = SameWork(tokens, sumsq, [base * e for e in mb_e[at + 1:at + size]])
+            at += size
             if r in factors:
                 self.slowed_until[r] = step
         self.observed += len(timings)
@@ -198,6 +213,8 @@ class LiveDetect(Live):
         """Take new speeds; the stretch is rebuilt (next step boundary) only when the quotas change."""
         old, self.weights = self.weights, weights
         members = self.seg.members
+        if weights == old:  # quotas are a pure function of (M, members, weights): nothing moves
+            return
         if workload.quotas(self.M, members, weights) != workload.quotas(self.M, members, old):
             self.log.emit("quotas", t, step=self.step,
                           weights={str(r): round(s, 4) for r, s in (weights or {}).items() if s != 1.0})
