@@ -71,7 +71,7 @@ def test_bad_eval_settings_are_refused_in_one_line(tmp_path):
              (["--eval.every=2", "--eval.split=0.1", "--parallel.group_size=2", "--parallel.on_rank_loss=replan"],
               "a shrunk group does not evaluate yet"),
              (["--eval.every=2", "--eval.path=" + str(tmp_path / "none.bin")], "eval.path="),
-             (["--eval.split=1.5"], "eval.split=1.5: a fraction in [0, 1)")]
+             (["--eval.split=1.5"], "eval.split=1.5: must be in [0, 1)")]
     results = side_by_side(*(lambda extra=extra: unbroken("train", "--steps", "2", *extra, "--out", str(tmp_path / "x"))
                              for extra, _ in cases))
     for (extra, words), r in zip(cases, results):
