@@ -34,6 +34,7 @@ from unbroken.faultspec import parse
 from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.crossgroup import choose, describe
 from unbroken.runtime.parallel.device import backend, bind, exact_kernels, hostid_per_rank, nccl_environment, resolve
+from unbroken.runtime.parallel.netif import bind_gloo_interface
 from unbroken.runtime.parallel.parallelize import intra_group, outlive_agent_restart, peer_lost, release_agent
 from unbroken.runtime.parallel.sockets import shut_recorded
 from unbroken.runtime.persist.persistence import Persistence
@@ -145,6 +146,7 @@ def run(factories: Factories) -> int:
              pid=os.getpid(), torchrun="TORCHELASTIC_RUN_ID" in os.environ,
              forked=os.environ.get("UNBROKEN_FORKED", ""),  # "server", "agent" or "" (a fresh interpreter)
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+             interface=os.environ.get("GLOO_SOCKET_IFNAME", ""),  # what its gloo groups bind
              born=born(),  # the process's start: worker_start's t less it is its imports and set-up
              **describe(where.device, where.cfg.parallel.cross_backend))  # what it computes and reduces on
     # Each incarnation's connection outlives it, as the process does: its store clients and watch
@@ -175,6 +177,7 @@ def start_up() -> tuple[Placement, Identity]:
     """This process's placement and identity, its device bound before any group or CUDA tensor exists.
     Raises ConfigError or TopologyError (bad input, one line)."""
     where = placement()
+    bind_gloo_interface(where.address, os.environ)  # before any gloo group: the coordinator's interface
     who = Identity.from_env(os.environ, where.cfg.topology())
     if not 0 <= who.group < where.cfg.run.replicas:
         raise ConfigError(f"--group {who.group}: the run has replica groups 0..{where.cfg.run.replicas - 1}")
