@@ -7,6 +7,10 @@ no longer a member within one interval of waking and leaves without writing anyt
 A beat is one round trip: a compare-and-set from the value it wrote last, which fails once the
 coordinator, after writing `dead/{r}`, overwrote `hb/{r}` with its fence mark (where a write and a
 `dead/{r}` check were two: 80 of the store's ~800 requests a second in a 4-replica run).
+A beat whose connection breaks (the coordinator's host gone, or this host's link down long enough for the
+connection to reset) is retried once on a fresh connection; where none can be made within `give_up_s`
+(the coordinator has declared this member dead by then), the process leaves as fenced, with its event,
+instead of dying of the store client's exception.
 Does not own: judging liveness (coordinator) or the member's own fence checks in the step (trainer).
 """
 from __future__ import annotations
@@ -42,8 +46,9 @@ class FenceLatch:
 class Heartbeat:
     def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
                  prefix: str = "", rank: int = 0, spared: Callable[[str], bool] | None = None,
-                 latch: FenceLatch | None = None):
-        self.me, self.interval = me, interval_s
+                 latch: FenceLatch | None = None, give_up_s: float = 10.0):
+        self.me, self.interval, self.give_up = me, interval_s, give_up_s
+        self._address, self._prefix = address, prefix
         self.latch = latch or FenceLatch()
         self.key = keys.heartbeat(me, rank)  # every rank of a group beats: any one silent kills the group
         self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
@@ -106,8 +111,27 @@ class Heartbeat:
             self._kick.clear()
             if self._stop.is_set():
                 return
-            if not self._beat() and not self._fence():
+            try:
+                beat = self._beat()
+            except Exception as e:  # noqa: BLE001 - the store's connection broke: reconnect or leave
+                self._reconnect(e)
+                continue
+            if not beat and not self._fence():
                 return
+
+    def _reconnect(self, error: Exception) -> None:
+        """A fresh connection to the store in place of a broken one; where none answers within
+        `give_up_s`, leave as fenced (exit 3): by then the coordinator has declared this member dead."""
+        try:
+            raw = connect(self._address, timeout_s=self.give_up)
+        except Exception:  # noqa: BLE001 - nothing answers: this member is cut off
+            if self._stop.is_set() or not self.latch.claim():
+                self._stop.set()
+                return
+            self._on_fenced(f"cut off from the coordinator at {self._address} "
+                            f"({type(error).__name__}: {error})")
+            os._exit(3)
+        self._store = PrefixStore(self._prefix, raw) if self._prefix else raw
 
 
 class Beats:

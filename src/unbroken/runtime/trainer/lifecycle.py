@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore
+from torch.distributed import DistNetworkError, PrefixStore
 
 from unbroken.config import ConfigError
 from unbroken.events import EventLog
@@ -230,7 +230,7 @@ def connection(where: Placement, me: Incarnation, log: EventLog) -> Connection:
                        prefix=keys.generation_prefix(where.generation), rank=j,
                        # declared dead for another rank's silence: the trainer (fence) decides
                        spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None,
-                       latch=latch)
+                       latch=latch, give_up_s=cfg.coord.heartbeat_timeout)
              for j in holds]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
@@ -284,6 +284,12 @@ def live(where: Placement, me: Incarnation, conn: Connection, log: EventLog,
     except GroupLost as e:  # another rank of the group went silent and the group was declared dead
         log.emit("group_broken", replica=group_id, error=f"declared dead: {e}"[:300], **conn.tag)
         conn.heartbeat.stop()
+    except DistNetworkError as e:  # a connection broke: the store's (cut off, or declared dead meanwhile)?
+        ended = cut_off(where, e, conn, log, group_id)
+        if ended is None:
+            ended = broken_group(where, me, conn, log, e)
+        if ended is not None:
+            return ended
     except ConfigError as e:  # a joiner refused leaves the run as it was; at the start it is bad input
         print(f"unbroken: error: {e}", file=sys.stderr)
         log.emit("join_refused" if conn.joining else "worker_error", replica=group_id, error=str(e)[:300],
@@ -390,6 +396,27 @@ def broken_group(where: Placement, me: Incarnation, conn: Connection, log: Event
         outlive_agent_restart(replan and me.shrunk)
         return Left("its group's process group broke")
     return None
+
+
+def cut_off(where: Placement, error: Exception, conn: Connection, log: EventLog, group_id: int) -> Outcome | None:
+    """The outcome of a broken connection (DistNetworkError) where it was the coordinator's store's: the
+    store does not answer a fresh connection within the heartbeat timeout (its host gone, or this host's
+    link down), or answers that this group was declared dead meanwhile (a partition that healed): fenced,
+    as a member declared dead is, with one line and its event (none where the heartbeat thread leaves as
+    fenced already). None where the store answers and the group is a member: the error was another's."""
+    try:
+        fresh = PrefixStore(keys.generation_prefix(where.generation),
+                            connect(where.address, timeout_s=where.cfg.coord.heartbeat_timeout))
+        if not fresh.check([keys.dead(group_id)]):
+            return None
+        why = f"declared dead while cut off from the coordinator at {where.address}"
+    except Exception as e:  # noqa: BLE001 - nothing answers: cut off
+        why = f"cut off from the coordinator at {where.address} ({type(error).__name__}: {error}; {e})"
+    conn.heartbeat.stop()
+    if conn.heartbeat.latch.claim():
+        print(f"unbroken: error: group {group_id} {why}; it leaves", file=sys.stderr)
+        log.emit("fenced", replica=group_id, reason=why[:300], **conn.tag)
+    return Fenced(why)
 
 
 def release(conn: Connection, built: Built) -> Broken:

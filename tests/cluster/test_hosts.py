@@ -1,0 +1,86 @@
+"""docs/cluster.md's lines on three hosts made of Linux namespaces (hosts.py), and what a network does to
+them: a group's host cut off for a while. Each run's digests are compared with the failure-free local run
+(--exact), and each fault is asserted from the event log to have fired and had its effect. Skipped in one
+line where namespaces cannot be made (not root)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.cluster_run import digests, doc_lines, start
+from tests.conftest import unbroken
+from unbroken.events import read_events
+
+# the partition run: long enough (a fixed 0.1 s stall after each microbatch's compute, on both groups,
+# which changes no bit) that the survivor still trains when the cut host comes back
+LONG = ["--run.steps=40", "--coord.heartbeat_timeout=3",
+        "--run.faults=slow:replica=0,from=0,for=0.1; slow:replica=1,from=0,for=0.1"]
+
+
+def reference(tmp_path, steps: int) -> dict[int, str]:
+    """The failure-free run of the documented coordinator's `--run.` flags through `unbroken train`."""
+    flags = [a for a in doc_lines()[0].split() if a.startswith("--run.")] + [f"--run.steps={steps}"]
+    out = tmp_path / f"reference{steps}"
+    r = unbroken("train", *flags, "--run.progress=false", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return digests(read_events(out))
+
+
+@pytest.mark.timeout(150)
+def test_the_documented_lines_on_three_hosts_match_the_local_run_bitwise(hosts, tmp_path):
+    """Coordinator on host 0 (`--host` its address), group 0's torchrun on host 1, group 1's forkrun on
+    host 2: every worker finds the interface that reaches the coordinator by itself (no
+    GLOO_SOCKET_IFNAME given), and the run is the local launcher's, bit for bit."""
+    cluster = hosts(3)
+    run = start(cluster, tmp_path)
+    assert run.wait(120) == 0, run.tail()
+    assert [g.returncode for g in run.groups] == [0, 0], run.tail()
+    evs = run.events()
+    started = {e["replica"]: e for e in evs if e["event"] == "worker_start"}
+    assert {g: e["interface"] for g, e in started.items()} == {0: "eth0", 1: "eth0"}
+    ref = reference(tmp_path, 6)
+    assert digests(evs) == ref and sorted(ref) == list(range(6))
+    print(f"3 hosts ({', '.join(h.address for h in cluster.hosts)}): 6/6 steps bitwise the local run; "
+          f"gloo bound eth0 on both group hosts")
+
+
+@pytest.mark.timeout(200)
+def test_a_partitioned_host_is_declared_dead_fenced_when_back_and_rejoins_by_healing(hosts, tmp_path):
+    """Host 2's link down for 8 s after step 3: group 1 keeps computing, is declared dead after the 3 s
+    heartbeat timeout, the survivor redoes its microbatches; when the link returns group 1 is fenced (it
+    commits nothing, exit 3 with its event, not a traceback), torchrun restarts it and it rejoins by
+    healing; every digest is the failure-free run's."""
+    cluster = hosts(3)
+    run = start(cluster, tmp_path, LONG, restarts=1)
+    run.until(run.committed(3), 120)
+    cluster.cut(2)
+    cut = run.events()[-1]["t"]
+    run.until(lambda evs: any(e["event"] == "member_dead" for e in evs), 60)
+    run.until(lambda evs: evs[-1]["t"] - cut >= 8, 30)  # the events' clock: the link stays down 8 s
+    cluster.mend(2)
+    mended = run.events()[-1]["t"]
+    assert run.wait(150) == 0, run.tail()
+    evs = run.events()
+    (dead,) = [e for e in evs if e["event"] == "member_dead"]
+    assert dead["replica"] == 1 and "no heartbeat" in dead["reason"]
+    (recovery,) = [e for e in evs if e["event"] == "recovery" and e["replica"] == 0]
+    assert recovery["to_epoch"] == dead["epoch"] and recovery["redo"]  # the survivor redid its microbatches
+    (fenced,) = [e for e in evs if e["event"] == "fenced"]
+    kept = [e for e in evs if e["event"] == "compute" and e["replica"] == 1 and cut <= e["t"] < fenced["t"]]
+    assert fenced["replica"] == 1 and fenced["t"] >= mended and "declared dead" in fenced["reason"]
+    # fenced: nothing of group 1 applied or committed between its death and its rejoin
+    (join,) = [e for e in evs if e["event"] == "join"]
+    assert join["replica"] == 1 and join["t"] > fenced["t"]
+    assert not [e for e in evs if e["event"] in ("applied", "decision") and e.get("replica") == 1
+                and dead["t"] <= e["t"] < join["t"]]
+    heals = [e for e in evs if e["event"] == "heal" and e["side"] == "joiner"]
+    assert [h["replica"] for h in heals] == [1] and heals[0]["bytes"] > 0
+    restarted = [e for e in evs if e["event"] == "worker_start" and e["replica"] == 1]
+    assert [e["restart"] for e in restarted] == [0, 1]
+    log = (tmp_path / "logs" / "group1.log").read_text()
+    assert "DistNetworkError" not in log and "exit code 3" in log  # its agent saw the fenced exit, no traceback
+    ref = reference(tmp_path, 40)
+    assert digests(evs) == ref and sorted(ref) == list(range(40))
+    print(f"host 2 cut for {mended - cut:.1f} s after step 3: group 1 declared dead ({dead['reason']}), "
+          f"{len(kept)} microbatches computed while cut off, redo {recovery['redo']} by group 0, fenced at the "
+          f"link's return, rejoined in epoch {join['epoch']} healed at step {heals[0]['step']} "
+          f"({heals[0]['bytes']} bytes); 40/40 digests bitwise the failure-free run")
