@@ -84,3 +84,38 @@ def test_a_partitioned_host_is_declared_dead_fenced_when_back_and_rejoins_by_hea
           f"{len(kept)} microbatches computed while cut off, redo {recovery['redo']} by group 0, fenced at the "
           f"link's return, rejoined in epoch {join['epoch']} healed at step {heals[0]['step']} "
           f"({heals[0]['bytes']} bytes); 40/40 digests bitwise the failure-free run")
+
+
+@pytest.mark.timeout(200)
+def test_a_cut_between_two_groups_that_reach_the_coordinator_is_decided_within_its_bound(hosts, tmp_path):
+    """Hosts 1 and 2 cut apart after step 3 (blackhole routes in both), each still reaching the coordinator:
+    no step hangs; the group's collective fails, a re-formed epoch fails to form, and at the second break in
+    a row without a commit the coordinator makes the higher id leave (policy.membership.cut_apart), within
+    collective_timeout + 3 x (2 x heartbeat_timeout); the survivor goes on exact; once the cut heals the
+    group that left (restarted by torchrun) rejoins by healing."""
+    cluster = hosts(3)
+    hb, collective = 2, 5
+    run = start(cluster, tmp_path, [*LONG, f"--coord.heartbeat_timeout={hb}",
+                                    f"--coord.collective_timeout={collective}"], restarts=1)
+    run.until(run.committed(3), 120)
+    cluster.split(1, 2)
+    cut = run.events()[-1]["t"]
+    evs = run.until(lambda evs: any(e["event"] == "member_dead" for e in evs), 90)
+    cluster.join(1, 2)
+    (dead,) = [e for e in evs if e["event"] == "member_dead"]
+    bound = collective + 3 * 2 * hb
+    assert dead["replica"] == 1 and "cut apart" in dead["reason"] and dead["t"] - cut <= bound, (dead, cut)
+    assert run.wait(150) == 0, run.tail()
+    evs = run.events()
+    failed = [e for e in evs if e["event"] == "reduce" and not e["ok"] and e["t"] >= cut]
+    assert {e["replica"] for e in failed} >= {1}  # the cut fired: group 1's collectives failed across it
+    reforms = [e for e in evs if e["event"] == "epoch" and "reform" in e and cut <= e["t"] <= dead["t"]]
+    assert len(reforms) == 1  # one re-form forgiven, the second break decided
+    (join,) = [e for e in evs if e["event"] == "join"]
+    heals = [e for e in evs if e["event"] == "heal" and e["side"] == "joiner"]
+    assert join["replica"] == 1 and [h["replica"] for h in heals] == [1]
+    ref = reference(tmp_path, 40)
+    assert digests(evs) == ref and sorted(ref) == list(range(40))
+    print(f"hosts 1 and 2 cut apart: group 1 left {dead['t'] - cut:.1f} s after the cut (bound {bound} s: "
+          f"{dead['reason']}), rejoined in epoch {join['epoch']} healed at step {heals[0]['step']}; "
+          f"40/40 digests bitwise the failure-free run")
