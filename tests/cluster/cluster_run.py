@@ -88,16 +88,13 @@ class Run:
 
 
 def start(cluster: Cluster, tmp: Path, coordinator_flags: list[str] = (), restarts: int = 0,
-          forkrun_everywhere: bool = False) -> Run:
+          group_env: dict[str, str] | None = None) -> Run:
     """docs/cluster.md's lines as written, but for the address (host 0's instead of 127.0.0.1), the run
     directory (under `tmp`, which every host shares), `--max-restarts=restarts`, and `coordinator_flags`
-    after the documented ones. Group g runs on host g+1."""
+    after the documented ones. Group g runs on host g+1, with `group_env` added to its environment."""
     h0 = cluster.hosts[0]
     lines = [line.replace("127.0.0.1", h0.address).replace("runs/cluster", str(tmp / "run"))
              .replace("--max-restarts=0", f"--max-restarts={restarts}").split() for line in doc_lines()]
-    if forkrun_everywhere:
-        lines[1] = lines[2][:lines[2].index("--standalone")] + lines[1][1:]
-        lines[1][-1] = "0"
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     coordinator = h0.popen(lines[0] + list(coordinator_flags), logs / "coordinator.log", env=env(), cwd=tmp)
@@ -108,7 +105,8 @@ def start(cluster: Cluster, tmp: Path, coordinator_flags: list[str] = (), restar
     first = (logs / "coordinator.log").read_text().splitlines()[0]
     assert first.startswith(f"unbroken coordinator: serving {h0.address}:29400"), first
     for g, line in enumerate(lines[1:]):
-        run.groups.append(cluster.hosts[g + 1].popen(line, logs / f"group{g}.log", env=env(), cwd=tmp))
+        run.groups.append(cluster.hosts[g + 1].popen(line, logs / f"group{g}.log", env={**env(), **(group_env or {})},
+                                                     cwd=tmp))
     return run
 
 

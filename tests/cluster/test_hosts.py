@@ -16,13 +16,19 @@ LONG = ["--run.steps=40", "--coord.heartbeat_timeout=3",
         "--run.faults=slow:replica=0,from=0,for=0.1; slow:replica=1,from=0,for=0.1"]
 
 
+_REFERENCES: dict[int, dict[int, str]] = {}
+
+
 def reference(tmp_path, steps: int) -> dict[int, str]:
-    """The failure-free run of the documented coordinator's `--run.` flags through `unbroken train`."""
-    flags = [a for a in doc_lines()[0].split() if a.startswith("--run.")] + [f"--run.steps={steps}"]
-    out = tmp_path / f"reference{steps}"
-    r = unbroken("train", *flags, "--run.progress=false", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return digests(read_events(out))
+    """The failure-free run of the documented coordinator's `--run.` flags through `unbroken train`, for
+    `steps` steps; run once per test process and length."""
+    if steps not in _REFERENCES:
+        flags = [a for a in doc_lines()[0].split() if a.startswith("--run.")] + [f"--run.steps={steps}"]
+        out = tmp_path / f"reference{steps}"
+        r = unbroken("train", *flags, "--run.progress=false", "--out", str(out))
+        assert r.returncode == 0, r.stderr[-2000:]
+        _REFERENCES[steps] = digests(read_events(out))
+    return _REFERENCES[steps]
 
 
 @pytest.mark.timeout(150)
@@ -119,3 +125,32 @@ def test_a_cut_between_two_groups_that_reach_the_coordinator_is_decided_within_i
     print(f"hosts 1 and 2 cut apart: group 1 left {dead['t'] - cut:.1f} s after the cut (bound {bound} s: "
           f"{dead['reason']}), rejoined in epoch {join['epoch']} healed at step {heals[0]['step']}; "
           f"40/40 digests bitwise the failure-free run")
+
+
+@pytest.mark.timeout(150)
+def test_groups_that_cannot_reach_each_other_end_within_a_bound_naming_the_address_tried(hosts, tmp_path):
+    """What the documented lines did before a worker found its interface, forced: gloo bound to loopback
+    (GLOO_SOCKET_IFNAME=lo) on both group hosts, so each advertises 127.0.0.1 and no group reaches the other.
+    No hang: the cross-group group never forms, and within collective_timeout + 3 x (2 x heartbeat_timeout)
+    of its first failure the higher id leaves with one line naming the address it tried; the lower id
+    finishes the run alone (exit 0), still exact."""
+    cluster = hosts(3)
+    hb, collective = 2, 5
+    run = start(cluster, tmp_path, [f"--coord.heartbeat_timeout={hb}", f"--coord.collective_timeout={collective}"],
+                group_env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert run.wait(120) == 0, run.tail()
+    evs = run.events()
+    assert {e["replica"]: e["interface"] for e in evs if e["event"] == "worker_start"} == {0: "lo", 1: "lo"}
+    failed = [e for e in evs if e["event"] == "reduce" and not e["ok"]]
+    (dead,) = [e for e in evs if e["event"] == "member_dead"]
+    bound = collective + 3 * 2 * hb
+    assert dead["replica"] == 1 and "cut apart" in dead["reason"] and dead["t"] - failed[0]["t"] <= bound
+    assert [e["replica"] for e in evs if e["event"] == "fenced"] == [1]
+    said = [line for line in (tmp_path / "logs" / "group1.log").read_text().splitlines()
+            if line.startswith("unbroken: error:")]
+    assert len(said) == 1 and "cannot reach its peers" in said[0] and "tried 127.0.0.1:" in said[0], said
+    assert run.groups[1].returncode != 0 and run.groups[0].returncode == 0
+    ref = reference(tmp_path, 6)
+    assert digests(evs) == ref
+    print(f"gloo on loopback: group 1 left {dead['t'] - failed[0]['t']:.1f} s after the first failed collective "
+          f"(bound {bound} s), saying: {said[0]}; group 0 finished 6/6 bitwise the failure-free run")
