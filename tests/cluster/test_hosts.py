@@ -154,3 +154,38 @@ def test_groups_that_cannot_reach_each_other_end_within_a_bound_naming_the_addre
     assert digests(evs) == ref
     print(f"gloo on loopback: group 1 left {dead['t'] - failed[0]['t']:.1f} s after the first failed collective "
           f"(bound {bound} s), saying: {said[0]}; group 0 finished 6/6 bitwise the failure-free run")
+
+
+@pytest.mark.timeout(150)
+def test_the_coordinators_host_cut_off_ends_the_run_cleanly(hosts, tmp_path):
+    """Host 0 (the coordinator, its embedded store) cut off after step 3: the coordinator hears no group
+    and ends the run (exit 1, one error line with the last committed step, and the summary); each group,
+    its beats no longer coming back, leaves fenced within coord.progress_timeout with one line naming the
+    coordinator's address, not a hang or a traceback."""
+    cluster = hosts(3)
+    run = start(cluster, tmp_path, ["--coord.heartbeat_timeout=2", "--coord.progress_timeout=6", *LONG[2:]])
+    run.until(run.committed(3), 120)
+    cluster.cut(0)
+    assert run.wait(90) == 1, run.tail()
+    evs = run.events()
+    dead = [e for e in evs if e["event"] == "member_dead"]
+    assert sorted(e["replica"] for e in dead) == [0, 1] and all("no heartbeat" in e["reason"] for e in dead)
+    (failed,) = [e for e in evs if e["event"] == "run_failed"]
+    said = (tmp_path / "logs" / "coordinator.log").read_text().splitlines()
+    assert f"unbroken: error: every replica group was lost; last committed step: {failed['last_committed_step']}" \
+        in said and any(line.startswith("run dir: ") for line in said)
+    assert (tmp_path / "run" / "summary.json").is_file()
+    fenced = [e for e in evs if e["event"] == "fenced"]
+    assert sorted(e["replica"] for e in fenced) == [0, 1]
+    address = cluster.hosts[0].address
+    for g in (0, 1):
+        log = (tmp_path / "logs" / f"group{g}.log").read_text()
+        lines = [line for line in log.splitlines() if line.startswith("unbroken: error:")]
+        assert len(lines) == 1 and f"cut off from the coordinator at {address}:29400" in lines[0], log[-2000:]
+        assert "DistNetworkError" not in log
+        assert run.groups[g].returncode != 0
+    ref = reference(tmp_path, 40)
+    committed = digests(evs)
+    assert committed and all(committed[s] == ref[s] for s in committed)
+    print(f"coordinator's host cut off: run ended (exit 1) at last committed step {failed['last_committed_step']}, "
+          f"both groups fenced with one line each ({lines[0]})")

@@ -42,6 +42,7 @@ from unbroken.runtime.store import keys
 from unbroken.runtime.store.client import connect
 from unbroken.runtime.store.reasons import BROKE, evicted, lost_rank
 from unbroken.runtime.store.watch import DecisionWatch, EpochWatch, WeightsWatch
+from unbroken.runtime.trainer.cutoff import cut_off, say_cut_off
 from unbroken.runtime.trainer.admission import agree, build, build_standin, join, signature
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Beats, FenceLatch, Heartbeat
@@ -226,11 +227,13 @@ def connection(where: Placement, me: Incarnation, log: EventLog) -> Connection:
     latch = FenceLatch()  # the process leaves as fenced once, whoever sees the verdict first
     beats = [Heartbeat(where.address, group_id, cfg.coord.heartbeat_interval,
                        on_fenced=lambda why: (log.emit("fenced", replica=group_id, reason=why, **tag),
+                                              say_cut_off(group_id, why),
                                               release_agent(replan, evicted(why, who.rank))),
                        prefix=keys.generation_prefix(where.generation), rank=j,
                        # declared dead for another rank's silence: the trainer (fence) decides
                        spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None,
-                       latch=latch, give_up_s=cfg.coord.heartbeat_timeout)
+                       latch=latch, give_up_s=cfg.coord.heartbeat_timeout,
+                       cut_off_s=cfg.coord.progress_timeout)
              for j in holds]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
@@ -285,7 +288,8 @@ def live(where: Placement, me: Incarnation, conn: Connection, log: EventLog,
         log.emit("group_broken", replica=group_id, error=f"declared dead: {e}"[:300], **conn.tag)
         conn.heartbeat.stop()
     except DistNetworkError as e:  # a connection broke: the store's (cut off, or declared dead meanwhile)?
-        ended = cut_off(where, e, conn, log, group_id)
+        why = cut_off(where, e, conn, log, group_id)
+        ended = None if why is None else Fenced(why)
         if ended is None:
             ended = broken_group(where, me, conn, log, e)
         if ended is not None:
@@ -396,27 +400,6 @@ def broken_group(where: Placement, me: Incarnation, conn: Connection, log: Event
         outlive_agent_restart(replan and me.shrunk)
         return Left("its group's process group broke")
     return None
-
-
-def cut_off(where: Placement, error: Exception, conn: Connection, log: EventLog, group_id: int) -> Outcome | None:
-    """The outcome of a broken connection (DistNetworkError) where it was the coordinator's store's: the
-    store does not answer a fresh connection within the heartbeat timeout (its host gone, or this host's
-    link down), or answers that this group was declared dead meanwhile (a partition that healed): fenced,
-    as a member declared dead is, with one line and its event (none where the heartbeat thread leaves as
-    fenced already). None where the store answers and the group is a member: the error was another's."""
-    try:
-        fresh = PrefixStore(keys.generation_prefix(where.generation),
-                            connect(where.address, timeout_s=where.cfg.coord.heartbeat_timeout))
-        if not fresh.check([keys.dead(group_id)]):
-            return None
-        why = f"declared dead while cut off from the coordinator at {where.address}"
-    except Exception as e:  # noqa: BLE001 - nothing answers: cut off
-        why = f"cut off from the coordinator at {where.address} ({type(error).__name__}: {error}; {e})"
-    conn.heartbeat.stop()
-    if conn.heartbeat.latch.claim():
-        print(f"unbroken: error: group {group_id} {why}; it leaves", file=sys.stderr)
-        log.emit("fenced", replica=group_id, reason=why[:300], **conn.tag)
-    return Fenced(why)
 
 
 def release(conn: Connection, built: Built) -> Broken:
