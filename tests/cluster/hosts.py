@@ -197,7 +197,9 @@ class Cluster:
 
     def rate(self, i: int, mbit: int) -> None:
         """Host i's link limited to `mbit` Mbit/s both ways (tbf on its eth0 and on the switch's end)."""
-        burst = str(max(32, mbit // 8)) + "kb"  # bytes a tick at this rate, at least a jumbo frame's worth
+        # 10 ms of the rate in one burst (1 Gbit/s: 1.25 MB): at least a tick's worth at HZ=100, so the kernel's
+        # timer does not cap the rate below `mbit`
+        burst = str(max(32, mbit * 10 // 8)) + "kb"
         for where in (("ip", "netns", "exec", self.hosts[i].netns, "tc", "qdisc", "replace", "dev", "eth0"),
                       ("ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", f"h{i}")):
             sh(*where, "root", "tbf", "rate", f"{mbit}mbit", "burst", burst, "latency", "100ms")
