@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.cluster_run import digests, doc_lines, start
+from tests.cluster.hosts import sh
 from tests.conftest import unbroken
 from unbroken.events import read_events
 
@@ -184,8 +185,36 @@ def test_the_coordinators_host_cut_off_ends_the_run_cleanly(hosts, tmp_path):
         assert len(lines) == 1 and f"cut off from the coordinator at {address}:29400" in lines[0], log[-2000:]
         assert "DistNetworkError" not in log
         assert run.groups[g].returncode != 0
-    ref = reference(tmp_path, 40)
+    ref = reference(tmp_path, 6)
     committed = digests(evs)
     assert committed and all(committed[s] == ref[s] for s in committed)
     print(f"coordinator's host cut off: run ended (exit 1) at last committed step {failed['last_committed_step']}, "
           f"both groups fenced with one line each ({lines[0]})")
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_host_takes_every_process_and_its_memory_and_the_survivor_goes_on_exact(hosts, tmp_path):
+    """Host 2 lost after step 2 (its PID namespace's init killed: group 1's torchrun agent and worker die
+    with it, nothing reports the exit, its private /dev/shm goes with the last process holding it): the
+    coordinator declares group 1 dead by its heartbeats alone, the survivor redoes its microbatches and
+    the run ends exact."""
+    cluster = hosts(3)
+    run = start(cluster, tmp_path, ["--coord.heartbeat_timeout=2", *LONG[2:]])
+    lost = cluster.hosts[2]
+    assert lost.run(["sh", "-c", "echo held > /dev/shm/ub71-marker"]).returncode == 0
+    assert cluster.hosts[1].run(["ls", "/dev/shm/ub71-marker"]).returncode != 0  # each host's own memory
+    run.until(run.committed(2), 120)
+    cluster.lose(2)
+    assert run.wait(120) == 0, run.tail()
+    assert not lost.alive() and sh("ip", "netns", "pids", lost.netns).stdout.split() == []
+    assert lost.run(["ls", "/dev/shm/ub71-marker"]).returncode != 0  # no namespace left to enter
+    evs = run.events()
+    (dead,) = [e for e in evs if e["event"] == "member_dead"]
+    assert dead["replica"] == 1 and "no heartbeat" in dead["reason"]
+    (recovery,) = [e for e in evs if e["event"] == "recovery" and e["replica"] == 0]
+    assert recovery["redo"]
+    assert run.groups[1].returncode != 0 and run.groups[0].returncode == 0
+    ref = reference(tmp_path, 6)
+    assert digests(evs) == ref
+    print(f"host 2 lost after step 2: no process left in its namespaces, group 1 declared dead "
+          f"({dead['reason']}), redo {recovery['redo']} by group 0; 6/6 digests bitwise the failure-free run")
