@@ -50,6 +50,7 @@ class Run:
     coordinator: subprocess.Popen
     groups: list[subprocess.Popen] = field(default_factory=list)
     logs: Path = Path()
+    injector: object = None  # chaos.Injector of the run's host and network faults, if any
 
     def events(self) -> list[dict]:
         return events(self.out)
@@ -80,6 +81,8 @@ class Run:
                 g.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        if self.injector is not None:
+            self.injector.stop()
         return self.coordinator.returncode
 
     def tail(self, n: int = 1500) -> str:
@@ -88,10 +91,11 @@ class Run:
 
 
 def start(cluster: Cluster, tmp: Path, coordinator_flags: list[str] = (), restarts: int = 0,
-          group_env: dict[str, str] | None = None) -> Run:
+          group_env: dict[str, str] | None = None, faults: str = "") -> Run:
     """docs/cluster.md's lines as written, but for the address (host 0's instead of 127.0.0.1), the run
     directory (under `tmp`, which every host shares), `--max-restarts=restarts`, and `coordinator_flags`
-    after the documented ones. Group g runs on host g+1, with `group_env` added to its environment."""
+    after the documented ones. Group g runs on host g+1, with `group_env` added to its environment.
+    `faults`: host and network faults (faultspec.NETWORK_KINDS), injected by the harness (chaos.py)."""
     h0 = cluster.hosts[0]
     lines = [line.replace("127.0.0.1", h0.address).replace("runs/cluster", str(tmp / "run"))
              .replace("--max-restarts=0", f"--max-restarts={restarts}").split() for line in doc_lines()]
@@ -104,6 +108,10 @@ def start(cluster: Cluster, tmp: Path, coordinator_flags: list[str] = (), restar
                     or coordinator.poll() is not None, 60), run.tail()
     first = (logs / "coordinator.log").read_text().splitlines()[0]
     assert first.startswith(f"unbroken coordinator: serving {h0.address}:29400"), first
+    if faults:
+        from tests.cluster.chaos import Injector, network_faults
+        run.injector = Injector(cluster, run.out, network_faults(faults, len(lines) - 1, 10**6))
+        run.injector.start()
     for g, line in enumerate(lines[1:]):
         run.groups.append(cluster.hosts[g + 1].popen(line, logs / f"group{g}.log", env={**env(), **(group_env or {})},
                                                      cwd=tmp))
