@@ -91,14 +91,17 @@ class Run:
 
 
 def start(cluster: Cluster, tmp: Path, coordinator_flags: list[str] = (), restarts: int = 0,
-          group_env: dict[str, str] | None = None, faults: str = "") -> Run:
+          group_env: dict[str, str] | None = None, faults: str = "", groups: int = 2) -> Run:
     """docs/cluster.md's lines as written, but for the address (host 0's instead of 127.0.0.1), the run
     directory (under `tmp`, which every host shares), `--max-restarts=restarts`, and `coordinator_flags`
     after the documented ones. Group g runs on host g+1, with `group_env` added to its environment.
-    `faults`: host and network faults (faultspec.NETWORK_KINDS), injected by the harness (chaos.py)."""
+    `faults`: host and network faults (faultspec.NETWORK_KINDS), injected by the harness (chaos.py).
+    `groups` beyond the documented two run group 1's forkrun line with their own `--group`."""
     h0 = cluster.hosts[0]
     lines = [line.replace("127.0.0.1", h0.address).replace("runs/cluster", str(tmp / "run"))
              .replace("--max-restarts=0", f"--max-restarts={restarts}").split() for line in doc_lines()]
+    for g in range(2, groups):
+        lines.append(lines[2][:-1] + [str(g)])
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     coordinator = h0.popen(lines[0] + list(coordinator_flags), logs / "coordinator.log", env=env(), cwd=tmp)
