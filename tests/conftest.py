@@ -90,7 +90,7 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
 # first, and the many short files fill the run's end: in xdist's own order (most tests first) the two
 # shrink files started ~11 minutes in and the run's last minute had one worker busy.
 LONGEST_FIRST = ("tests/runtime/test_shrink.py", "tests/runtime/test_shrink_fsdp.py",
-                 "tests/runtime/test_llama_groups.py", "tests/runtime/test_cluster.py",
+                 "tests/runtime/test_llama_groups.py", "tests/runtime/test_cluster.py", "tests/cluster/test_hosts.py",
                  "tests/runtime/test_hf_groups.py", "tests/runtime/test_fsdp_composed.py",
                  "tests/runtime/test_pp_tp.py", "tests/runtime/test_groups.py",
                  "tests/runtime/test_precision.py", "tests/runtime/test_restore_e2e.py",
