@@ -91,6 +91,7 @@ def side_by_side(*runs: Callable[[], subprocess.CompletedProcess]) -> list[subpr
 # shrink files started ~11 minutes in and the run's last minute had one worker busy.
 LONGEST_FIRST = ("tests/runtime/trainer/test_shrink.py", "tests/runtime/trainer/test_shrink_fsdp.py",
                  "tests/runtime/parallel/test_llama_groups.py", "tests/runtime/launcher/test_cluster.py",
+                 "tests/cluster/test_hosts.py",
                  "tests/runtime/parallel/test_hf_groups.py", "tests/runtime/trainer/test_user_contract.py",
                  "tests/runtime/parallel/test_fsdp_composed.py",
                  "tests/runtime/parallel/test_pp_tp.py", "tests/runtime/trainer/test_groups.py",

@@ -58,12 +58,32 @@ def test_bounds_are_the_runs_size():
     ("slow:replica=1,for=-1", "for=-1"),
     ("hang:replica=1,step=1,for=-2", "for=-2"),
     ("kill:replica=1,step=1; kill:replica=9,step=1", "replica=9"),
+    ("partition:host=2,step=3", "for="),
+    ("cut:host=1,peer=1,step=3", "host=1 twice"),
+    ("cut:host=1,step=3", "peer="),
+    ("rate:host=2,mbit=0", "mbit=0"),
+    ("host:host=two,step=1", "'two'"),
 ])
 def test_bad_specs_name_the_token_in_one_line(spec, token):
     with pytest.raises(FaultSpecError) as e:
         parse(spec, replicas=4, steps=10)
     message = str(e.value)
     assert token in message and "\n" not in message
+
+
+def test_host_and_network_faults_parse_and_only_the_namespace_harness_takes_them():
+    """host, partition, cut and rate (tests/cluster/chaos.py injects them); a run's own config refuses them
+    in one line naming the kind."""
+    from unbroken.api import make_config
+    from unbroken.config import ConfigError
+    spec = "host:host=2,step=3; partition:host=2,step=3,for=8; cut:host=1,peer=2,step=3,for=4; rate:host=2,mbit=1000"
+    lost, part, cut, rate = parse(spec, 2, 10)
+    assert lost == Fault("host", host=2, step=3) and part == Fault("partition", host=2, step=3, seconds=8.0)
+    assert cut == Fault("cut", host=1, peer=2, step=3, seconds=4.0) and rate == Fault("rate", host=2, mbit=1000)
+    assert parse(canonical((lost, part, cut, rate)), 2, 10) == (lost, part, cut, rate)
+    with pytest.raises(ConfigError) as e:
+        make_config(replicas=2, faults__spec="partition:host=1,step=2,for=3")
+    assert "partition acts on hosts made of namespaces" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_extra_kinds_extend_the_grammar():

@@ -18,7 +18,7 @@ from typing import Any
 
 from unbroken.config import MOVED, Config, ConfigError, RunConfig, build, check_paths
 from unbroken.config.tree import builtin_data_problem
-from unbroken.faultspec import FaultSpecError, parse
+from unbroken.faultspec import NETWORK_KINDS, FaultSpecError, parse
 
 # flat keywords: the [run] keys, and the keys that [run] held before they moved (faults=, out=, restarts=, ...)
 _FLAT = {f.name for f in dataclasses.fields(RunConfig)} | {old[4:] for old in MOVED if old.startswith("run.")}
@@ -47,6 +47,9 @@ def make_config(config: Config | None = None, **run: Any) -> Config:
     except FaultSpecError as e:
         raise ConfigError(f"--faults: {e}") from None
     for f in faults:
+        if f.kind in NETWORK_KINDS:
+            raise ConfigError(f"--faults: {f.kind} acts on hosts made of namespaces (tests/cluster/); "
+                              "a run's own processes cannot inject it")
         if f.kind == "node" and f.node >= cfg.snapshot.nodes:
             raise ConfigError(f"--faults: node={f.node} is out of range (0..{cfg.snapshot.nodes - 1}, snapshot.nodes)")
         if f.kind in ("node", "corrupt", "tear") and not cfg.snapshot.enabled:

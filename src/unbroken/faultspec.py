@@ -15,6 +15,12 @@
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
+Host and network faults, acted on hosts made of Linux namespaces (tests/cluster/: `unbroken train` and
+`unbroken coordinator` refuse them; the harness injects them, at the first commit of `step` or later):
+    host:host=2,step=3                          lose host 2: its PID namespace killed, its link down
+    partition:host=2,step=3,for=8               host 2's link down for 8 s, its processes running
+    cut:host=1,peer=2,step=3[,for=8]            hosts 1 and 2 cannot reach each other (both reach the rest)
+    rate:host=2,mbit=1000                       host 2's link limited to 1000 Mbit/s from the start (tbf)
 kill, hang and slow take `rank=J` in a replica group of several ranks (default 0): that rank's process.
 
 Phases of step s (kill and hang): `compute` after the replica's first microbatch, `overlap` as the first
@@ -53,6 +59,9 @@ class Fault:
     node: int | None = None
     how: str = "sleep"  # slow: how the stretch passes, "sleep", "spin" or "throttle" (docs/failslow.md)
     rank: int = 0  # kill, hang, slow: which rank of the replica group
+    host: int | None = None  # host, partition, cut, rate: which host (tests/cluster's index)
+    peer: int | None = None  # cut: the other host
+    mbit: int = 0  # rate: the link's rate, Mbit/s
 
     def slows(self, replica: int, step: int) -> bool:
         return (self.kind == "slow" and self.replica == replica and step >= self.start
@@ -68,7 +77,12 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "crash-all": ({"step"}, set()),
     "corrupt": ({"replica", "step"}, set()),
     "tear": ({"replica", "step"}, set()),
+    "host": ({"host", "step"}, set()),
+    "partition": ({"host", "step", "for"}, set()),
+    "cut": ({"host", "peer", "step"}, {"for"}),
+    "rate": ({"host", "mbit"}, set()),
 }
+NETWORK_KINDS = ("host", "partition", "cut", "rate")  # act on hosts made of namespaces only
 
 
 def parse(spec: str, replicas: int, steps: int, extra_kinds: dict[str, tuple[set[str], set[str]]] | None = None,
@@ -138,6 +152,11 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, 
         f["node"] = _int(kv, "node", part, 0, None)
     if "step" in kv:
         f["step"] = _int(kv, "step", part, 0, steps)
+    for key in ("host", "peer", "mbit"):
+        if key in kv:
+            f[key] = _int(kv, key, part, 1 if key == "mbit" else 0, None)
+    if kind == "cut" and f["host"] == f["peer"]:
+        raise FaultSpecError(f"cut needs two hosts, host={f['host']} twice in {part!r}")
     if "phase" in kv:
         phases = NODE_PHASES if kind == "node" else PHASES
         if kv["phase"] not in phases:
@@ -173,10 +192,11 @@ def canonical(faults: tuple[Fault, ...]) -> str:
     for f in faults:
         slow = f.kind == "slow"
         kv = [("replica", f.replica), ("node", f.node), ("step", f.step), ("phase", f.phase),
-              ("for", f.seconds if f.kind == "hang" or f.seconds else None),
+              ("for", f.seconds if f.kind in ("hang", "partition") or f.seconds else None),
               ("factor", f.factor if slow or f.factor != 1.0 else None),
               ("from", f.start if slow or f.start else None), ("to", f.stop),
-              ("how", f.how if f.how != "sleep" else None), ("rank", f.rank or None)]
+              ("how", f.how if f.how != "sleep" else None), ("rank", f.rank or None),
+              ("host", f.host), ("peer", f.peer), ("mbit", f.mbit or None)]
         parts.append(f"{f.kind}:" + ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in kv if v is not None))
     return "; ".join(parts)

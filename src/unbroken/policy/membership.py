@@ -13,6 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 
 
+# re-formed epochs in a row without a commit before a member is made to leave (Membership.cut_apart): one
+# re-form forgives a straggler's timed-out collective, a second with the same members says they cannot form
+REFORMS_BEFORE_LEAVING = 2
+
+
 @dataclass(frozen=True)
 class Membership:
     epoch: int
@@ -38,6 +43,17 @@ class Membership:
         if not new:
             return self
         return Membership(self.epoch + 1, tuple(sorted(set(self.members) | new)))
+
+    def cut_apart(self, reforms: int) -> int | None:
+        """The member that leaves after `reforms` re-formed epochs in a row of this membership committed no
+        step (a collective group that never forms: members that reach the coordinator but not each other,
+        a cut between their hosts), or None while fewer than `REFORMS_BEFORE_LEAVING`. The highest id goes,
+        one per verdict: the lower ids keep training, each verdict's re-formed epoch tests whether the rest
+        reach each other, and a group that leaves rejoins when it can reach a donor again. With one member
+        left nothing is decided (its own group cannot be cut from itself)."""
+        if reforms < REFORMS_BEFORE_LEAVING or len(self.members) < 2:
+            return None
+        return max(self.members)
 
     def reformed(self) -> "Membership":
         """The next epoch with the same members: a fresh collective group for an epoch whose group

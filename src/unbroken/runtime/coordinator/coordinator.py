@@ -26,7 +26,7 @@ from torch.distributed import PrefixStore, Store, TCPStore
 
 from unbroken.config import DetectorSection
 from unbroken.events import EventLog
-from unbroken.policy.membership import Beat, Membership, excuse, stale
+from unbroken.policy.membership import REFORMS_BEFORE_LEAVING, Beat, Membership, excuse, stale
 from unbroken.runtime.store import keys
 from unbroken.runtime.store.watch import WakeWatch
 from unbroken.runtime.coordinator.metrics import Exporter
@@ -53,6 +53,7 @@ class Coordinator:
         self.replicas = replicas
         self.beats: dict[tuple[int, int], Beat] = {}  # (member, rank) -> its last beat
         self.exits_seen = 0
+        self._reforms: tuple[object, int] = (None, 0)  # ((members, last committed step), re-forms in a row)
         self.next_beats = 0.0  # monotonic time of the next round that reads heartbeats
         # (nfinished, members that applied their last step): no longer judged
         self.finished: tuple[int, frozenset[int]] = (0, frozenset())
@@ -175,6 +176,16 @@ class Coordinator:
         membership.request_reform): the same members in a new epoch."""
         key = keys.reform(self.membership.epoch)
         if self.store.check([key]):
+            committed = last_committed(self.store)
+            same = self._reforms[0] == (self.membership.members, committed)
+            self._reforms = ((self.membership.members, committed), self._reforms[1] + 1 if same else 1)
+            leaves = self.membership.cut_apart(self._reforms[1])
+            if leaves is not None:  # the same members re-formed without a commit: they cannot reach each other
+                self._reforms = (None, 0)
+                group = list(self.membership.members)
+                self._remove({leaves: f"the group of {group} broke {REFORMS_BEFORE_LEAVING} times in a row, "
+                                      "no step committed: cut apart from its peers"})
+                return
             new = self.membership.reformed()
             self.store.set(keys.members(new.epoch), json.dumps(list(new.members)))
             self._begin(new, reform=json.loads(self.store.get(key))["reason"])

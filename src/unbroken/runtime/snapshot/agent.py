@@ -34,6 +34,7 @@ from . import operations
 from .checksum import checksum, folded_digest
 from unbroken.runtime.store.etcd import EtcdStore
 from unbroken.runtime.store.client import connect, get_json
+from unbroken.runtime.parallel.netif import bind_gloo_interface
 
 from .control import Topology, post_command, shard_run_ids, snapshot_keys, topology_dict
 from .shm import Kind, SlotFile, State, data_path, parity_path
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         # parity and checksum work gets the threads a fresh interpreter would take from this environment
         import torch
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
+    if a.store:  # its parity groups with the other hosts' agents: the interface that reaches the store
+        bind_gloo_interface(a.store, os.environ)
     topo = Topology(a.nodes, a.ranks_per_node, a.parity, a.k, a.m)
     # One SnapshotAgent per shard index, each with its own store client and thread: an agent blocks in
     # collectives with its peers (parity, rebuild), and shard j's peers must never wait for shard i's.

@@ -7,6 +7,13 @@ no longer a member within one interval of waking and leaves without writing anyt
 A beat is one round trip: a compare-and-set from the value it wrote last, which fails once the
 coordinator, after writing `dead/{r}`, overwrote `hb/{r}` with its fence mark (where a write and a
 `dead/{r}` check were two: 80 of the store's ~800 requests a second in a 4-replica run).
+A beat whose connection breaks (the coordinator's host gone, or this host's link down long enough for the
+connection to reset) is retried once on a fresh connection; where none can be made within `give_up_s`
+(the coordinator has declared this member dead by then), the process leaves as fenced, with its event,
+instead of dying of the store client's exception. A beat that does not come back at all (the link down:
+the connection neither answers nor fails for the minutes TCP retries) is watched by a second thread: with
+no beat through for `cut_off_s`, the process leaves as fenced the same way (the coordinator's own host
+partitioned away, or this one's: the coordinator declared it dead long before).
 Does not own: judging liveness (coordinator) or the member's own fence checks in the step (trainer).
 """
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore
@@ -42,8 +50,9 @@ class FenceLatch:
 class Heartbeat:
     def __init__(self, address: str, me: int, interval_s: float, on_fenced: Callable[[str], None],
                  prefix: str = "", rank: int = 0, spared: Callable[[str], bool] | None = None,
-                 latch: FenceLatch | None = None):
-        self.me, self.interval = me, interval_s
+                 latch: FenceLatch | None = None, give_up_s: float = 10.0, cut_off_s: float = 60.0):
+        self.me, self.interval, self.give_up, self.cut_off = me, interval_s, give_up_s, cut_off_s
+        self._address, self._prefix = address, prefix
         self.latch = latch or FenceLatch()
         self.key = keys.heartbeat(me, rank)  # every rank of a group beats: any one silent kills the group
         self.where = {"step": -1, "phase": "start", "mb": -1, "epoch": 0}
@@ -57,11 +66,14 @@ class Heartbeat:
         self._seq = 0
         self._last = ""  # the value of our last beat ("": none yet, the key is missing)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._through = time.monotonic()  # when a beat last came back (the watchdog's clock)
+        self._watchdog = threading.Thread(target=self._watch, name="heartbeat-watchdog", daemon=True)
 
     def start(self) -> None:
         if not self._beat() and not self._fence():
             return
         self._thread.start()
+        self._watchdog.start()
 
     def at(self, step: int, phase: str, mb: int = -1, epoch: int | None = None) -> None:
         """Record where the replica is; cheap (a dict update), call at every phase and microbatch.
@@ -85,7 +97,7 @@ class Heartbeat:
         value = json.dumps({"seq": self._seq, **self.where})
         if self._store.compare_set(self.key, self._last, value) != value.encode():
             return False
-        self._last = value
+        self._last, self._through = value, time.monotonic()
         return True
 
     def _fence(self) -> bool:
@@ -106,8 +118,38 @@ class Heartbeat:
             self._kick.clear()
             if self._stop.is_set():
                 return
-            if not self._beat() and not self._fence():
+            try:
+                beat = self._beat()
+            except Exception as e:  # noqa: BLE001 - the store's connection broke: reconnect or leave
+                self._reconnect(e)
+                continue
+            if not beat and not self._fence():
                 return
+
+    def _watch(self) -> None:
+        """Leave as fenced (exit 3) once no beat came back for `cut_off_s`; return once stopped."""
+        while not self._stop.wait(min(1.0, self.cut_off / 4)):
+            silent = time.monotonic() - self._through
+            if silent > self.cut_off:
+                self._leave(f"cut off from the coordinator at {self._address} (no beat through for {silent:.0f} s)")
+                return
+
+    def _leave(self, why: str) -> None:
+        if self._stop.is_set() or not self.latch.claim():
+            self._stop.set()
+            return
+        self._on_fenced(why)
+        os._exit(3)
+
+    def _reconnect(self, error: Exception) -> None:
+        """A fresh connection to the store in place of a broken one; where none answers within
+        `give_up_s`, leave as fenced (exit 3): by then the coordinator has declared this member dead."""
+        try:
+            raw = connect(self._address, timeout_s=self.give_up)
+        except Exception:  # noqa: BLE001 - nothing answers: this member is cut off
+            self._leave(f"cut off from the coordinator at {self._address} ({type(error).__name__}: {error})")
+            return
+        self._store = PrefixStore(self._prefix, raw) if self._prefix else raw
 
 
 class Beats:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore
+from torch.distributed import DistNetworkError, PrefixStore
 
 from unbroken.config import ConfigError
 from unbroken.events import EventLog
@@ -34,6 +34,7 @@ from unbroken.faultspec import parse
 from unbroken.runtime.parallel.collectives import keep
 from unbroken.runtime.parallel.crossgroup import choose, describe
 from unbroken.runtime.parallel.device import backend, bind, exact_kernels, hostid_per_rank, nccl_environment, resolve
+from unbroken.runtime.parallel.netif import bind_gloo_interface
 from unbroken.runtime.parallel.parallelize import intra_group, outlive_agent_restart, peer_lost, release_agent
 from unbroken.runtime.parallel.sockets import shut_recorded
 from unbroken.runtime.persist.persistence import Persistence
@@ -41,6 +42,7 @@ from unbroken.runtime.store import keys
 from unbroken.runtime.store.client import connect
 from unbroken.runtime.store.reasons import BROKE, evicted, lost_rank
 from unbroken.runtime.store.watch import DecisionWatch, EpochWatch, WeightsWatch
+from unbroken.runtime.trainer.cutoff import cut_off, say_cut_off
 from unbroken.runtime.trainer.admission import agree, build, build_standin, join, signature
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Beats, FenceLatch, Heartbeat
@@ -146,6 +148,7 @@ def run(factories: Factories) -> int:
              pid=os.getpid(), torchrun="TORCHELASTIC_RUN_ID" in os.environ,
              forked=os.environ.get("UNBROKEN_FORKED", ""),  # "server", "agent" or "" (a fresh interpreter)
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+             interface=os.environ.get("GLOO_SOCKET_IFNAME", ""),  # what its gloo groups bind
              born=born(),  # the process's start: worker_start's t less it is its imports and set-up
              **describe(where.device, where.cfg.parallel.cross_backend))  # what it computes and reduces on
     # Each incarnation's connection outlives it, as the process does: its store clients and watch
@@ -176,6 +179,7 @@ def start_up() -> tuple[Placement, Identity]:
     """This process's placement and identity, its device bound before any group or CUDA tensor exists.
     Raises ConfigError or TopologyError (bad input, one line)."""
     where = placement()
+    bind_gloo_interface(where.address, os.environ)  # before any gloo group: the coordinator's interface
     who = Identity.from_env(os.environ, where.cfg.topology())
     if not 0 <= who.group < where.cfg.run.replicas:
         raise ConfigError(f"--group {who.group}: the run has replica groups 0..{where.cfg.run.replicas - 1}")
@@ -224,11 +228,13 @@ def connection(where: Placement, me: Incarnation, log: EventLog) -> Connection:
     latch = FenceLatch()  # the process leaves as fenced once, whoever sees the verdict first
     beats = [Heartbeat(where.address, group_id, cfg.coord.heartbeat_interval,
                        on_fenced=lambda why: (log.emit("fenced", replica=group_id, reason=why, **tag),
+                                              say_cut_off(group_id, why),
                                               release_agent(replan, evicted(why, who.rank))),
                        prefix=keys.generation_prefix(where.generation), rank=j,
                        # declared dead for another rank's silence: the trainer (fence) decides
                        spared=(lambda why: lost_rank(why) not in (None, who.rank)) if shrinkable else None,
-                       latch=latch)
+                       latch=latch, give_up_s=cfg.coord.heartbeat_timeout,
+                       cut_off_s=cfg.coord.progress_timeout)
              for j in holds]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     faults = parse(cfg.faults.spec, cfg.run.replicas, cfg.run.steps, group_size=cfg.parallel.group_size)
@@ -282,6 +288,13 @@ def live(where: Placement, me: Incarnation, conn: Connection, log: EventLog,
     except GroupLost as e:  # another rank of the group went silent and the group was declared dead
         log.emit("group_broken", replica=group_id, error=f"declared dead: {e}"[:300], **conn.tag)
         conn.heartbeat.stop()
+    except DistNetworkError as e:  # a connection broke: the store's (cut off, or declared dead meanwhile)?
+        why = cut_off(where, e, conn, log, group_id)
+        ended = None if why is None else Fenced(why)
+        if ended is None:
+            ended = broken_group(where, me, conn, log, e)
+        if ended is not None:
+            return ended
     except ConfigError as e:  # a joiner refused leaves the run as it was; at the start it is bad input
         print(f"unbroken: error: {e}", file=sys.stderr)
         log.emit("join_refused" if conn.joining else "worker_error", replica=group_id, error=str(e)[:300],

@@ -27,6 +27,8 @@ it: fewer of --exact's buckets overlap the backward than float32's.
 """
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +42,17 @@ from unbroken.runtime.parallel.collectives import CollectiveError, EpochGroup, E
 from unbroken.runtime.trainer.stepwork import StepWork
 
 RING = 2  # --exact: float64 bucket slots the reduction works in (a bucket in flight while one is rounded)
+
+
+def cut_apart_line(me: int, dead: str | None, failure: str) -> str:
+    """The one line a group prints as it leaves cut apart from its peers (the coordinator's verdict
+    `dead`, policy.membership.cut_apart), naming the peer address its last collective tried (gloo's
+    `remote=[ADDR]:PORT` in `failure`); "" for any other verdict."""
+    if not dead or "cut apart" not in dead:
+        return ""
+    tried = re.findall(r"remote=\[([^\]]+)\]:(\d+)", failure)
+    where = f"; its last collective tried {tried[-1][0]}:{tried[-1][1]}" if tried else ""
+    return f"unbroken: error: group {me} cannot reach its peers and leaves ({dead}){where}"
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class Reducer:
                  params: list[torch.nn.Parameter], accs: tuple, gloo: bool, bucket_bytes: int = BUCKET_BYTES):
         self.role, self.coord, self.log, self.faults, self.hb = role, coord, log, faults, heartbeat
         self.pipeline, self.group_of = pipeline, group_of
+        self.last_failure = ""  # the last cross-group collective's error ("": none)
         plain = all(type(a) is Accumulator and not a.hooked and not a.sharded for a in accs)
         # --exact's buckets travel by gloo's point-to-point sends, which read host memory only: a CUDA
         # rank on a gloo cross group reduces its float64 buffer in one all-reduce instead
@@ -208,6 +222,7 @@ class Reducer:
                 return rec.EpochChanged(self.coord.chain_after(epoch))
             except CollectiveError as e:
                 work.copies.clear()
+                self.last_failure = str(e)  # what a group cut apart from its peers says as it leaves
                 self.log.emit("reduce", step=step, replica=self.role.group, epoch=epoch, ok=False, error=str(e), **tag)
                 return rec.ReduceFailed(epoch, str(e))
             results.append(result.tensor)

@@ -29,6 +29,7 @@ synchronisation point each step that DDP lacks.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
 from unbroken.runtime.trainer.optimizing import Optimizing
-from unbroken.runtime.trainer.reduction import Reducer
+from unbroken.runtime.trainer.reduction import Reducer, cut_apart_line
 from unbroken.runtime.trainer.role import RankRole
 from unbroken.runtime.trainer.sidecar import Sidecar
 from unbroken.runtime.trainer.speculation import Pipeline, Rollback, limit
@@ -483,6 +484,9 @@ class Trainer:
         if dead is not None and lost_rank(dead) not in (None, self.role.rank):
             raise GroupLost(dead)
         if self.hb.latch.claim():  # else its heartbeat thread found the verdict first, logged it and exits
+            said = cut_apart_line(self.me, self.coord.dead_reason(), self.reducer.last_failure)
+            if said:
+                print(said, file=sys.stderr)
             self.log.emit("fenced", replica=self.me, step=step, reason=reason, **self.role.tag)
             release_agent(self.cfg.parallel.on_rank_loss == "replan", evicted(dead or "", self.role.rank))
         raise FencedOut(reason)
