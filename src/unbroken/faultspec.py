@@ -15,7 +15,16 @@
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
-kill, hang and slow take `rank=J` in a replica group of several ranks (default 0): that rank's process.
+    flip:replica=1,step=6,in=param[,bit=exponent][,every=3][,tensor=0][,element=0]
+                                                flip one bit of replica 1's state (in=param or optimizer:
+                                                after step 6's optimizer step, before its digest) or of
+                                                one microbatch's gradient (in=grad[,microbatch=I]: as its
+                                                backward produces it; no microbatch=: the replica's first
+                                                of the step); bit=exponent (the exponent's top bit),
+                                                mantissa (the mantissa's top bit), sign, or an index
+                                                0..width-1 of the element's dtype; every=K: again at
+                                                step+K, step+2K, ... (a device that keeps corrupting)
+kill, hang, slow and flip take `rank=J` in a replica group of several ranks (default 0): that rank's process.
 
 Phases of step s (kill and hang): `compute` after the replica's first microbatch, `overlap` as the first
 bucket of its all-reduce is issued inside its last microbatch's backward (one-rank groups on gloo, where
@@ -32,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PHASES = ("compute", "overlap", "allreduce", "commit", "optimizer")
+FLIP_TARGETS = ("grad", "param", "optimizer")  # flip: in= (what the flipped bit is in)
+NAMED_BITS = ("exponent", "mantissa", "sign")  # flip: bit= by name (else an index)
 NODE_PHASES = ("parity",)  # node: lost inside its agent's parity encode (the snapshot agents' phase)
 
 
@@ -51,7 +62,19 @@ class Fault:
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
     node: int | None = None
     how: str = "sleep"  # slow: how the stretch passes, "sleep", "spin" or "throttle" (docs/failslow.md)
-    rank: int = 0  # kill, hang, slow: which rank of the replica group
+    rank: int = 0  # kill, hang, slow, flip: which rank of the replica group
+    target: str | None = None  # flip: "grad", "param" or "optimizer"
+    bit: str = "exponent"  # flip: a name of NAMED_BITS or a bit index, as text ("7")
+    every: int | None = None  # flip: again every `every` steps from `step` (None: once)
+    microbatch: int | None = None  # flip in=grad: which microbatch (None: the replica's first of the step)
+    tensor: int = 0  # flip: which parameter (unique_parameters order), or whose optimizer state
+    element: int = 0  # flip: which element of it (flat index, modulo its size)
+
+    def flips(self, replica: int, step: int) -> bool:
+        """Whether this `flip` fault fires in `replica` at `step` (once, or every `every` steps from `step`)."""
+        if self.kind != "flip" or self.replica != replica or self.step is None or step < self.step:
+            return False
+        return step == self.step or (self.every is not None and (step - self.step) % self.every == 0)
 
     def slows(self, replica: int, step: int) -> bool:
         return (self.kind == "slow" and self.replica == replica and step >= self.start
@@ -67,6 +90,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "crash-all": ({"step"}, set()),
     "corrupt": ({"replica", "step"}, set()),
     "tear": ({"replica", "step"}, set()),
+    "flip": ({"replica", "step", "in"}, {"bit", "every", "microbatch", "tensor", "element", "rank"}),
 }
 
 
@@ -156,11 +180,33 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, 
         if kv["how"] not in ("sleep", "spin", "throttle"):
             raise FaultSpecError(f"how={kv['how']!r} is not sleep, spin or throttle in {part!r}")
         f["how"] = kv["how"]
+    if kind == "flip":
+        f.update(_flip(kv, part))
     if kind == "slow" and not {"factor", "for"} & kv.keys():
         raise FaultSpecError(f"slow needs factor= or for= in {part!r}")
     if kind == "slow" and "for" in kv and f.get("how", "sleep") != "sleep":
         raise FaultSpecError(f"for= is a sleep: how={kv['how']!r} cannot take it in {part!r}")
     return Fault(**f)
+
+
+def _flip(kv: dict[str, str], part: str) -> dict:
+    """The flip-only keys of `kv`, checked (a bit index's upper bound is the element's width: 64)."""
+    f: dict = {}
+    if kv["in"] not in FLIP_TARGETS:
+        raise FaultSpecError(f"in={kv['in']!r} is not {', '.join(FLIP_TARGETS)} in {part!r}")
+    f["target"] = kv["in"]
+    if "bit" in kv:
+        f["bit"] = kv["bit"] if kv["bit"] in NAMED_BITS else str(_int(kv, "bit", part, 0, 64))
+    if "every" in kv:
+        f["every"] = _int(kv, "every", part, 1, None)
+    if "microbatch" in kv:
+        if f["target"] != "grad":
+            raise FaultSpecError(f"microbatch= needs in=grad in {part!r}")
+        f["microbatch"] = _int(kv, "microbatch", part, 0, None)
+    for key in ("tensor", "element"):
+        if key in kv:
+            f[key] = _int(kv, key, part, 0, None)
+    return f
 
 
 def canonical(faults: tuple[Fault, ...]) -> str:
@@ -176,6 +222,9 @@ def canonical(faults: tuple[Fault, ...]) -> str:
               ("factor", f.factor if slow or f.factor != 1.0 else None),
               ("from", f.start if slow or f.start else None), ("to", f.stop),
               ("how", f.how if f.how != "sleep" else None), ("rank", f.rank or None)]
+        if f.kind == "flip":
+            kv += [("in", f.target), ("bit", f.bit), ("every", f.every), ("microbatch", f.microbatch),
+                   ("tensor", f.tensor or None), ("element", f.element or None)]
         parts.append(f"{f.kind}:" + ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in kv if v is not None))
     return "; ".join(parts)

@@ -355,6 +355,15 @@ class DetectorSection:
 
 
 @dataclass(frozen=True)
+class DetectSection:
+    """Silent data corruption: replicas that must hold the same state, compared (docs/corruption.md)."""
+    state_every: int = 8
+    """Compare every replica group's parameters and optimizer state (a digest per shard index) after
+    every this many committed steps; a group that differs from the majority is healed from a peer in
+    place. 0: never."""
+
+
+@dataclass(frozen=True)
 class HardwareSection:
     """The re-plan cost model's hardware figures (policy/stepcost.py's Hardware): stated for H100 hosts,
     not measured on this machine."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from unbroken import storeurl
 from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
+                                    DetectSection,
                                     FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, RunConfig, SnapshotConfig, literal_problem)
 from unbroken.topology import Topology
@@ -41,6 +42,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     detector: DetectorSection = field(default_factory=DetectorSection)
+    detect: DetectSection = field(default_factory=DetectSection)
     hardware: HardwareSection = field(default_factory=HardwareSection)
 
     def to_json(self) -> str:
@@ -301,6 +303,7 @@ def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.suspect_at <= d.slow_at, f"detector.suspect_at={d.suspect_at} exceeds detector.slow_at={d.slow_at}"),
         (0 < d.regime_quorum < 1, f"detector.regime_quorum={d.regime_quorum}: must be in (0, 1)"),
         (d.min_speed <= 1, f"detector.min_speed={d.min_speed}: must be <= 1"),
+        (cfg.detect.state_every >= 0, f"detect.state_every={cfg.detect.state_every}: must be >= 0"),
         (d.warmup_steps >= 0 and d.join_skip >= 0,
          f"detector.warmup_steps={d.warmup_steps}, detector.join_skip={d.join_skip}: must be >= 0"),
         (d.noise_window >= 16, f"detector.noise_window={d.noise_window}: must be >= 16"),

@@ -48,6 +48,8 @@ from unbroken.runtime.parallel.crossgroup import CrossGroup, choose, epoch_group
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.store.reasons import evicted, lost_rank
+from unbroken.runtime.trainer.agreement import StateCheck
+from unbroken.runtime.trainer.bitflip import Flipper
 from unbroken.runtime.trainer.devicetime import DeviceClock
 from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
@@ -65,6 +67,7 @@ class Restart(str, Enum):
     """Why a step's work is dropped and the step starts over under the agreed plan (a `replan` event)."""
     PREVIOUS_RETRIED = "previous step retried"  # our work used parameters that were undone
     ANOTHER_PLAN_WON = "another plan won"  # and it assigns us other microbatches
+    HEALED = "state healed from a peer"  # our work used corrupted parameters (agreement.py)
 
 
 class Settled(Enum):
@@ -118,6 +121,11 @@ class Trainer:
         self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                            cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
                                j, self.optimizer)) if standin else None, self.role.shard_tag)
+        self.flipper = Flipper(injector.flips, self.me, who.rank, log, self.params)
+        self.check = StateCheck(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
+                                cfg.detect.state_every, cfg.coord.collective_timeout, self.donor.shard,
+                                self.role.shard_tag)
+        self.healed = False  # the state check replaced our state since this step's compute began
 
     def _accumulator(self, standin=None):
         """An accumulator of the run's dtype. A group's ranks under --exact take the float64
@@ -194,6 +202,7 @@ class Trainer:
         """The step's state machine from `plan`, to its commit; or why the step must start over."""
         work.acc.zero()
         work.timings = {}
+        self.healed = False
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
                                    plan.weights, self.role.indices)
         queue = deque(actions)
@@ -204,6 +213,8 @@ class Trainer:
         if queue:  # before anything of this step leaves the process
             if self.settle_previous() is Settled.RETRIED:
                 return Restart.PREVIOUS_RETRIED
+            if self.healed:  # the pipelined previous step's check replaced the state we computed with
+                return Restart.HEALED
             won = agreed.result()
             if won != plan:  # keep our work if it is still ours under the agreed plan
                 state = rec.adopt(state, won.epoch, won.members, won.weights)
@@ -372,8 +383,10 @@ class Trainer:
                 self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
                 loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
                                   **model_inputs(mb, self.inputs, self.device)) * loss_weight(mb.tokens, work.tokens)
+                self.flipper.arm(step, i, n == 0)  # a flip fault's gradient (bitflip.py); else nothing
                 self.reducer.backward(work, loss, loss if role.counts_loss else loss.new_zeros(()), share,
                                       last=n == len(microbatches) - 1)  # the record sums shares
+                self.flipper.disarm()
             if len(role.computes) > 1:
                 mb = part(whole, 0, role.shares)  # a stand-in reports rank 0's rows, as its group did
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)
@@ -453,6 +466,9 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
+        self.flipper.flip_state(step, self.optimizer)  # a flip fault's parameter or optimizer state
+        if self.check.due(step):  # replicas' state compared, a wrong one healed (agreement.py)
+            self.healed |= self.check.run(step, epoch, work.members)
         digests = {shard: param_digest(self.holding.parameters(shard)) for shard in self.role.holds}
         for shard, digest in digests.items():
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=digest,

@@ -1,0 +1,61 @@
+"""Silent corruption through `unbroken train`: bits flipped in one group's state are caught by the state
+agreement check (trainer/agreement.py), the group is healed in place from a peer, and the run's digests
+are the failure-free run's (--exact), all asserted from the event log."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import BASE, unbroken
+from unbroken.events import read_events
+from unbroken.observe.runs import compare
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def applied(events, step: int) -> dict[int, str]:
+    return {e["replica"]: e["state_digest"] for e in events if e["event"] == "applied" and e["step"] == step}
+
+
+def test_flips_caught_at_the_check_are_healed_and_the_run_stays_exact(reference, tmp_path):
+    """A parameter's exponent bit on group 2 after step 7 and an optimizer state's mantissa bit on group 3
+    after step 3, each at a step the check runs after (state_every=4: steps 3, 7, 11): each is caught at
+    once, its group healed from group 0 with no restart, and every committed step's digest, and every
+    group's final state, is the failure-free run's."""
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--detect.state_every=4", "--out", str(out), "--faults",
+                 "flip:replica=2,step=7,in=param,bit=exponent; flip:replica=3,step=3,in=optimizer,bit=mantissa,tensor=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    flips = {(e["replica"], e["step"], e["target"]): e for e in events if e["event"] == "flip"}
+    assert set(flips) == {(2, 7, "param"), (3, 3, "optimizer")}
+    assert all(f["before"] != f["after"] for f in flips.values())
+    assert flips[(2, 7, "param")]["bit"] == 30 and flips[(3, 3, "optimizer")]["bit"] == 22
+    caught = {(e["replica"], e["step"]): e for e in events if e["event"] == "corruption"}
+    assert set(caught) == {(2, 7), (3, 3)}  # no other group was ever found wrong
+    assert all(c["found"] != c["agreed"] and c["donor"] == 0 for c in caught.values())
+    healed = {(e["replica"], e["step"], e["side"]) for e in events if e["event"] == "heal" and e.get("why") == "corruption"}
+    assert healed == {(2, 7, "joiner"), (2, 7, "donor"), (3, 3, "joiner"), (3, 3, "donor")}
+    assert all(e["digest_ok"] for e in events if e["event"] == "heal" and e.get("side") == "joiner")
+    assert not [e for e in events if e["event"] in ("member_dead", "worker_start") and e.get("restart")]
+    cmp = compare(reference, out)
+    assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]
+    final, want = applied(events, 11), applied(read_events(reference), 11)
+    assert set(final) == {0, 1, 2, 3} and set(final.values()) == set(want.values()) and len(set(want.values())) == 1
+
+
+def test_a_flip_between_checks_travels_until_the_next_check(reference, tmp_path):
+    """A parameter's mantissa bit flipped on group 1 after step 4 (checks after steps 3, 7, 11) is in group 1's gradients
+    of steps 5-7, which every group reduces: the committed trajectory leaves the failure-free one from
+    step 5 on. The check after step 7 finds group 1 alone against the majority and heals it: from there
+    every group holds the same state again (how far a corruption travels: up to state_every steps)."""
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--detect.state_every=4", "--run.step_ahead=off", "--out", str(out),
+                 "--faults", "flip:replica=1,step=4,in=param,bit=mantissa,tensor=3,element=5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    assert [(e["replica"], e["step"]) for e in events if e["event"] == "flip"] == [(1, 4)]
+    assert [(e["replica"], e["step"]) for e in events if e["event"] == "corruption"] == [(1, 7)]
+    rows = {row[0]: row[3] for row in compare(reference, out).rows}  # step -> identical
+    assert all(rows[s] for s in range(4)) and not any(rows[s] for s in range(5, 12)), rows
+    for step in (8, 11):  # healed: every group holds one state again
+        assert len(set(applied(events, step).values())) == 1 and len(applied(events, step)) == 4
