@@ -3,6 +3,8 @@ agreement check (trainer/agreement.py), the group is healed in place from a peer
 are the failure-free run's (--exact), all asserted from the event log."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.conftest import BASE, unbroken
@@ -59,3 +61,31 @@ def test_a_flip_between_checks_travels_until_the_next_check(reference, tmp_path)
     assert all(rows[s] for s in range(4)) and not any(rows[s] for s in range(5, 12)), rows
     for step in (8, 11):  # healed: every group holds one state again
         assert len(set(applied(events, step).values())) == 1 and len(applied(events, step)) == 4
+
+
+def test_a_nan_from_a_flipped_exponent_bit_is_never_committed(reference, tmp_path):
+    """A parameter's exponent bit flipped on group 2 after step 5 (no state check before step 7 would
+    see it): the next step group 2 computes on it gives a NaN loss and gradient. The finite check finds
+    it in group 2's own sum before any of it is reduced, names group 2, and group 2 leaves: its
+    microbatches are recomputed by the others, no step commits a non-finite loss, and every committed
+    step is the failure-free run's, bit for bit (the digest of step 5's record aside, where group 2
+    wrote it: its own state, flipped after that step's optimizer step)."""
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--detect.state_every=4", "--out", str(out),
+                 "--faults", "flip:replica=2,step=5,in=param,bit=exponent,tensor=3,element=5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    (flipped,) = [e for e in events if e["event"] == "flip"]
+    assert (flipped["replica"], flipped["step"], flipped["bit"]) == (2, 5, 30)
+    (bad,) = [e for e in events if e["event"] == "nonfinite"]
+    assert bad["replica"] == 2 and bad["step"] in (6, 7) and bad["loss"] == "nan" and bad["microbatches"]
+    assert [(e["replica"], e["reason"]) for e in events if e["event"] == "member_dead"] == \
+        [(2, "non-finite gradient or loss: device suspect")]
+    steps = {e["step"]: e for e in events if e["event"] == "step"}
+    assert all(math.isfinite(s["loss"]) for s in steps.values())
+    assert all(2 not in {int(g) for g in s["owners"]} for n, s in steps.items() if n >= bad["step"])  # without it
+    # every step's digest is the failure-free one but step 5's where group 2 wrote its record: the digest
+    # of its own state, flipped after that step's optimizer step
+    differ = [row[0] for row in compare(reference, out).rows if not row[3]]
+    proposer = {e["step"]: e["replica"] for e in events if e["event"] == "decision" and e["outcome"] == "commit"}
+    assert differ == [] or (differ == [5] and proposer[5] == 2), (differ, proposer)

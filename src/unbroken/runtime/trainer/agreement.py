@@ -16,6 +16,7 @@ wrong group's gradients reach every group's reduction (docs/corruption.md: how f
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,24 @@ def state_digest(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def check_finite(buffers: list[torch.Tensor], step: int, microbatches: tuple[int, ...], coord: Coordination,
+                 log: EventLog, me: int, tag: dict) -> None:
+    """After computing `microbatches` of `step` into the accumulator (`buffers`: its flat sums, the
+    weighted loss last), before any of it is reduced: where a value is NaN or inf, this group leaves the
+    run at once (a `nonfinite` event naming it, the microbatches and the step; exit 4), as a failed one
+    does: the step is retried without it, its microbatches recomputed by the others, so no non-finite
+    value is committed; a restarted group heals from a peer. One float64 sum a buffer: non-finite iff an
+    element is (float64 does not overflow on float32 gradients). A non-finite value that is the data's
+    reappears on whoever recomputes it: each leaves in turn (docs/corruption.md: not yet told apart)."""
+    bad = [b for b in buffers if not bool(torch.isfinite(b.sum(dtype=torch.float64)))]
+    if not bad:
+        return
+    log.emit("nonfinite", step=step, replica=me, microbatches=list(microbatches),
+             loss=repr(float(bad[-1][-1])), **tag)
+    coord.leave("non-finite gradient or loss: device suspect")
+    os._exit(4)
 
 
 class StateCheck:

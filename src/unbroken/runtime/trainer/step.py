@@ -48,7 +48,7 @@ from unbroken.runtime.parallel.crossgroup import CrossGroup, choose, epoch_group
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.store.reasons import evicted, lost_rank
-from unbroken.runtime.trainer.agreement import StateCheck
+from unbroken.runtime.trainer.agreement import StateCheck, check_finite
 from unbroken.runtime.trainer.bitflip import Flipper
 from unbroken.runtime.trainer.devicetime import DeviceClock
 from unbroken.runtime.trainer.donor import Donor
@@ -261,7 +261,10 @@ class Trainer:
         self.ahead()
         match action:
             case rec.Compute(step, mbs):
-                return self.compute(work, step, mbs)
+                computed = self.compute(work, step, mbs)
+                if self.cfg.detect.finite_check:  # before any of it is reduced: leaves, never returns
+                    check_finite(work.acc.buffers, step, mbs, self.coord, self.log, self.me, self.role.tag)
+                return computed
             case rec.Reduce(step, epoch, members):
                 return self.reducer.reduce(work, step, epoch, members)
             case rec.Publish(step, epoch, held):
