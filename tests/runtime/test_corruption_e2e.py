@@ -89,3 +89,26 @@ def test_a_nan_from_a_flipped_exponent_bit_is_never_committed(reference, tmp_pat
     differ = [row[0] for row in compare(reference, out).rows if not row[3]]
     proposer = {e["step"]: e["replica"] for e in events if e["event"] == "decision" and e["outcome"] == "commit"}
     assert differ == [] or (differ == [5] and proposer[5] == 2), (differ, proposer)
+
+
+def test_a_device_that_keeps_corrupting_is_evicted_and_the_run_stays_exact(reference, tmp_path):
+    """Group 1 flips a parameter's mantissa bit every 3rd step from step 2 (a device that keeps corrupting),
+    checks after every step: found at step 2 and healed, found again at step 5 and evicted (evict_after=2,
+    the default): it leaves the run, no flip fires after, and every committed step is the failure-free
+    run's (a wrong state is caught at the step it lands in, before any gradient of it is reduced)."""
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--detect.state_every=1", "--out", str(out),
+                 "--faults", "flip:replica=1,step=2,in=param,bit=mantissa,every=3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    assert [(e["replica"], e["step"]) for e in events if e["event"] == "flip"] == [(1, 2), (1, 5)]
+    assert [(e["replica"], e["step"], e["times"]) for e in events if e["event"] == "corruption"] == [(1, 2, 1), (1, 5, 2)]
+    assert [(e["replica"], e["step"], e["side"]) for e in events if e["event"] == "heal"] in (
+        [(1, 2, "donor"), (1, 2, "joiner")], [(1, 2, "joiner"), (1, 2, "donor")])  # healed once, not at step 5
+    assert [(e["replica"], e["step"]) for e in events if e["event"] == "evicted"] == [(1, 5)]
+    assert [(e["replica"], e["reason"]) for e in events if e["event"] == "member_dead"] == \
+        [(1, "evicted: state corrupted 2 times")]
+    steps = {e["step"]: e for e in events if e["event"] == "step"}
+    assert all(1 not in {int(g) for g in s["owners"]} for n, s in steps.items() if n > 5)
+    cmp = compare(reference, out)
+    assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]

@@ -361,6 +361,9 @@ class DetectSection:
     """Compare every replica group's parameters and optimizer state (a digest per shard index) after
     every this many committed steps; a group that differs from the majority is healed from a peer in
     place. 0: never."""
+    evict_after: int = 2
+    """A device (a group's rank) found with corrupted state this many times is evicted: its group leaves
+    the run as a lost one does, instead of being healed again. 0: never evicted."""
     finite_check: bool = True
     """Check each group's own gradient sum and loss for NaN and inf before it is reduced; a group whose
     sum is not finite leaves the step (its microbatches are recomputed by the others) and the run."""

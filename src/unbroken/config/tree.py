@@ -304,6 +304,7 @@ def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
         (0 < d.regime_quorum < 1, f"detector.regime_quorum={d.regime_quorum}: must be in (0, 1)"),
         (d.min_speed <= 1, f"detector.min_speed={d.min_speed}: must be <= 1"),
         (cfg.detect.state_every >= 0, f"detect.state_every={cfg.detect.state_every}: must be >= 0"),
+        (cfg.detect.evict_after >= 0, f"detect.evict_after={cfg.detect.evict_after}: must be >= 0"),
         (d.warmup_steps >= 0 and d.join_skip >= 0,
          f"detector.warmup_steps={d.warmup_steps}, detector.join_skip={d.join_skip}: must be >= 0"),
         (d.noise_window >= 16, f"detector.noise_window={d.noise_window}: must be >= 16"),

@@ -25,7 +25,7 @@ import torch.nn as nn
 import xxhash
 
 from unbroken.events import EventLog
-from unbroken.policy.corruption import state_check_due, vote
+from unbroken.policy.corruption import Suspects, state_check_due, vote
 from unbroken.runtime.persist.healing import Forming, Shard, donate, receive, state_tensors
 from unbroken.runtime.store import keys
 from unbroken.runtime.trainer.membership import Coordination
@@ -61,15 +61,20 @@ def check_finite(buffers: list[torch.Tensor], step: int, microbatches: tuple[int
 class StateCheck:
     """Build once per rank. `holds`: the shard indices this rank holds; `shard(j)`: the state of index
     j when it holds several (None: all of the model's); `tag(j)`: the event tag of index j; `every`:
-    detect.state_every; `timeout_s`: the longest a member waits for a peer's digest before it skips the
-    check (a peer that died in between is declared dead sooner)."""
+    detect.state_every; `evict_after`: detect.evict_after; `timeout_s`: the longest a member waits for a
+    peer's digest before it skips the check (a peer that died in between is declared dead sooner).
+
+    Every member counts every verdict (policy.corruption.Suspects), so all agree, without a word in the
+    store, on the check at which a device is found wrong for the `evict_after`-th time: that one is not
+    healed but leaves the run (exit 4), as a lost group does; the coordinator re-plans without it."""
 
     def __init__(self, coord: Coordination, log: EventLog, me: int, rank: int, holds: tuple[int, ...],
                  model: nn.Module, optimizer: torch.optim.Optimizer, every: int, timeout_s: float,
-                 shard: Callable[[int], Shard] | None, tag: Callable[[int], dict]):
+                 shard: Callable[[int], Shard] | None, tag: Callable[[int], dict], evict_after: int = 0):
         self.coord, self.log, self.me, self.rank, self.holds = coord, log, me, rank, holds
         self.model, self.optimizer, self.every, self.timeout_s = model, optimizer, every, timeout_s
-        self.shard, self.tag = shard, tag
+        self.shard, self.tag, self.evict_after = shard, tag, evict_after
+        self.suspects = Suspects()
 
     def due(self, step: int) -> bool:
         return state_check_due(step, self.every)
@@ -95,7 +100,12 @@ class StateCheck:
                 self.log.emit("corruption", step=step, replica=self.me, groups=sorted(digests),
                               digests=digests, healed=False, why="no majority", **self.tag(j))
                 continue
-            healed |= self._heal(step, j, verdict.donor, verdict.wrong, digests, verdict.agreed)
+            evicted = set()
+            for g in verdict.wrong:
+                self.suspects, evict = self.suspects.found(f"group {g} rank {j}", self.evict_after)
+                if evict:
+                    evicted.add(g)
+            healed |= self._heal(step, j, verdict.donor, verdict.wrong, digests, verdict.agreed, evicted)
         return healed
 
     def _state(self, j: int) -> list[torch.Tensor]:
@@ -115,13 +125,18 @@ class StateCheck:
         return {g: v.decode() for g, v in zip(names, values)}
 
     def _heal(self, step: int, j: int, donor: int, wrong: tuple[int, ...], digests: dict[int, str],
-              agreed: str) -> bool:
-        """The donor's rank j sends its state to each wrong group's rank j; a wrong rank receives it."""
+              agreed: str, evicted: set[int]) -> bool:
+        """The donor's rank j sends its state to each wrong group's rank j; a wrong rank receives it, or
+        leaves the run where it is `evicted`."""
         t = time.perf_counter()
         if self.me in wrong:
+            found = self.coord.store.add(keys.suspect(self.me, j), 1)
             self.log.emit("corruption", step=step, replica=self.me, donor=donor, found=digests[self.me],
-                          agreed=agreed, groups=len(digests), **self.tag(j))
-            self.coord.store.add(keys.suspect(self.me, j), 1)
+                          agreed=agreed, groups=len(digests), times=found, **self.tag(j))
+            if self.me in evicted:
+                self.log.emit("evicted", step=step, replica=self.me, why="corrupted", times=found, **self.tag(j))
+                self.coord.leave(f"evicted: state corrupted {found} times")
+                os._exit(4)
             forming = Forming(self.coord.group_store(), keys.state_heal_prefix(step, self.me, j), 1, self.timeout_s)
             got, seconds, transfer = receive(forming, self.model, self.optimizer, self.shard(j) if self.shard else None)
             after = state_digest(self._state(j))
@@ -133,7 +148,7 @@ class StateCheck:
                                    f"majority's to {agreed}")
             return True
         if self.me == donor:
-            for g in wrong:
+            for g in (g for g in wrong if g not in evicted):
                 forming = Forming(self.coord.group_store(), keys.state_heal_prefix(step, g, j), 0, self.timeout_s)
                 sent, seconds, transfer = donate(forming, self.model, self.optimizer,
                                                  self.shard(j) if self.shard else None,

@@ -124,7 +124,7 @@ class Trainer:
         self.flipper = Flipper(injector.flips, self.me, who.rank, log, self.params)
         self.check = StateCheck(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                                 cfg.detect.state_every, cfg.coord.collective_timeout, self.donor.shard,
-                                self.role.shard_tag)
+                                self.role.shard_tag, cfg.detect.evict_after)
         self.healed = False  # the state check replaced our state since this step's compute began
 
     def _accumulator(self, standin=None):
