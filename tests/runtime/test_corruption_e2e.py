@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import BASE, unbroken
 from unbroken.events import read_events
 from unbroken.observe.runs import compare
+from unbroken.runtime.coordinator.status import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -110,5 +111,8 @@ def test_a_device_that_keeps_corrupting_is_evicted_and_the_run_stays_exact(refer
         [(1, "evicted: state corrupted 2 times")]
     steps = {e["step"]: e for e in events if e["event"] == "step"}
     assert all(1 not in {int(g) for g in s["owners"]} for n, s in steps.items() if n > 5)
+    status = load(str(out))  # what `unbroken status` and /metrics show
+    assert status["suspects"] == {"1": 2} and status["evicted"] == {"1": 5}
+    assert [i["cause"] for i in status["incidents"]] == ["corruption"]
     cmp = compare(reference, out)
     assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]
