@@ -35,8 +35,8 @@ def state_digest(tensors: list[torch.Tensor]) -> str:
     """XXH3-128 (hex) of `tensors`' bytes in order (parameters, then their optimizer state: what a heal
     sends), each as float32 on the host."""
     h = xxhash.xxh3_128()
-    for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    for t in tensors:  # a float32 contiguous host tensor is hashed in place (its numpy view: no copy)
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())
     return h.hexdigest()
 
 
