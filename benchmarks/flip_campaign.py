@@ -88,7 +88,7 @@ def main() -> None:
             rows.append((spec, None, None, None, None, None))
             continue
         f = flips[0]
-        found = [e for e in events if e["replica"] == f["replica"] and (
+        found = [e for e in events if e.get("replica") == f["replica"] and (
             (e["event"] == "corruption" and "found" in e) or e["event"] == "nonfinite")]  # the device named
         caught_at = min((e["step"] for e in found), default=None)
         finite = math.isfinite(float(f["after"]))

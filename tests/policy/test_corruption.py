@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.policy.corruption import Suspects, Verdict, state_check_due, vote
+from unbroken.policy.corruption import Suspects, Verdict, checkers, recomputed, state_check_due, vote
 
 
 def test_one_flipped_group_of_three_or_more_is_outvoted_and_healed_by_the_lowest_agreeing():
@@ -54,3 +54,26 @@ def test_a_device_is_evicted_once_at_its_nth_finding(findings, after):
         assert s.counts[device] == n
         assert evicted.count(device) == (1 if 0 < after <= n else 0)
     assert s.evicted == tuple(evicted)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 256), st.floats(0.0, 1.0), st.integers(0, 2**31))
+def test_recomputed_microbatches_are_a_pure_draw_of_the_step(step, m, fraction, seed):
+    chosen = recomputed(step, m, fraction, seed)
+    assert chosen == recomputed(step, m, fraction, seed) and list(chosen) == sorted(set(chosen))
+    assert all(0 <= i < m for i in chosen)
+    assert set(recomputed(step, m, fraction / 2, seed)) <= set(chosen)  # a smaller fraction: a subset
+    assert recomputed(step, m, 0.0, seed) == () and recomputed(step, m, 1.0, seed) == tuple(range(m))
+
+
+def test_the_recomputed_fraction_is_the_fraction_asked():
+    drawn = sum(len(recomputed(s, 64, 1 / 16)) for s in range(2000))
+    assert abs(drawn / (2000 * 64) - 1 / 16) < 0.005  # 128,000 draws: sd 0.0007
+
+
+@given(st.sets(st.integers(0, 20), min_size=1, max_size=8), st.integers(0, 100))
+def test_checkers_are_other_members_spread_by_microbatch(members, i):
+    members = tuple(sorted(members))
+    owner = members[i % len(members)]
+    got = checkers(owner, members, i)
+    assert owner not in got and set(got) <= set(members) and len(set(got)) == len(got) == min(2, len(members) - 1)

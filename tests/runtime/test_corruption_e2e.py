@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import BASE, unbroken
 from unbroken.events import read_events
 from unbroken.observe.runs import compare
+from unbroken.policy.corruption import checkers, recomputed
+from unbroken.policy.workload import assign
 from unbroken.runtime.coordinator.status import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -116,3 +118,32 @@ def test_a_device_that_keeps_corrupting_is_evicted_and_the_run_stays_exact(refer
     assert [i["cause"] for i in status["incidents"]] == ["corruption"]
     cmp = compare(reference, out)
     assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]
+
+
+def test_a_gradient_flip_in_a_recomputed_microbatch_is_outvoted_before_the_commit(reference, tmp_path):
+    """recompute_fraction=0.25 draws microbatches 4 and 7 of step 5 (policy.corruption.recomputed, seed 0);
+    with equal quotas group 2 owns microbatch 4, and a mantissa bit of its gradient is flipped as its
+    backward produces it: a finite, silent error no state check could see (every group would reduce it).
+    Groups 3 and 0 (its checkers) compute microbatch 4 again; their digests agree with each other and
+    outvote group 2's before anything of step 5 is reduced; group 2 leaves, its microbatches are redone
+    by the others, and every committed step is the failure-free run's. No other microbatch of any step
+    (each recomputed one compared bit for bit) is found wrong."""
+    assert recomputed(5, 8, 0.25) == (4, 7) and assign(8, (0, 1, 2, 3))[4] == 2
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--run.quotas=equal", "--detect.recompute_fraction=0.25", "--out", str(out),
+                 "--faults", "flip:replica=2,step=5,in=grad,microbatch=4,bit=mantissa,tensor=3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    (flipped,) = [e for e in events if e["event"] == "flip"]
+    assert (flipped["replica"], flipped["step"], flipped["microbatch"], flipped["target"]) == (2, 5, 4, "grad")
+    (caught,) = [e for e in events if e["event"] == "corruption"]
+    assert (caught["kind"], caught["step"], caught["microbatch"], caught["wrong"]) == ("gradient", 5, 4, [2])
+    digests = caught["digests"]
+    assert set(digests) == {"2", *map(str, checkers(2, (0, 1, 2, 3), 4))} and len(set(digests.values())) == 2
+    assert [(e["replica"], e["reason"]) for e in events if e["event"] == "member_dead"] == \
+        [(2, "gradient outvoted: device suspect")]
+    steps = {e["step"]: e for e in events if e["event"] == "step"}
+    assert 2 not in {int(g) for g in steps[5]["owners"]}  # step 5 committed without its contribution
+    cmp = compare(reference, out)
+    assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]
+    assert load(str(out))["suspects"] == {"2": 1}

@@ -305,6 +305,8 @@ def _tuning_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.min_speed <= 1, f"detector.min_speed={d.min_speed}: must be <= 1"),
         (cfg.detect.state_every >= 0, f"detect.state_every={cfg.detect.state_every}: must be >= 0"),
         (cfg.detect.evict_after >= 0, f"detect.evict_after={cfg.detect.evict_after}: must be >= 0"),
+        (0.0 <= cfg.detect.recompute_fraction <= 1.0,
+         f"detect.recompute_fraction={cfg.detect.recompute_fraction}: must be in [0, 1]"),
         (d.warmup_steps >= 0 and d.join_skip >= 0,
          f"detector.warmup_steps={d.warmup_steps}, detector.join_skip={d.join_skip}: must be >= 0"),
         (d.noise_window >= 16, f"detector.noise_window={d.noise_window}: must be >= 16"),

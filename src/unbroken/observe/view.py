@@ -154,9 +154,12 @@ class RunView:
     def _on_flip(self, r):  # an injected bit flip (bitflip.py): a fault, of kind "flip"
         return self._on_fault({**r, "kind": "flip", "phase": r["target"]})
 
-    def _on_corruption(self, r):  # found wrong by the state check (a split names nobody: no "donor")
-        if "donor" in r:
-            device = f"{r['replica']}" + (f".{r['rank']}" if r.get("rank") else "")
+    def _on_corruption(self, r):  # the state check's (a split names nobody: no "donor"), or a gradient's vote
+        if r.get("kind") == "gradient":
+            wrong = [str(g) for g in r["wrong"]]
+        else:
+            wrong = [f"{r['replica']}" + (f".{r['rank']}" if r.get("rank") else "")] if "donor" in r else []
+        for device in wrong:
             self.suspects[device] = self.suspects.get(device, 0) + 1
 
     def _on_nonfinite(self, r):  # its own gradient sum or loss was NaN or inf

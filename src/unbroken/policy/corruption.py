@@ -66,3 +66,30 @@ class Suspects:
         counts = {**self.counts, device: self.counts.get(device, 0) + 1}
         evict = 0 < evict_after <= counts[device] and device not in self.evicted
         return Suspects(counts, self.evicted + ((device,) if evict else ())), evict
+
+
+def _unit(seed: int, step: int, i: int) -> float:
+    """A uniform draw in [0, 1), a pure function of (seed, step, i): splitmix64 of their mix."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + i * 0x94D049BB133111EB + 1) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) / 2**64
+
+
+def recomputed(step: int, num_microbatches: int, fraction: float, seed: int = 0) -> tuple[int, ...]:
+    """The microbatches of `step` whose gradient is computed again on other replicas and compared:
+    each one independently with probability `fraction` (a pure function of (seed, step, i), so every
+    member draws the same set). 0: none; 1: all."""
+    if fraction <= 0:
+        return ()
+    return tuple(i for i in range(num_microbatches) if _unit(seed, step, i) < fraction)
+
+
+def checkers(owner: int, members: tuple[int, ...], i: int, n: int = 2) -> tuple[int, ...]:
+    """The `n` members (fewer where fewer are left) that recompute microbatch `i` owned by `owner`: the
+    other members in ascending order, rotated by `i` so the extra work spreads over the fleet."""
+    others = sorted(m for m in members if m != owner)
+    if not others:
+        return ()
+    k = i % len(others)
+    return tuple((others[k:] + others[:k])[:n])

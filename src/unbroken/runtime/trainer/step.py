@@ -48,12 +48,11 @@ from unbroken.runtime.parallel.crossgroup import CrossGroup, choose, epoch_group
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
 from unbroken.runtime.parallel.standin import StandIn
 from unbroken.runtime.store.reasons import evicted, lost_rank
-from unbroken.runtime.trainer.agreement import StateCheck, check_finite
-from unbroken.runtime.trainer.bitflip import Flipper
 from unbroken.runtime.trainer.devicetime import DeviceClock
 from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
+from unbroken.runtime.trainer.integrity import Integrity
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
 from unbroken.runtime.trainer.optimizing import Optimizing
 from unbroken.runtime.trainer.reduction import Reducer
@@ -121,10 +120,10 @@ class Trainer:
         self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                            cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
                                j, self.optimizer)) if standin else None, self.role.shard_tag)
-        self.flipper = Flipper(injector.flips, self.me, who.rank, log, self.params)
-        self.check = StateCheck(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
-                                cfg.detect.state_every, cfg.coord.collective_timeout, self.donor.shard,
-                                self.role.shard_tag, cfg.detect.evict_after)
+        # silent corruption (integrity.py): flips, recomputed microbatches, finite and state checks
+        self.integrity = Integrity(cfg, coord, log, self.me, who.rank, parts, self.params, injector.flips,
+                                   self.role.holds, self.donor.shard, self.role.shard_tag,
+                                   self.role.ranks == 1 and standin is None and self.stages is None, self.device)
         self.healed = False  # the state check replaced our state since this step's compute began
 
     def _accumulator(self, standin=None):
@@ -201,10 +200,10 @@ class Trainer:
     def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | Restart:
         """The step's state machine from `plan`, to its commit; or why the step must start over."""
         work.acc.zero()
-        work.timings = {}
-        self.healed = False
+        work.timings, self.healed = {}, False
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
                                    plan.weights, self.role.indices)
+        self.integrity.begin(work.step, state.epoch, state.owners, state.members)
         queue = deque(actions)
         settled = self.pipeline.pending is None and agreed.done() and agreed.result() == plan
         self.reducer.target(work, state, queue, settled)  # overlap its reduction with its last backward?
@@ -262,8 +261,7 @@ class Trainer:
         match action:
             case rec.Compute(step, mbs):
                 computed = self.compute(work, step, mbs)
-                if self.cfg.detect.finite_check:  # before any of it is reduced: leaves, never returns
-                    check_finite(work.acc.buffers, step, mbs, self.coord, self.log, self.me, self.role.tag)
+                self.integrity.finite(work, step, mbs)  # before any of it is reduced (or this process leaves)
                 return computed
             case rec.Reduce(step, epoch, members):
                 return self.reducer.reduce(work, step, epoch, members)
@@ -373,6 +371,7 @@ class Trainer:
         if self.stages is not None:
             return self.compute_stages(work, step, microbatches)
         role = self.role
+        self.integrity.start(step, work, work.acc.attach)  # microbatches we recompute for others, first
         for n, i in enumerate(microbatches):
             if role.fsdp:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
@@ -386,10 +385,10 @@ class Trainer:
                 self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
                 loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
                                   **model_inputs(mb, self.inputs, self.device)) * loss_weight(mb.tokens, work.tokens)
-                self.flipper.arm(step, i, n == 0)  # a flip fault's gradient (bitflip.py); else nothing
+                self.integrity.before(step, i, n == 0)  # a flip fault's, a recomputed microbatch's digest
                 self.reducer.backward(work, loss, loss if role.counts_loss else loss.new_zeros(()), share,
                                       last=n == len(microbatches) - 1)  # the record sums shares
-                self.flipper.disarm()
+                self.integrity.after(step, i)
             if len(role.computes) > 1:
                 mb = part(whole, 0, role.shares)  # a stand-in reports rank 0's rows, as its group did
             self.faults.stretch(step, span, mb.tokens, mb.sumsq)
@@ -397,6 +396,7 @@ class Trainer:
             self.record_compute(work, step, i, mb, seconds, wall)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
+        self.integrity.finish(step)  # recomputed ones compared before any is reduced (outvoted: we leave)
         return rec.Computed(microbatches)
 
     def compute_stages(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
@@ -469,9 +469,7 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
-        self.flipper.flip_state(step, self.optimizer)  # a flip fault's parameter or optimizer state
-        if self.check.due(step):  # replicas' state compared, a wrong one healed (agreement.py)
-            self.healed |= self.check.run(step, epoch, work.members)
+        self.healed |= self.integrity.after_apply(step, epoch, work.members)  # flips, the state check
         digests = {shard: param_digest(self.holding.parameters(shard)) for shard in self.role.holds}
         for shard, digest in digests.items():
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=digest,
