@@ -12,12 +12,13 @@ The coverage model (docs/corruption.md) predicts, per run, from the flip record 
     check at or after its step s, c(s) - s steps later (c(s): the next step with (c + 1) % every == 0),
     or sooner where its value made the next step's loss or gradient non-finite (the finite check);
   - a flip in a microbatch's gradient is reduced into every group alike and leaves no trace in the
-    state's agreement: caught only where its value is non-finite (the finite check), the same step;
-    otherwise missed (recomputation of microbatches is not built: docs/corruption.md).
+    state's agreement: caught the same step where the microbatch is one `detect.recompute_fraction`
+    (--recompute) draws (policy.corruption.recomputed: two more replicas compute it and outvote the
+    owner), or where its value is non-finite (the finite check); otherwise missed.
 `ratio flips_caught` is the fraction caught; `ratio flips_caught_predicted` the model's; `ratio
 detection_steps_mean` and its predicted bound (for state flips) follow.
 
-Usage: python benchmarks/flip_campaign.py [--runs 50] [--every 4] [--seed 0]
+Usage: python benchmarks/flip_campaign.py [--runs 50] [--every 4] [--seed 0] [--recompute 0.25]
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from unbroken.observe.runs import compare  # noqa: E402
+from unbroken.policy.corruption import recomputed  # noqa: E402
 
 STEPS, REPLICAS = 12, 4
 BASE = ["--replicas", str(REPLICAS), "--steps", str(STEPS), "--microbatches", "8", "--exact",
@@ -67,10 +69,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--recompute", type=float, default=0.0, help="detect.recompute_fraction of the runs")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="flips-"))
-    every = [f"--detect.state_every={args.every}"]
+    every = [f"--detect.state_every={args.every}", f"--detect.recompute_fraction={args.recompute}",
+             "--run.quotas=equal"]
     train(tmp / "reference", *every)
     rows, failed = [], []
     for n in range(args.runs):
@@ -92,7 +96,8 @@ def main() -> None:
             (e["event"] == "corruption" and "found" in e) or e["event"] == "nonfinite")]  # the device named
         caught_at = min((e["step"] for e in found), default=None)
         finite = math.isfinite(float(f["after"]))
-        predicted = f["target"] != "grad" or not finite
+        drawn = f["target"] == "grad" and f["microbatch"] in recomputed(f["step"], 8, args.recompute)
+        predicted = f["target"] != "grad" or not finite or drawn
         bound = next_check(f["step"], args.every) if f["target"] != "grad" else f["step"]
         cmp = compare(tmp / "reference", out)
         rows.append((spec, f["target"], caught_at is not None, predicted,
@@ -109,7 +114,7 @@ def main() -> None:
     bounds = [r[6] for r in fired if len(r) > 6]
     state = [r for r in fired if r[1] != "grad"]
     print(f"{len(rows) + len(failed)} runs, {len(failed)} failed, {len(fired)} flips fired ({len(state)} in state, {len(fired) - len(state)} in a "
-          f"gradient); state_every={args.every}")
+          f"gradient); state_every={args.every}, recompute_fraction={args.recompute}")
     print(f"caught {caught:.3f}, predicted {predicted:.3f}, run by run the model right in {agree:.3f}")
     print(f"state flips caught {sum(r[2] for r in state)}/{len(state)}; gradient flips caught "
           f"{sum(r[2] for r in fired if r[1] == 'grad')}/{len(fired) - len(state)}")

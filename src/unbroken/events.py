@@ -59,6 +59,13 @@ their fields:
                  state check found this member's state differing from the majority's after `step`);
                  healed=false, groups (a list), digests, why="no majority": a split nobody can settle
   state_check    step, replica, ok=null, why      (a check skipped: a member was lost meanwhile)
+                 corruption with kind="gradient": step, replica (the owner, who writes it), microbatch, wrong
+                 (groups outvoted), digests ({group: digest}), split; found, agreed where the owner is wrong
+                 (a recomputed microbatch's gradient compared: trainer/recompute.py)
+  gradient_check step, replica, microbatch, ok=null, why   (a comparison skipped: a checker was lost)
+  nonfinite      step, replica, microbatches, loss, rank   (its own gradient sum or loss was NaN or inf: it
+                 leaves the step and the run)
+  evicted        step, replica, why ("corrupted"), times, rank   (found wrong detect.evict_after times)
   epoch          epoch, members, reform (only when the same members re-form a group that broke with
                  nobody dead: the reason a member gave), admitted (groups that joined in it)
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)

@@ -147,3 +147,24 @@ def test_a_gradient_flip_in_a_recomputed_microbatch_is_outvoted_before_the_commi
     cmp = compare(reference, out)
     assert cmp.identical == cmp.total == 12, [row for row in cmp.rows if not row[3]]
     assert load(str(out))["suspects"] == {"2": 1}
+
+
+def test_a_flip_in_one_rank_of_an_fsdp_group_heals_that_rank_from_its_peer_rank(tmp_path):
+    """Replica groups of 2 FSDP2 ranks: rank 1 of group 1 gets a mantissa bit of its parameter shard flipped
+    after step 1; the check after step 1 compares shard index 1 across groups, and only group 1's rank 1
+    pulls rank 1 of group 0's shard (parameters and AdamW moments), in place. The run's digests are the
+    failure-free run's of the same layout."""
+    layout = ["--replicas", "3", "--parallel.group_size=2", "--steps", "4", "--microbatches", "6", "--exact",
+              "--run.progress=false", "--coord.heartbeat_timeout=5.0", "--coord.heartbeat_interval=0.1",
+              "--detect.state_every=2"]
+    ref, out = tmp_path / "reference", tmp_path / "run"
+    assert unbroken("train", *layout, "--out", str(ref)).returncode == 0
+    r = unbroken("train", *layout, "--out", str(out), "--faults", "flip:replica=1,rank=1,step=1,in=param,bit=mantissa")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    assert [(e["replica"], e.get("rank", 0), e["step"]) for e in events if e["event"] == "flip"] == [(1, 1, 1)]
+    assert [(e["replica"], e.get("rank", 0), e["step"]) for e in events if e["event"] == "corruption"] == [(1, 1, 1)]
+    heals = {(e["replica"], e.get("rank", 0), e["side"], e["donor"]) for e in events if e["event"] == "heal"}
+    assert heals == {(1, 1, "joiner", 0), (1, 1, "donor", 0)}  # rank 0 of each group untouched
+    cmp = compare(ref, out)
+    assert cmp.identical == cmp.total == 4, [row for row in cmp.rows if not row[3]]
