@@ -92,8 +92,9 @@ def main() -> None:
             rows.append((spec, None, None, None, None, None))
             continue
         f = flips[0]
-        found = [e for e in events if e.get("replica") == f["replica"] and (
-            (e["event"] == "corruption" and "found" in e) or e["event"] == "nonfinite")]  # the device named
+        found = [e for e in events if (e["event"] == "corruption" and (  # the device named: by a state
+            (e.get("replica") == f["replica"] and "found" in e) or f["replica"] in e.get("wrong", ())))  # check, a vote
+            or (e["event"] == "nonfinite" and e.get("replica") == f["replica"])]
         caught_at = min((e["step"] for e in found), default=None)
         finite = math.isfinite(float(f["after"]))
         drawn = f["target"] == "grad" and f["microbatch"] in recomputed(f["step"], 8, args.recompute)

@@ -168,3 +168,27 @@ def test_a_flip_in_one_rank_of_an_fsdp_group_heals_that_rank_from_its_peer_rank(
     assert heals == {(1, 1, "joiner", 0), (1, 1, "donor", 0)}  # rank 0 of each group untouched
     cmp = compare(ref, out)
     assert cmp.identical == cmp.total == 4, [row for row in cmp.rows if not row[3]]
+
+
+def test_a_checker_with_corrupted_state_is_outvoted_and_leaves(reference, tmp_path):
+    """Group 1's parameter mantissa flipped after step 3 (state checks off, no pipelining): at step 4, the
+    first it computes on the corrupted state, group 1 checks microbatch 4 (owned by group 2, checkers 1
+    and 3), is outvoted by the owner and the other checker, and leaves before any of its step-4 work is
+    reduced; its microbatches are redone, and every committed step is the failure-free run's (step 3's
+    record aside where group 1 wrote it: its digest of its own, flipped, state)."""
+    assert recomputed(4, 8, 0.25) == (4,) and checkers(2, (0, 1, 2, 3), 4) == (1, 3)
+    out = tmp_path / "run"
+    r = unbroken("train", *BASE, "--run.quotas=equal", "--run.step_ahead=off", "--detect.recompute_fraction=0.25",
+                 "--detect.state_every=0", "--out", str(out),
+                 "--faults", "flip:replica=1,step=3,in=param,bit=mantissa,tensor=3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    events = read_events(out)
+    outvoted = [(e["replica"], e["step"], e["microbatch"], e["owner"]) for e in events
+                if e["event"] == "corruption" and "found" in e]
+    assert outvoted == [(1, 4, 4, 2)]
+    assert [(e["replica"], e["reason"]) for e in events if e["event"] == "member_dead"] == \
+        [(1, "gradient outvoted: device suspect")]
+    differ = [row[0] for row in compare(reference, out).rows if not row[3]]
+    proposer = {e["step"]: e["replica"] for e in events if e["event"] == "decision" and e["outcome"] == "commit"}
+    assert differ == [] or (differ == [3] and proposer[3] == 1), (differ, proposer)
+    assert load(str(out))["suspects"] == {"1": 1}

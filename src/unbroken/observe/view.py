@@ -155,8 +155,8 @@ class RunView:
         return self._on_fault({**r, "kind": "flip", "phase": r["target"]})
 
     def _on_corruption(self, r):  # the state check's (a split names nobody: no "donor"), or a gradient's vote
-        if r.get("kind") == "gradient":
-            wrong = [str(g) for g in r["wrong"]]
+        if r.get("kind") == "gradient":  # counted once: in the record of the device outvoted ("found")
+            wrong = [str(r["replica"])] if "found" in r else []
         else:
             wrong = [f"{r['replica']}" + (f".{r['rank']}" if r.get("rank") else "")] if "donor" in r else []
         for device in wrong:

@@ -51,8 +51,9 @@ class Integrity:
         (`restore()` re-points `.grad` at the accumulator). A retry's compute finds no plan: nothing."""
         self._digests, self._current = {}, self._plan
         self._plan = None
-        if self._current:
-            self.recompute.check_others(step, self._current[4], lambda s, i: self._loss(work, s, i), restore)
+        if self._current:  # our digests of theirs are voted on with ours at `finish`
+            self._digests = self.recompute.check_others(step, self._current[4], lambda s, i: self._loss(work, s, i),
+                                                        restore)
 
     def before(self, step: int, i: int, first: bool) -> None:
         self.flipper.arm(step, i, first)
@@ -66,7 +67,7 @@ class Integrity:
             self._digests[i] = digest
 
     def finish(self, step: int) -> None:
-        """After our last microbatch: the vote on our checked ones (outvoted: this process leaves)."""
+        """After our last microbatch: the votes on the checked ones we own or check (outvoted: we leave)."""
         if self._digests:
             epoch, owners, members, _, _ = self._current
             self.recompute.verify(step, epoch, owners, members, self._digests)

@@ -5,12 +5,13 @@ Owns: for each microbatch `policy.corruption.recomputed` names in a step (a pure
 member agrees), the owner's digest of that microbatch's gradient as its backward produces it (tensor
 hooks on every parameter, after any injected flip, before any accumulator sees it), the two checkers'
 standalone forward/backward of it (policy.corruption.checkers: gradients taken and dropped, the
-accumulator untouched), their digests in the store (`gradcheck/{s}/{i}/{g}`), and the owner's vote over
-the three before anything of its step is reduced. An owner outvoted writes a `corruption` event (kind
-"gradient") and leaves the run as a failed group does: its microbatches are recomputed by the others
-in the step's retry, so the step commits the majority's gradients and stays on the failure-free
-trajectory. A checker outvoted is named in the owner's event. Does not own: the draw, the checkers or
-the vote (policy), the trainer's compute (step.py calls `check_others`, `capture`/`captured`, `verify`).
+accumulator untouched), their digests in the store (`gradcheck/{s}/{i}/{g}`), and each participant's
+vote over the three before anything of its step is reduced. An owner outvoted writes a `corruption`
+event (kind "gradient") and leaves the run as a failed group does: its microbatches are recomputed by
+the others in the step's retry, so the step commits the majority's gradients and stays on the
+failure-free trajectory. A checker outvoted leaves the same way (its own microbatches are not trusted).
+Does not own: the draw, the checkers or the vote (policy), the trainer's compute (integrity.py calls
+`plan`, `check_others`, `capture`/`captured`/`publish`, `verify`).
 
 Scope: one-rank replica groups (a group of several ranks computes a microbatch through its collectives:
 not recomputed), first attempts of a step (a retry's redone microbatches are not). Bitwise agreement
@@ -68,28 +69,34 @@ class Recompute:
         self.coord.store.set(keys.grad_check(step, i, self.me), digest)
 
     def check_others(self, step: int, others: list[int], compute: Callable[[int, int], torch.Tensor],
-                     restore: Callable[[], None]) -> None:
+                     restore: Callable[[], None]) -> dict[int, str]:
         """Compute each microbatch of `others` standalone, publish its gradient digest, drop the gradients;
-        `restore()` points `.grad` back at the accumulator after."""
+        `restore()` points `.grad` back at the accumulator after. Returns {microbatch: our digest}."""
         if not others:
-            return
+            return {}
+        ours = {}
         for p in self.params:
             p.grad = None
         for i in others:
             loss = compute(step, i)
             self.capture()
             loss.backward()
-            self.publish(step, i, self.captured())
+            self.publish(step, i, digest := self.captured())
+            ours[i] = digest
             for p in self.params:
                 p.grad = None
         restore()
+        return ours
 
     def verify(self, step: int, epoch: int, owners: tuple[int, ...], members: tuple[int, ...],
                mine: dict[int, str]) -> None:
         """Call once this replica's microbatches of `step` are computed, before any of it is reduced:
-        `mine` the digests of its checked ones. Outvoted, this process leaves (exit 4) and never returns."""
+        `mine` our digests of the checked microbatches we own or check. Each is voted on with the other
+        two replicas' (the owner writes the event of a mismatch; a checker, only where it is the one
+        outvoted). Outvoted, owner or checker, this process leaves (exit 4) and never returns: a device
+        that computed one microbatch wrong is not trusted with the others it summed."""
         for i, digest in sorted(mine.items()):
-            peers = checkers(owners[i], members, i)
+            peers = tuple(g for g in (owners[i], *checkers(owners[i], members, i)) if g != self.me)
             got = self._gather(step, epoch, i, peers)
             if got is None:
                 self.log.emit("gradient_check", step=step, replica=self.me, microbatch=i, ok=None,
@@ -97,10 +104,10 @@ class Recompute:
                 continue
             digests = {self.me: digest, **got}
             verdict = vote(digests)
-            if not verdict.wrong and not verdict.split:
+            if (not verdict.wrong and not verdict.split) or (owners[i] != self.me and self.me not in verdict.wrong):
                 continue
             self.log.emit("corruption", kind="gradient", step=step, replica=self.me, microbatch=i,
-                          wrong=list(verdict.wrong), digests=digests, split=verdict.split,
+                          owner=owners[i], wrong=list(verdict.wrong), digests=digests, split=verdict.split,
                           **({"found": digest, "agreed": verdict.agreed} if self.me in verdict.wrong else {}))
             if self.me in verdict.wrong:  # our sum holds a wrong gradient: the others redo our microbatches
                 self.coord.store.add(keys.suspect(self.me, 0), 1)
