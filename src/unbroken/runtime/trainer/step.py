@@ -371,7 +371,7 @@ class Trainer:
         if self.stages is not None:
             return self.compute_stages(work, step, microbatches)
         role = self.role
-        self.integrity.start(step, work, work.acc.attach)  # microbatches we recompute for others, first
+        self.integrity.start(step, work, lambda: work.acc.attach())  # what we recompute for others, first
         for n, i in enumerate(microbatches):
             if role.fsdp:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
