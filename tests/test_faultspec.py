@@ -111,3 +111,31 @@ def test_canonical_form_round_trips(faults):
     text = canonical(faults)
     assert parse(text, R, S) == faults
     assert canonical(parse(text, R, S)) == text
+
+
+def test_flip_faults_parse_with_their_defaults():
+    g, p, o = parse("flip:replica=1,step=3,in=grad,microbatch=5; flip:replica=0,step=2,in=param,bit=mantissa,every=3;"
+                    "flip:replica=2,step=9,in=optimizer,bit=7,tensor=4,element=11,rank=1", 4, 10, group_size=2)
+    assert g == Fault("flip", replica=1, step=3, target="grad", microbatch=5)
+    assert (g.bit, g.every, g.tensor, g.element) == ("exponent", None, 0, 0)
+    assert p == Fault("flip", replica=0, step=2, target="param", bit="mantissa", every=3)
+    assert o == Fault("flip", replica=2, step=9, target="optimizer", bit="7", tensor=4, element=11, rank=1)
+    assert [s for s in range(12) if p.flips(0, s)] == [2, 5, 8, 11] and not p.flips(1, 2)
+    assert [s for s in range(12) if g.flips(1, s)] == [3]  # once without every=
+    assert all(parse(canonical((f,)), 4, 10, group_size=2) == (f,) for f in (g, p, o))
+
+
+@pytest.mark.parametrize("spec, token", [
+    ("flip:replica=1,step=1", "in="),
+    ("flip:replica=1,step=1,in=weights", "'weights'"),
+    ("flip:replica=1,step=1,in=param,bit=middle", "'middle'"),
+    ("flip:replica=1,step=1,in=param,bit=64", "bit=64"),
+    ("flip:replica=1,step=1,in=param,every=0", "every=0"),
+    ("flip:replica=1,step=1,in=param,microbatch=2", "microbatch="),
+    ("flip:replica=1,step=1,in=grad,microbatch=-1", "microbatch=-1"),
+    ("flip:replica=1,step=1,in=param,phase=compute", "'phase'"),
+])
+def test_bad_flip_specs_name_the_token(spec, token):
+    with pytest.raises(FaultSpecError) as e:
+        parse(spec, replicas=4, steps=10)
+    assert token in str(e.value) and "\n" not in str(e.value)

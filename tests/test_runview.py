@@ -97,3 +97,4 @@ def test_causes():
     assert cause_of("no heartbeat for 3.1 s") == "heartbeat"
     assert cause_of("stuck in step 3 microbatch 1 for 20.5 s") == "stuck"
     assert cause_of("lost with node 1") == "other"
+    assert cause_of("evicted: state corrupted 2 times") == cause_of("non-finite gradient or loss: x") == "corruption"

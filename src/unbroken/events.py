@@ -50,6 +50,22 @@ their fields:
                  | "joiner"), held (donor: s its step was held up), rank   (one per rank and side; the
                  joiner's says its digest matched)
   heal_failed    replica, donor, step, error          (the joiner never came or died mid-transfer)
+                 A heal with why="corruption" is the state agreement check's (trainer/agreement.py): the
+                 corrupted member (side "joiner", digest_ok) pulls a peer's state in place, no restart.
+  flip           replica, step, target (grad | param | optimizer), tensor, element, bit (index), named
+                 (bit= as given), before, after (repr of the values), microbatch (grad), state (optimizer:
+                 its key), rank   (an injected bit flip: faultspec `flip`)
+  corruption     step, replica, donor, found, agreed (digests), groups (how many compared), rank   (the
+                 state check found this member's state differing from the majority's after `step`);
+                 healed=false, groups (a list), digests, why="no majority": a split nobody can settle
+  state_check    step, replica, ok=null, why      (a check skipped: a member was lost meanwhile)
+                 corruption with kind="gradient": step, replica (the owner, who writes it), microbatch, wrong
+                 (groups outvoted), digests ({group: digest}), split; found, agreed where the owner is wrong
+                 (a recomputed microbatch's gradient compared: trainer/recompute.py)
+  gradient_check step, replica, microbatch, ok=null, why   (a comparison skipped: a checker was lost)
+  nonfinite      step, replica, microbatches, loss, rank   (its own gradient sum or loss was NaN or inf: it
+                 leaves the step and the run)
+  evicted        step, replica, why ("corrupted"), times, rank   (found wrong detect.evict_after times)
   epoch          epoch, members, reform (only when the same members re-form a group that broke with
                  nobody dead: the reason a member gave), admitted (groups that joined in it)
   recovery       step, replica, from_epoch, to_epoch, redo (microbatches this replica took over)

@@ -15,13 +15,22 @@
     crash-all:step=20                           SIGKILL every trainer at once (a software failure)
     corrupt:replica=1,step=15                   flip bytes in replica 1's stored snapshot of step 15
     tear:replica=0,step=9                       SIGKILL replica 0 while it copies its snapshot of step 9
+    flip:replica=1,step=6,in=param[,bit=exponent][,every=3][,tensor=0][,element=0]
+                                                flip one bit of replica 1's state (in=param or optimizer:
+                                                after step 6's optimizer step, before its digest) or of
+                                                one microbatch's gradient (in=grad[,microbatch=I]: as its
+                                                backward produces it; no microbatch=: the replica's first
+                                                of the step); bit=exponent (the exponent's top bit),
+                                                mantissa (the mantissa's top bit), sign, or an index
+                                                0..width-1 of the element's dtype; every=K: again at
+                                                step+K, step+2K, ... (a device that keeps corrupting)
 Host and network faults, acted on hosts made of Linux namespaces (tests/cluster/: `unbroken train` and
 `unbroken coordinator` refuse them; the harness injects them, at the first commit of `step` or later):
     host:host=2,step=3                          lose host 2: its PID namespace killed, its link down
     partition:host=2,step=3,for=8               host 2's link down for 8 s, its processes running
     cut:host=1,peer=2,step=3[,for=8]            hosts 1 and 2 cannot reach each other (both reach the rest)
     rate:host=2,mbit=1000                       host 2's link limited to 1000 Mbit/s from the start (tbf)
-kill, hang and slow take `rank=J` in a replica group of several ranks (default 0): that rank's process.
+kill, hang, slow and flip take `rank=J` in a replica group of several ranks (default 0): that rank's process.
 
 Phases of step s (kill and hang): `compute` after the replica's first microbatch, `overlap` as the first
 bucket of its all-reduce is issued inside its last microbatch's backward (one-rank groups on gloo, where
@@ -39,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PHASES = ("compute", "overlap", "allreduce", "commit", "optimizer", "eval")
+FLIP_TARGETS = ("grad", "param", "optimizer")  # flip: in= (what the flipped bit is in)
+NAMED_BITS = ("exponent", "mantissa", "sign")  # flip: bit= by name (else an index)
 NODE_PHASES = ("parity",)  # node: lost inside its agent's parity encode (the snapshot agents' phase)
 
 
@@ -58,10 +69,22 @@ class Fault:
     stop: int | None = None  # slow: first step no longer slowed (None: to the end)
     node: int | None = None
     how: str = "sleep"  # slow: how the stretch passes, "sleep", "spin" or "throttle" (docs/failslow.md)
-    rank: int = 0  # kill, hang, slow: which rank of the replica group
+    rank: int = 0  # kill, hang, slow, flip: which rank of the replica group
     host: int | None = None  # host, partition, cut, rate: which host (tests/cluster's index)
     peer: int | None = None  # cut: the other host
     mbit: int = 0  # rate: the link's rate, Mbit/s
+    target: str | None = None  # flip: "grad", "param" or "optimizer"
+    bit: str = "exponent"  # flip: a name of NAMED_BITS or a bit index, as text ("7")
+    every: int | None = None  # flip: again every `every` steps from `step` (None: once)
+    microbatch: int | None = None  # flip in=grad: which microbatch (None: the replica's first of the step)
+    tensor: int = 0  # flip: which parameter (unique_parameters order), or whose optimizer state
+    element: int = 0  # flip: which element of it (flat index, modulo its size)
+
+    def flips(self, replica: int, step: int) -> bool:
+        """Whether this `flip` fault fires in `replica` at `step` (once, or every `every` steps from `step`)."""
+        if self.kind != "flip" or self.replica != replica or self.step is None or step < self.step:
+            return False
+        return step == self.step or (self.every is not None and (step - self.step) % self.every == 0)
 
     def slows(self, replica: int, step: int) -> bool:
         return (self.kind == "slow" and self.replica == replica and step >= self.start
@@ -81,6 +104,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {
     "partition": ({"host", "step", "for"}, set()),
     "cut": ({"host", "peer", "step"}, {"for"}),
     "rate": ({"host", "mbit"}, set()),
+    "flip": ({"replica", "step", "in"}, {"bit", "every", "microbatch", "tensor", "element", "rank"}),
 }
 NETWORK_KINDS = ("host", "partition", "cut", "rate")  # act on hosts made of namespaces only
 
@@ -176,11 +200,33 @@ def _build(kind: str, kv: dict[str, str], part: str, replicas: int, steps: int, 
         if kv["how"] not in ("sleep", "spin", "throttle"):
             raise FaultSpecError(f"how={kv['how']!r} is not sleep, spin or throttle in {part!r}")
         f["how"] = kv["how"]
+    if kind == "flip":
+        f.update(_flip(kv, part))
     if kind == "slow" and not {"factor", "for"} & kv.keys():
         raise FaultSpecError(f"slow needs factor= or for= in {part!r}")
     if kind == "slow" and "for" in kv and f.get("how", "sleep") != "sleep":
         raise FaultSpecError(f"for= is a sleep: how={kv['how']!r} cannot take it in {part!r}")
     return Fault(**f)
+
+
+def _flip(kv: dict[str, str], part: str) -> dict:
+    """The flip-only keys of `kv`, checked (a bit index's upper bound is the element's width: 64)."""
+    f: dict = {}
+    if kv["in"] not in FLIP_TARGETS:
+        raise FaultSpecError(f"in={kv['in']!r} is not {', '.join(FLIP_TARGETS)} in {part!r}")
+    f["target"] = kv["in"]
+    if "bit" in kv:
+        f["bit"] = kv["bit"] if kv["bit"] in NAMED_BITS else str(_int(kv, "bit", part, 0, 64))
+    if "every" in kv:
+        f["every"] = _int(kv, "every", part, 1, None)
+    if "microbatch" in kv:
+        if f["target"] != "grad":
+            raise FaultSpecError(f"microbatch= needs in=grad in {part!r}")
+        f["microbatch"] = _int(kv, "microbatch", part, 0, None)
+    for key in ("tensor", "element"):
+        if key in kv:
+            f[key] = _int(kv, key, part, 0, None)
+    return f
 
 
 def canonical(faults: tuple[Fault, ...]) -> str:
@@ -197,6 +243,9 @@ def canonical(faults: tuple[Fault, ...]) -> str:
               ("from", f.start if slow or f.start else None), ("to", f.stop),
               ("how", f.how if f.how != "sleep" else None), ("rank", f.rank or None),
               ("host", f.host), ("peer", f.peer), ("mbit", f.mbit or None)]
+        if f.kind == "flip":
+            kv += [("in", f.target), ("bit", f.bit), ("every", f.every), ("microbatch", f.microbatch),
+                   ("tensor", f.tensor or None), ("element", f.element or None)]
         parts.append(f"{f.kind}:" + ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in kv if v is not None))
     return "; ".join(parts)

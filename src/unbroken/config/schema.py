@@ -397,6 +397,25 @@ class DetectorSection:
 
 
 @dataclass(frozen=True)
+class DetectSection:
+    """Silent data corruption: replicas that must hold the same state, compared (docs/corruption.md)."""
+    state_every: int = 8
+    """Compare every replica group's parameters and optimizer state (a digest per shard index) after
+    every this many committed steps; a group that differs from the majority is healed from a peer in
+    place. 0: never."""
+    evict_after: int = 2
+    """A device (a group's rank) found with corrupted state this many times is evicted: its group leaves
+    the run as a lost one does, instead of being healed again. 0: never evicted."""
+    recompute_fraction: float = 0.0
+    """Share of each step's microbatches (a pure draw of the step) whose gradient two more replicas
+    compute and compare with the owner's before the step is reduced; an owner outvoted leaves the step
+    and its microbatches are recomputed. One-rank replica groups; bitwise only under --exact. 0: off."""
+    finite_check: bool = True
+    """Check each group's own gradient sum and loss for NaN and inf before it is reduced; a group whose
+    sum is not finite leaves the step (its microbatches are recomputed by the others) and the run."""
+
+
+@dataclass(frozen=True)
 class HardwareSection:
     """The re-plan cost model's hardware figures (policy/stepcost.py's Hardware): stated for H100 hosts,
     not measured on this machine."""

@@ -22,7 +22,8 @@ from typing import Any
 from unbroken import storeurl
 from unbroken.config.domains import domain_problem
 from unbroken.config.schema import (CheckpointConfig, ConfigError, CoordConfig, DataConfig, DetectorSection,
-                                    EvalConfig, FaultsConfig, HardwareSection, LaunchConfig, MetricsConfig, ModelConfig,
+                                    DetectSection, EvalConfig, FaultsConfig, HardwareSection, LaunchConfig,
+                                    MetricsConfig, ModelConfig,
                                     OptimConfig, ParallelConfig, RunConfig, SnapshotConfig, literal_problem)
 from unbroken.topology import Topology
 
@@ -42,6 +43,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     detector: DetectorSection = field(default_factory=DetectorSection)
+    detect: DetectSection = field(default_factory=DetectSection)
     hardware: HardwareSection = field(default_factory=HardwareSection)
 
     def to_json(self) -> str:

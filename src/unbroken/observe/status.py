@@ -59,7 +59,13 @@ def render(s: dict[str, Any]) -> Group:
          f"{snap['steps_behind']} steps behind") + f"; {s['snapshots_skipped']} skipped;  checkpoint: " +
         ("none" if s["checkpoint_step"] is None else f"step {s['checkpoint_step']}") +
         f";  retries: {_counts(s['retries'])};  restarts: {_counts(s['restarts'])};  steps redone: {s['steps_redone']}")
+    suspects = s.get("suspects") or {}
     parts = [head, members]
+    if suspects:  # devices found computing wrong values (docs/corruption.md)
+        evicted = s.get("evicted") or {}
+        parts.append(Text("suspect devices (replica[.rank]: times found wrong): " + ", ".join(
+            f"{d}: {n}" + (f" (evicted at step {evicted[d]})" if d in evicted else "")
+            for d, n in sorted(suspects.items()))))
     parts += [faults] if s["faults"] else [Text("no faults")]
     parts += [recov] if s["incidents"] else [Text("no recoveries")]
     if s.get("metrics_error"):

@@ -30,6 +30,8 @@ def cause_of(reason: str) -> str:
         return "heartbeat"
     if reason.startswith("stuck"):
         return "stuck"
+    if reason.startswith(("evicted: state corrupted", "non-finite")):  # runtime/trainer/agreement.py
+        return "corruption"
     return "other"
 
 
@@ -89,6 +91,8 @@ class RunView:
     speed: dict[int, float] = field(default_factory=dict)  # detector speed estimate per replica (1 = typical)
     verdicts: dict[str, int] = field(default_factory=dict)  # verdict changes by new state
     noise: dict[int, float] = field(default_factory=dict)  # detector's measured noise per replica (last `noise`)
+    suspects: dict[str, int] = field(default_factory=dict)  # "replica[.rank]" -> times found computing wrong values
+    evicted: dict[str, int] = field(default_factory=dict)  # "replica[.rank]" -> step it was evicted at (corrupted)
     snapshot: dict[str, Any] | None = None  # the latest `snapshot` record
     snapshots_skipped: int = 0
     checkpoint_step: int | None = None  # set by the reader (from disk), not from events
@@ -156,6 +160,24 @@ class RunView:
         if r["kind"] in STOPPING:  # None: every replica, or a node's (crash-all, node)
             self._last_fault[r.get("replica")] = r
         return [("fault", r)]
+
+    def _on_flip(self, r):  # an injected bit flip (bitflip.py): a fault, of kind "flip"
+        return self._on_fault({**r, "kind": "flip", "phase": r["target"]})
+
+    def _on_corruption(self, r):  # the state check's (a split names nobody: no "donor"), or a gradient's vote
+        if r.get("kind") == "gradient":  # counted once: in the record of the device outvoted ("found")
+            wrong = [str(r["replica"])] if "found" in r else []
+        else:
+            wrong = [f"{r['replica']}" + (f".{r['rank']}" if r.get("rank") else "")] if "donor" in r else []
+        for device in wrong:
+            self.suspects[device] = self.suspects.get(device, 0) + 1
+
+    def _on_nonfinite(self, r):  # its own gradient sum or loss was NaN or inf
+        device = f"{r['replica']}" + (f".{r['rank']}" if r.get("rank") else "")
+        self.suspects[device] = self.suspects.get(device, 0) + 1
+
+    def _on_evicted(self, r):
+        self.evicted[f"{r['replica']}" + (f".{r['rank']}" if r.get("rank") else "")] = r["step"]
 
     def _on_decision(self, r):
         if r["outcome"] == "retry":
@@ -269,4 +291,5 @@ class RunView:
                                                    "steps_behind": self.frontier - snap["step"]},
             "snapshots_skipped": self.snapshots_skipped, "checkpoint_step": self.checkpoint_step,
             "unreadable_records": self.unreadable,
+            "suspects": dict(self.suspects), "evicted": dict(self.evicted),
         }

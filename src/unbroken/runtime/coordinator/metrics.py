@@ -209,6 +209,10 @@ class Exporter:
                 if last:
                     share.add_metric([str(r)], len(last["owners"].get(str(r), ())) / last["microbatches"])
             yield from (health, speed, noise, share)
+            yield _labelled(CounterMetricFamily, "unbroken_corruptions_found", "Times a device (replica[.rank]) "
+                            "was found computing wrong values: state differing from the majority's, or a "
+                            "non-finite gradient", "device", v.suspects)
+            yield GaugeMetricFamily("unbroken_devices_evicted", "Devices evicted as corrupted", value=len(v.evicted))
             yield _labelled(CounterMetricFamily, "unbroken_detector_verdicts", "Fail-slow verdict changes, by "
                             "new state", "verdict", v.verdicts)
             snap = v.snapshot

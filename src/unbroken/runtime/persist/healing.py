@@ -65,6 +65,11 @@ def _whole(model: nn.Module, optimizer: torch.optim.Optimizer
     return params, _tensors(params, optimizer), lambda: None
 
 
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """A rank's own state as a heal sends it: its parameters, then their optimizer state (local shards)."""
+    return _whole(model, optimizer)[1]
+
+
 class Forming:
     """The two-rank heal group (donor rank 0, joiner rank 1) on `prefix`, formed on a thread of its own:
     the joiner starts forming it as soon as it is admitted, with the donor the policy will most likely

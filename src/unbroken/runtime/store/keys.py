@@ -44,6 +44,12 @@ Values are utf-8. Under the generation prefix `g{N}/` (a whole-job restart start
   signature             sha256 of the config and the model's parameter names, shapes and dtypes: the
                         first group's; another is refused          every group's rank 0 (CAS)
   restore/...           gloo's rendezvous of a restore from snapshots
+  check/{s}/{g}/{j}     digest of group g's shard j (parameters and optimizer state) after step s, for
+                        the state agreement check          rank j of g (trainer/agreement.py)
+  check/{s}/{g}/{j}/pg/ gloo's rendezvous of the heal of g's rank j after the check of step s
+  suspect/{g}.{j}       counter: times group g's rank j was found wrong (corrupted)   the healed rank
+  gradcheck/{s}/{i}/{g} digest of microbatch i's gradient in step s as group g computed it (its owner or
+                        a checker: trainer/recompute.py)
 Unprefixed (they outlive generations):
   config, run_dir, run_id   the run's config (JSON), directory and id   a standalone coordinator, for
                         workers started by torchrun on other hosts (on etcd every coordinator claims
@@ -301,6 +307,26 @@ def wake(n: int) -> str:
 
 def fired(fault: int) -> str:
     return f"fired/{fault}"
+
+
+def state_check(step: int, group: int, shard: int) -> str:
+    """Group `group`'s digest of shard index `shard` (parameters and optimizer state) after `step`."""
+    return f"check/{step}/{group}/{shard}"
+
+
+def state_heal_prefix(step: int, group: int, shard: int) -> str:
+    """Where the donor's rank `shard` and corrupted group `group`'s form their two-rank heal group."""
+    return f"check/{step}/{group}/{shard}/pg/"
+
+
+def grad_check(step: int, microbatch: int, group: int) -> str:
+    """Group `group`'s digest of microbatch `microbatch`'s gradient in `step` (recomputed ones only)."""
+    return f"gradcheck/{step}/{microbatch}/{group}"
+
+
+def suspect(group: int, rank: int) -> str:
+    """How many times (a counter) group `group`'s rank `rank` was found holding corrupted state."""
+    return f"suspect/{group}.{rank}"
 
 
 # -- the snapshot agents' control plane ---------------------------------------------------------------

@@ -46,6 +46,7 @@ class Injector:
         self.tag = {"rank": rank} if rank else {}
         self.pending = [f for f in ours if f.kind in ("kill", "hang", "tear")]
         self.slow = [f for f in ours if f.kind == "slow"]
+        self.flips = tuple(f for f in ours if f.kind == "flip")  # bitflip.Flipper fires them
         # device seconds of this replica's last unslowed spans, per shape of work (tokens, sum of squared
         # sequence lengths): what a slowed span of the same shape is stretched against (kept only where a
         # how=throttle fault targets this process: on a GPU reading it synchronizes)

@@ -54,6 +54,7 @@ from unbroken.runtime.trainer.evaluation import Evaluator
 from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
+from unbroken.runtime.trainer.integrity import Integrity
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
 from unbroken.runtime.trainer.optimizing import Optimizing
 from unbroken.runtime.trainer.reduction import Reducer, cut_apart_line
@@ -67,6 +68,7 @@ class Restart(str, Enum):
     """Why a step's work is dropped and the step starts over under the agreed plan (a `replan` event)."""
     PREVIOUS_RETRIED = "previous step retried"  # our work used parameters that were undone
     ANOTHER_PLAN_WON = "another plan won"  # and it assigns us other microbatches
+    HEALED = "state healed from a peer"  # our work used corrupted parameters (agreement.py)
 
 
 class Settled(Enum):
@@ -123,6 +125,11 @@ class Trainer:
         self.donor = Donor(coord, log, self.me, who.rank, self.role.holds, self.model, self.optimizer,
                            cfg.coord.collective_timeout, (lambda j: lambda: standin.heal_tensors(
                                j, self.optimizer)) if standin else None, self.role.shard_tag)
+        # silent corruption (integrity.py): flips, recomputed microbatches, finite and state checks
+        self.integrity = Integrity(cfg, coord, log, self.me, who.rank, parts, self.params, injector.flips,
+                                   self.role.holds, self.donor.shard, self.role.shard_tag,
+                                   self.role.ranks == 1 and standin is None and self.stages is None, self.device)
+        self.healed = False  # the state check replaced our state since this step's compute began
 
     def _accumulator(self, standin=None):
         """An accumulator of the run's dtype. A group's ranks under --exact take the float64
@@ -198,9 +205,10 @@ class Trainer:
     def run_plan(self, work: StepWork, plan: Plan, agreed: Future) -> rec.StepState | Restart:
         """The step's state machine from `plan`, to its commit; or why the step must start over."""
         work.acc.zero()
-        work.timings = {}
+        work.timings, self.healed = {}, False
         state, actions = rec.start(work.step, self.me, plan.epoch, plan.members, self.cfg.run.microbatches,
                                    plan.weights, self.role.indices)
+        self.integrity.begin(work.step, state.epoch, state.owners, state.members)
         queue = deque(actions)
         settled = self.pipeline.pending is None and agreed.done() and agreed.result() == plan
         self.reducer.target(work, state, queue, settled)  # overlap its reduction with its last backward?
@@ -209,6 +217,8 @@ class Trainer:
         if queue:  # before anything of this step leaves the process
             if self.settle_previous() is Settled.RETRIED:
                 return Restart.PREVIOUS_RETRIED
+            if self.healed:  # the pipelined previous step's check replaced the state we computed with
+                return Restart.HEALED
             won = agreed.result()
             if won != plan:  # keep our work if it is still ours under the agreed plan
                 state = rec.adopt(state, won.epoch, won.members, won.weights)
@@ -255,7 +265,9 @@ class Trainer:
         self.ahead()
         match action:
             case rec.Compute(step, mbs):
-                return self.compute(work, step, mbs)
+                computed = self.compute(work, step, mbs)
+                self.integrity.finite(work, step, mbs)  # before any of it is reduced (or this process leaves)
+                return computed
             case rec.Reduce(step, epoch, members):
                 return self.reducer.reduce(work, step, epoch, members)
             case rec.Publish(step, epoch, held):
@@ -364,6 +376,7 @@ class Trainer:
         if self.stages is not None:
             return self.compute_stages(work, step, microbatches)
         role = self.role
+        self.integrity.start(step, work, lambda: work.acc.attach())  # what we recompute for others, first
         for n, i in enumerate(microbatches):
             if role.fsdp:
                 self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
@@ -377,8 +390,10 @@ class Trainer:
                 self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
                 loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
                                   **model_inputs(mb, self.inputs, self.device)) * loss_weight(mb.tokens, work.tokens)
+                self.integrity.before(step, i, n == 0)  # a flip fault's, a recomputed microbatch's digest
                 self.reducer.backward(work, loss, loss if role.counts_loss else loss.new_zeros(()), share,
                                       last=n == len(microbatches) - 1)  # the record sums shares
+                self.integrity.after(step, i)
             if len(role.computes) > 1:
                 # a stand-in reports rank 0's rows, as its group did
                 mb = part(whole, 0, role.shares, self.cfg.data.ignore_index)
@@ -387,6 +402,7 @@ class Trainer:
             self.record_compute(work, step, i, mb, seconds, wall)
             if n == 0:
                 self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
+        self.integrity.finish(step)  # recomputed ones compared before any is reduced (outvoted: we leave)
         return rec.Computed(microbatches)
 
     def compute_stages(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
@@ -459,6 +475,7 @@ class Trainer:
         if loss is None:
             loss = self.step_optimizer(work)
         self.pipeline.rollback.drop()  # the state moved on: a copy saved during the reduce is stale now
+        self.healed |= self.integrity.after_apply(step, epoch, work.members)  # flips, the state check
         digests = {shard: param_digest(self.holding.parameters(shard)) for shard in self.role.holds}
         for shard, digest in digests.items():
             self.log.emit("applied", step=step, replica=self.me, epoch=epoch, state_digest=digest,
