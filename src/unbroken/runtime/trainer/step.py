@@ -41,9 +41,7 @@ import torch.distributed as dist
 
 from unbroken.config import Config
 from unbroken.events import EventLog
-from unbroken.model.data import mix, part, seed_microbatch
 from unbroken.policy import recovery as rec
-from unbroken.policy.workload import loss_weight
 from unbroken.runtime.parallel.accumulator import Accumulator, local, param_digest, unique_parameters
 from unbroken.runtime.parallel.crossgroup import CrossGroup, choose, epoch_group
 from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
@@ -54,6 +52,7 @@ from unbroken.runtime.trainer.evaluation import Evaluator
 from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
+from unbroken.runtime.trainer.computing import Computing, computing_for
 from unbroken.runtime.trainer.integrity import Integrity
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
 from unbroken.runtime.trainer.optimizing import Optimizing
@@ -61,7 +60,7 @@ from unbroken.runtime.trainer.reduction import Reducer, cut_apart_line
 from unbroken.runtime.trainer.role import RankRole
 from unbroken.runtime.trainer.sidecar import Sidecar
 from unbroken.runtime.trainer.speculation import Pipeline, Rollback, limit
-from unbroken.runtime.trainer.stepwork import GradientSink, OwnShard, Parts, StepWork, model_inputs
+from unbroken.runtime.trainer.stepwork import GradientSink, OwnShard, Parts, StepWork
 
 
 class Restart(str, Enum):
@@ -130,6 +129,9 @@ class Trainer:
                                    self.role.holds, self.donor.shard, self.role.shard_tag,
                                    self.role.ranks == 1 and standin is None and self.stages is None, self.device)
         self.healed = False  # the state check replaced our state since this step's compute began
+        self.computing = computing_for(Computing(cfg, self.role, self.model, self.data, self.device, self.inputs,
+                                                 self.clock, heartbeat, injector, self.holding, self.reducer,
+                                                 self.integrity, self.stages, self.ahead, self.record_compute))
 
     def _accumulator(self, standin=None):
         """An accumulator of the run's dtype. A group's ranks under --exact take the float64
@@ -369,78 +371,10 @@ class Trainer:
             return self.coord.wait_for(step, epoch, decision, self.wait_s)
 
     def compute(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
-        """Forward/backward each microbatch into the step's accumulator. Randomness is a function of
-        (seed, step, i), never of the rank. A group's ranks reduce-scatter once per batch (FSDP2
-        accumulates the unsharded gradients of the others, in float64 under --exact)."""
+        """Forward/backward each microbatch into the step's accumulator, as this rank's layout computes
+        them (computing.py: chosen once, at build)."""
         self.sink.point_at(work.acc)
-        if self.stages is not None:
-            return self.compute_stages(work, step, microbatches)
-        role = self.role
-        self.integrity.start(step, work, lambda: work.acc.attach())  # what we recompute for others, first
-        for n, i in enumerate(microbatches):
-            if role.fsdp:
-                self.model.set_requires_gradient_sync(n == len(microbatches) - 1)
-            self.hb.at(step, "compute", i)
-            self.ahead()  # an admission mid-compute: the joiner's groups form from the next microbatch on
-            whole = self.data.microbatch(step, i)
-            span = self.clock.start()  # device time (devicetime.py): what the detector reads
-            for share in role.computes:
-                mb = part(whole, share, role.shares, self.cfg.data.ignore_index)  # this share's sequences
-                seed_microbatch(seed := mix(self.cfg.run.seed, step, i))  # dropout: per microbatch, never per rank
-                self.holding.seed = seed  # and per stage, as a pipeline seeds it (a stand-in's merged stages)
-                loss = self.model(mb.x.to(self.device), mb.y.to(self.device),
-                                  **model_inputs(mb, self.inputs, self.device)) * loss_weight(mb.tokens, work.tokens)
-                self.integrity.before(step, i, n == 0)  # a flip fault's, a recomputed microbatch's digest
-                self.reducer.backward(work, loss, loss if role.counts_loss else loss.new_zeros(()), share,
-                                      last=n == len(microbatches) - 1)  # the record sums shares
-                self.integrity.after(step, i)
-            if len(role.computes) > 1:
-                # a stand-in reports rank 0's rows, as its group did
-                mb = part(whole, 0, role.shares, self.cfg.data.ignore_index)
-            self.faults.stretch(step, span, mb.tokens, mb.sumsq)
-            seconds, wall = span.stop()
-            self.record_compute(work, step, i, mb, seconds, wall)
-            if n == 0:
-                self.faults.at(step, "compute")  # a kill here loses finished and unfinished work alike
-        self.integrity.finish(step)  # recomputed ones compared before any is reduced (outvoted: we leave)
-        return rec.Computed(microbatches)
-
-    def compute_stages(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
-        """Feed the microbatches through this rank's pipeline stage as one schedule (every rank of the
-        group runs the same ones, a retry's redone ones too); each microbatch's gradients reach the
-        accumulator one by one (pipeline.py). A schedule interleaves its microbatches, so one's own device
-        time is not separable: the call's is shared out by tokens, the predictor's main feature."""
-        role = self.role
-        # (microbatch, share) in schedule order: this rank's FSDP shard's rows of each (whole without FSDP2),
-        # or each shard's rows in turn on a re-formed stage holding every shard (replan_reform.py)
-        items = [(i, share) for i in microbatches for share in role.computes]
-        wholes = {i: self.data.microbatch(step, i) for i in microbatches}
-        mbs = [part(wholes[i], share, role.shares, self.cfg.data.ignore_index) for i, share in items]
-
-        def before(k: int) -> None:  # this stage's forward of item k
-            self.hb.at(step, "compute", items[k][0])
-            seed_microbatch(seed := mix(self.cfg.run.seed, step, items[k][0]))  # dropout: per microbatch
-            self.holding.seed = seed  # and per full stage inside a merged one
-
-        def after(k: int) -> None:
-            if k == 0:
-                self.faults.at(step, "compute")  # a kill here leaves the pipeline in flight
-
-        span = self.clock.start()
-        weights = [loss_weight(mb.tokens, work.tokens) for mb in mbs]
-        for k, loss in enumerate(self.stages.run(mbs, weights, before, after)):  # the last stage's, in order
-            work.acc.add(loss if role.counts_loss else loss.new_zeros(()), items[k][1])
-        self.faults.stretch(step, span, sum(mb.tokens for mb in mbs), sum(mb.sumsq for mb in mbs))
-        own, wall = span.stop()
-        # This stage's own time, its schedule's share of each microbatch by tokens (a stand-in for several
-        # shards reports its first share's rows, as `compute` does); the group's is its slowest stage's
-        # (slowness.group_timings): a stage waiting on a slow peer's send spends no device time.
-        tokens = sum(mb.tokens for mb in mbs)
-        for i in microbatches:
-            share = sum(mb.tokens for (j, _), mb in zip(items, mbs) if j == i) / tokens
-            first = part(wholes[i], role.computes[0], role.shares, self.cfg.data.ignore_index)
-            self.record_compute(work, step, i, first, own * share, wall * share)
-        return rec.Computed(microbatches)
+        return self.computing.compute(work, step, microbatches)
 
     def record_compute(self, work: StepWork, step: int, i: int, mb, seconds: float, wall: float) -> None:
         """Microbatch i's timing for the detector (published with the step) and its `compute` event."""
