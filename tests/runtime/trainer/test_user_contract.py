@@ -3,13 +3,14 @@ the fields `x`, `y`, `tokens` and `sumsq` (nothing else: no `ignore_index`, no `
 `step_tokens(step, M)`; `model(cfg)` returns an `nn.Module`. The user's microbatches have 6 rows of 24
 tokens, unlike the config's data.batch_size (4) and data.seq_len (64), which the user never sets.
 
-In each layout of the README's table that a group runs (FSDP2, TP, PP, PP x TP), each with a model through
-another documented path (`model=` with transformers' Qwen2, Llama and Mistral through `causal_lm`, the
-built-in GPT with `plan=`), through the Python API, `--exact`:
-a failure-free run, and a run in which rank 1 of group 1 is SIGKILLed in step 2's compute (its group
-leaves, group 0 redoes its microbatches): every step's digest is the failure-free run's. The event log
-shows the kill fired and took group 1 out. A layout the data cannot serve (rows that FSDP2's shards do not
-divide) is refused before any process starts, in one line naming what to change.
+In each layout of the README's table (one-rank replicas, FSDP2, TP, PP, PP x TP), each with a model through
+another documented path (`model=` with the built-in GPT, with transformers' Qwen2, Llama and Mistral through
+`causal_lm`, the GPT with `plan=`, and with a torchtitan-style `parallelize=`), through the Python API,
+`--exact`: a failure-free run, and a run in which rank 1 of group 1 (its one rank in one-rank groups) is
+SIGKILLed in step 2's compute (its group leaves, group 0 redoes its microbatches): every step's digest is
+the failure-free run's. The event log shows the kill fired and took group 1 out. A layout the data cannot
+serve (rows that FSDP2's shards do not divide) is refused before any process starts, in one line naming
+what to change.
 """
 from __future__ import annotations
 
@@ -68,12 +69,17 @@ def hf(name):
 
 
 def family(name):
-    """The keywords of unbroken.train for one documented path: model=, model= with plan=, causal_lm."""
+    """The keywords of unbroken.train for one documented path: model=, with plan= or parallelize=, causal_lm."""
     if name == "gpt":
         return {"model": lambda cfg: GPT(cfg.model)}
     if name == "gpt-plan":
         from unbroken.config import ModelConfig
         return {"model": lambda cfg: GPT(cfg.model), "plan": GPT(ModelConfig()).parallel_plan()}
+    if name == "gpt-parallelize":  # a torchtitan-style function: FSDP2 over the whole model
+        from torch.distributed.fsdp import fully_shard
+        return {"model": lambda cfg: GPT(cfg.model),
+                "parallelize": lambda model, mesh, dims: fully_shard(model, mesh=mesh["dp_shard"],
+                                                                     mp_policy=dims["mp_policy"])}
     return {"model": hf(name.removeprefix("hf-"))}
 
 
@@ -92,9 +98,14 @@ if __name__ == "__main__":
 STEPS = 5
 # (layout, family): every layout of the README's table that a group runs, each through another documented
 # path; transformers' families are built from their configs (Llama, Qwen2, Mistral)
-CASES = {("fsdp", "hf-Qwen2"): "group_size=2", ("tp", "gpt-plan"): "group_size=2,tp=2",
+CASES = {("one-rank", "gpt"): "group_size=1", ("fsdp", "gpt-parallelize"): "group_size=2",
+         ("fsdp", "hf-Qwen2"): "group_size=2", ("tp", "gpt-plan"): "group_size=2,tp=2",
          ("pp", "hf-Llama"): "group_size=2,pp=2", ("pp x tp", "hf-Mistral"): "group_size=4,pp=2,tp=2"}
-KILL = "kill:replica=1,rank=1,step=2,phase=compute"
+
+
+def kill(layout: str) -> str:
+    """Rank 1 of group 1 killed in step 2's compute; in one-rank groups, group 1's one rank."""
+    return f"kill:replica=1,{'' if layout == 'one-rank' else 'rank=1,'}step=2,phase=compute"
 
 
 def run(tmp: Path, name: str, layout: str, family: str = "gpt", rows: int = 6, faults: str | None = None,
@@ -114,17 +125,17 @@ def run(tmp: Path, name: str, layout: str, family: str = "gpt", rows: int = 6, f
 def test_a_user_data_object_of_the_four_fields_trains_exact_through_a_kill(tmp_path, case):
     layout, family = case
     run(tmp_path, "reference", CASES[case], family)
-    run(tmp_path, "killed", CASES[case], family, faults=KILL)
+    run(tmp_path, "killed", CASES[case], family, faults=kill(layout))
     events = read_events(tmp_path / "killed")
     fired = [e for e in events if e["event"] == "fault" and e["kind"] == "kill"]
-    assert [(e["replica"], e.get("rank"), e["step"]) for e in fired] == [(1, 1, 2)], fired
+    assert [(e["replica"], e.get("rank", 0), e["step"]) for e in fired] == [(1, 0 if layout == "one-rank" else 1, 2)], fired
     assert [e["replica"] for e in events if e["event"] == "member_dead"] == [1]
     late = [e for e in events if e["event"] == "step" and e["step"] > 2]
     assert late and all(set(e["owners"]) == {"0"} for e in late), late  # group 0 alone took the steps after
     want, got = digests(tmp_path / "reference"), digests(tmp_path / "killed")
     assert sorted(got) == list(range(STEPS)) and got == want
     print(f"user contract, layout {layout} ({CASES[case]}), family {family}, data of 6 x 24 tokens with only x, "
-          f"y, tokens, sumsq: {STEPS} steps bitwise the failure-free run's through {KILL}")
+          f"y, tokens, sumsq: {STEPS} steps bitwise the failure-free run's through {kill(layout)}")
 
 
 def test_rows_that_fsdp_shards_do_not_divide_are_refused_before_start(tmp_path):
