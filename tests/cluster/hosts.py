@@ -22,6 +22,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,12 +71,20 @@ def sweep() -> list[str]:
 
 # the host's init: a private tmpfs on /dev/shm and on /tmp, the shared run directory bound back in where it
 # was (moved from under the new /dev/shm, since the new /tmp hides the old one), then wait to be killed
+# the repository and the Python environment every host runs (sys.prefix: the venv; its base install too)
+KEPT = tuple(dict.fromkeys(str(Path(p).resolve()) for p in (Path(__file__).resolve().parents[2], sys.prefix,
+                                                            sys.base_prefix)))
+# Each argument is a directory the host keeps from the machine (the shared run directory, the repository,
+# the Python environment), bound back over its private /tmp: a clone or a venv under /tmp (as CI's may be)
+# stays visible, while the host's own /tmp and /dev/shm are fresh.
 INIT = """set -e
 mount --make-rprivate /
 mount -t tmpfs -o size=512m tmpfs /dev/shm
-mkdir /dev/shm/.shared && mount --bind "$1" /dev/shm/.shared
+n=0
+for p in "$@"; do mkdir /dev/shm/.keep$n && mount --bind "$p" /dev/shm/.keep$n; n=$((n+1)); done
 mount -t tmpfs -o size=256m tmpfs /tmp
-mkdir -p "$1" && mount --move /dev/shm/.shared "$1" && rmdir /dev/shm/.shared
+n=0
+for p in "$@"; do mkdir -p "$p" && mount --move /dev/shm/.keep$n "$p" && rmdir /dev/shm/.keep$n; n=$((n+1)); done
 mount -t proc proc /proc
 ip link set lo up
 echo ready
@@ -155,7 +164,7 @@ class Cluster:
             sh(*hx, "ip", "link", "set", "eth0", "up")
             init = subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--pid", "--ipc", "--mount",
                                      "--fork", "--kill-child", "--propagation", "private", "sh", "-c", INIT,
-                                     "init", str(self.shared)],
+                                     "init", str(self.shared), *KEPT],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
             line = init.stdout.readline()

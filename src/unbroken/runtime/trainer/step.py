@@ -42,17 +42,16 @@ import torch.distributed as dist
 from unbroken.config import Config
 from unbroken.events import EventLog
 from unbroken.policy import recovery as rec
-from unbroken.runtime.parallel.accumulator import Accumulator, local, param_digest, unique_parameters
+from unbroken.runtime.parallel.accumulator import local, param_digest, unique_parameters
 from unbroken.runtime.parallel.crossgroup import CrossGroup, choose, epoch_group
-from unbroken.runtime.parallel.parallelize import reduced_shards, release_agent
-from unbroken.runtime.parallel.standin import StandIn
+from unbroken.runtime.parallel.parallelize import release_agent
 from unbroken.runtime.store.reasons import evicted, lost_rank
 from unbroken.runtime.trainer.devicetime import DeviceClock
 from unbroken.runtime.trainer.evaluation import Evaluator
 from unbroken.runtime.trainer.donor import Donor
 from unbroken.runtime.trainer.faults import Injector
 from unbroken.runtime.trainer.heartbeat import Heartbeat
-from unbroken.runtime.trainer.computing import Computing, computing_for
+from unbroken.runtime.trainer.backend import Computing, backend_for
 from unbroken.runtime.trainer.integrity import Integrity
 from unbroken.runtime.trainer.membership import Coordination, Decision, FencedOut, GroupLost, Plan
 from unbroken.runtime.trainer.optimizing import Optimizing
@@ -100,9 +99,11 @@ class Trainer:
         self.device = local(self.params[0]).device  # where microbatches go (admission.build put the model there)
         self.clock = DeviceClock(self.device, cfg.run.threads)
         self.holding = standin or OwnShard(self.params, who.rank)  # what it holds of each shard index
-        self.accs = [self._accumulator(standin)]  # and a second while a pipelined step awaits its decision
+        # the layout's compute backend, chosen once (backend.py): its accumulators, hooks and compute
+        self.backend = backend_for(self.model, self.params, self.role, cfg.run.exact, self.stages, standin)
+        self.accs = [self.backend.accumulator()]  # and a second while a pipelined step awaits its decision
         self.sink = GradientSink(self.accs[0])  # gradient hooks -> the accumulator of the step computing
-        self._hook_gradients(standin)
+        self.backend.hook(self.sink)
         self.groups: dict[tuple[int, tuple[int, ...], int], CrossGroup] = {}  # (epoch, members, shard) -> group
         self.copies: dict[int, torch.Tensor] = {}  # each step's all-reduce copies (StepWork.copies)
         self.seen_epoch = -1  # the latest epoch `ahead` looked at
@@ -129,20 +130,9 @@ class Trainer:
                                    self.role.holds, self.donor.shard, self.role.shard_tag,
                                    self.role.ranks == 1 and standin is None and self.stages is None, self.device)
         self.healed = False  # the state check replaced our state since this step's compute began
-        self.computing = computing_for(Computing(cfg, self.role, self.model, self.data, self.device, self.inputs,
-                                                 self.clock, heartbeat, injector, self.holding, self.reducer,
-                                                 self.integrity, self.stages, self.ahead, self.record_compute))
-
-    def _accumulator(self, standin=None):
-        """An accumulator of the run's dtype. A group's ranks under --exact take the float64
-        reduce-scatter output itself (FSDP2 would round it to float32 in .grad): summed over a step's
-        batches, rounded once, as one-rank groups do. A pipeline stage hands over each microbatch's
-        gradients itself (pipeline.py says why): both are `hooked`."""
-        dtype = torch.float64 if self.cfg.run.exact else torch.float32
-        if standin:
-            return standin.accumulator(dtype, self.params)
-        hooked = self.stages is not None or (self.role.fsdp and self.cfg.run.exact)
-        return Accumulator(self.params, dtype, hooked)
+        self.backend.attach(Computing(cfg, self.role, self.model, self.data, self.device, self.inputs, self.clock,
+                                      heartbeat, injector, self.holding, self.reducer, self.integrity, self.ahead,
+                                      self.record_compute))
 
     def free_accumulator(self):
         """The accumulator a new step computes into: the first, unless the step pending its decision
@@ -152,20 +142,8 @@ class Trainer:
         if pending is None or pending.work.acc is not self.accs[0]:
             return self.accs[0]
         if len(self.accs) == 1:
-            self.accs.append(self._accumulator(self.holding if isinstance(self.holding, StandIn) else None))
+            self.accs.append(self.backend.accumulator())
         return self.accs[1]
-
-    def _hook_gradients(self, standin) -> None:
-        """Point the gradient hooks (once) at the sink: a stand-in's per-parameter hooks, a pipeline
-        stage's, or FSDP2's reduce-scattered shards under --exact."""
-        if standin and self.stages is None:  # a merged pipeline stage's gradients come through Stages' hooks
-            standin.attach(self.params, self.sink.add_shard)
-        elif self.stages is not None:
-            self.stages.sink = self.sink.add_shard
-            if self.role.fsdp:  # FSDP2 inside the stages: a batch's reduce-scattered shards (pipeline.Stages)
-                reduced_shards(self.model, self.stages.took_shard)
-        elif self.role.fsdp and self.cfg.run.exact:
-            reduced_shards(self.model, self.sink.add_shard)
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -372,9 +350,9 @@ class Trainer:
 
     def compute(self, work: StepWork, step: int, microbatches: tuple[int, ...]) -> rec.Event:
         """Forward/backward each microbatch into the step's accumulator, as this rank's layout computes
-        them (computing.py: chosen once, at build)."""
+        them (backend.py: chosen once, at build)."""
         self.sink.point_at(work.acc)
-        return self.computing.compute(work, step, microbatches)
+        return self.backend.compute(work, step, microbatches)
 
     def record_compute(self, work: StepWork, step: int, i: int, mb, seconds: float, wall: float) -> None:
         """Microbatch i's timing for the detector (published with the step) and its `compute` event."""
