@@ -115,7 +115,7 @@ def check_host(cfg: Config, model: Callable | None = None, plan: Any = None,
         refused = check(cfg, model, plan)
     if data is not None:
         from unbroken.model.data.contract import check_data_object
-        check_data_object(cfg, data)
+        check_data_object(cfg, data, builtin_model=model is None)
     if cfg.parallel.cross_backend == "nccl":
         from unbroken.runtime.parallel.crossgroup import check
         check(cfg.parallel.cross_backend, cfg.parallel.device)  # CUDA here, or one line before anything starts

@@ -229,7 +229,7 @@ def test_a_user_s_parallelize_function_is_checked_after_it_runs():
         # what the rank's `parallelized` event reports of it, and of a TP rank of the Llama's plan
         assert describe(model, model.parallel_plan(), None) == {
             "fsdp_units": ["", "layers.0", "layers.1"], "tp_sharded": 0, "stage": None, "stack": ["0", "1"],
-            "inputs": []}
+            "inputs": [], "compiled": 0}
         tp = Llama(CFG)
         _tensor_parallel(tp, tp.parallel_plan(), _mesh(Topology(1, 2, tp=2), dist.group.WORLD, torch.device("cpu")), 2)
         assert describe(tp, tp.parallel_plan(), None)["tp_sharded"] == 7 * CFG.n_layer  # wq wk wv wo w1 w2 w3

@@ -13,12 +13,13 @@ from unbroken.config import ConfigError
 FIELDS = ("x", "y", "tokens", "sumsq")
 
 
-def check_data_object(cfg, data: Callable) -> None:
+def check_data_object(cfg, data: Callable, builtin_model: bool = False) -> None:
     """Build `data(cfg)` once and read its microbatch (0, 0): it must have `microbatch` and `step_tokens`,
-    the four fields, `x` and `y` two-dimensional integer tensors of one shape (rows, tokens), rows a
-    multiple of the group's FSDP2 shards (each shard takes an equal share of every microbatch's rows),
-    tokens within model.vocab_size where the built-in model trains (`cfg.model` read by it). Raises
-    ConfigError (one line naming what to change). Call once, before launching."""
+    the four fields, `x` and `y` tensors of the same rows (their first dimension: the model's forward(x, y)
+    reads them as it likes), rows a multiple of the group's FSDP2 shards (each shard takes an equal share of
+    every microbatch's rows); where the built-in model trains (`builtin_model`), x (rows, tokens) of token
+    ids within model.block_size. Raises ConfigError (one line naming what to change). Call once, before
+    launching."""
     import torch
 
     obj = data(cfg)
@@ -32,19 +33,20 @@ def check_data_object(cfg, data: Callable) -> None:
         raise ConfigError(f"data: microbatch(0, 0) has no field {', '.join(absent)} (the contract: x, y, tokens, "
                           f"sumsq)")
     x, y = mb.x, mb.y
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == 2 and x.shape == y.shape
-            and not x.is_floating_point() and not y.is_floating_point()):
-        raise ConfigError(f"data: microbatch(0, 0)'s x and y must be integer tensors of one shape (rows, tokens); "
-                          f"got {_describe(x)} and {_describe(y)}")
-    rows, seq = x.shape
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() >= 1 and y.dim() >= 1
+            and x.shape[0] == y.shape[0]):
+        raise ConfigError(f"data: microbatch(0, 0)'s x and y must be tensors of the same rows (their first "
+                          f"dimension); got {_describe(x)} and {_describe(y)}")
+    rows = x.shape[0]
     shards = cfg.topology().dp_shard
     if rows % shards:
         raise ConfigError(f"data: microbatch(0, 0) has {rows} rows, which parallel.group_size="
                           f"{cfg.parallel.group_size}'s {shards} FSDP2 shards do not divide (each takes an equal "
                           f"share of every microbatch's rows): give each microbatch a multiple of {shards} rows")
-    if seq > cfg.model.block_size:
-        raise ConfigError(f"data: microbatch(0, 0) has {seq} tokens a row, over model.block_size="
-                          f"{cfg.model.block_size}")
+    if builtin_model and (x.dim() != 2 or x.is_floating_point() or x.shape[1] > cfg.model.block_size):
+        raise ConfigError(f"data: microbatch(0, 0)'s x is {_describe(x)}; the built-in model (model.arch="
+                          f"{cfg.model.arch}) takes (rows, tokens) token ids, at most model.block_size="
+                          f"{cfg.model.block_size} tokens a row")
 
 
 def _describe(t) -> str:
