@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import math
 import socket
 import threading
 import time
@@ -50,6 +51,11 @@ def _scrape(port: int) -> dict[str, dict]:
 
 
 def _value(scrape, family: str, sample: str | None = None, **labels) -> float:
+    """A sample's value in one scrape; nan where the scrape has no such family (an empty answer: seen once
+    in a full suite, whose other worker's processes take ports too), so every filter on it drops that
+    scrape and every comparison with it fails."""
+    if family not in scrape:
+        return math.nan
     return scrape[family]["samples"].get((sample or family, tuple(sorted(labels.items()))), 0.0)
 
 
