@@ -45,11 +45,10 @@ class Verdict(StrEnum):
 class DetectorConfig:
     """Thresholds of the sequential test, in log units of observed/predicted time. drift, suspect_at,
     slow_at, max_increment and recover_below are the floors of the adaptive thresholds (`noise`)."""
-    # CUSUM allowance: slowdowns under ~8% are tolerated, never accumulate. Measured on real runs (4
-    # replicas on 2 shared cores, device = thread CPU time): a healthy replica's step score sits at
-    # +0.15..+0.2 for several steps in a row at times (cache and memory contention from its neighbours
-    # shows even in CPU time); at 5% such a stretch reached Slow once in 12 runs, at 8% never in 16,
-    # and 1.26x-1.4x slowdowns were still declared within 3 steps (detect-eval).
+    # CUSUM allowance: slowdowns under ~8% are tolerated, never accumulate. A healthy replica's step score
+    # can sit at +0.15..+0.2 for several steps in a row (cache and memory contention from its neighbours
+    # shows even in CPU time); an allowance of 8% keeps such a stretch from reaching Slow while 1.26x and
+    # more are still declared within 3 steps (the figures: benchmarks/RESULTS.md, detect-eval).
     drift: float = math.log(1.08)
     suspect_at: float = 0.15  # CUSUM level for Suspect (one 1.2x step reaches it)
     slow_at: float = 0.45  # CUSUM level for Slow: 1.3x sustained gets there in 3 steps, 1.6x+ in 2
@@ -64,11 +63,9 @@ class DetectorConfig:
     min_speed: float = 0.1  # lowest speed reported, so a slow replica keeps some work and can show recovery
     # A run's first steps: the detector's first `warmup_steps` observed steps add evidence above
     # `warmup_drift` only (a 1.3x allowance, not 1.08x). Start-up inflates healthy replicas' device time
-    # for a step or two: measured in CI (4 replicas on 2 cores beside another test's start), two healthy
-    # replicas took 1.6-2x the CPU time of the others in steps 1-2 (scores 0.37 and 0.29 against the
-    # fleet), and one was declared Slow at step 2; another CI run declared a healthy replica Slow at
-    # step 5. A slowdown present from the first step is still found as soon: 2x adds 0.43 a step (capped
-    # at max_increment), Slow in 2 steps as before; under 1.3x it is found once the warm-up is over.
+    # for a step or two (1.6-2x their peers' on a shared host, enough to reach Slow with the run's
+    # allowance). A slowdown present from the first step is still found as soon: 2x adds 0.43 a step
+    # (capped at max_increment), Slow in 2 steps; under 1.3x it is found once the warm-up is over.
     warmup_steps: int = 6
     warmup_drift: float = math.log(1.3)
     # A member that joins a running fleet (restarted, replaced or re-formed: its track is new after the

@@ -53,9 +53,9 @@ class NoiseConfig:
     min_samples: int = 16  # scores a replica needs before its own estimate counts ...
     fleet_min_samples: int = 12  # ... and a fleet (all its replicas' together) before its estimate does
     lag: int = 4  # a score counts once this many later steps passed without the replica reaching Slow:
-    # a slowdown's first steps (Healthy until the CUSUM has its evidence) are not its noise. Counted at
-    # once, a 1.27x episode from step 6 of a real run raised its replica's noise from ~0.06 to 0.2 (its
-    # own 6 slow steps against 6 before) and was never declared.
+    # a slowdown's first steps (Healthy until the CUSUM has its evidence) are not its noise: counted at
+    # once, an episode's own slow steps would raise its replica's noise until the episode could never
+    # be declared.
     every: int = 4  # new scores between re-estimates (a sort of `window` values each)
     cap: float = 2.0  # a replica's noise counts at most this x the fleet's: a replica whose slowness
     # builds up while still Healthy must not raise its own bar out of reach

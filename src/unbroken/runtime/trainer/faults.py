@@ -33,9 +33,9 @@ class Injector:
     def __init__(self, faults: tuple[Fault, ...], me: int, log: EventLog, store: Store | None = None,
                  rank: int = 0, host: bool = False, sleep_cap_s: float = float("inf")):
         self.me, self.log, self.store = me, log, store
-        # the most one how=sleep span sleeps: F-1 times a span that a loaded host had stretched (other
-        # processes importing torch) once slept past the progress timeout, and a healthy replica was
-        # declared stuck; the worker passes a quarter of coord.progress_timeout
+        # the most one how=sleep span sleeps: F-1 times a span that a loaded host stretched could sleep
+        # past the progress timeout and get a healthy replica declared stuck; the worker passes a
+        # quarter of coord.progress_timeout
         self.sleep_cap_s = sleep_cap_s
         # host: a kill takes this rank's torchrun agent (our parent) with it, as its host's loss would. A
         # rank under an agent of its own (parallel.on_rank_loss=replan) needs it: an agent that sees its
