@@ -51,7 +51,8 @@ def cut_apart_line(me: int, dead: str | None, failure: str) -> str:
     if not dead or "cut apart" not in dead:
         return ""
     tried = re.findall(r"remote=\[([^\]]+)\]:(\d+)", failure)
-    where = f"; its last collective tried {tried[-1][0]}:{tried[-1][1]}" if tried else ""
+    where = f"; its last collective tried {tried[-1][0]}:{tried[-1][1]}" if tried else \
+        f"; its collectives failed without naming a peer address ({failure[:120]})"
     return f"unbroken: error: group {me} cannot reach its peers and leaves ({dead}){where}"
 
 
@@ -222,7 +223,8 @@ class Reducer:
                 return rec.EpochChanged(self.coord.chain_after(epoch))
             except CollectiveError as e:
                 work.copies.clear()
-                self.last_failure = str(e)  # what a group cut apart from its peers says as it leaves
+                if "remote=[" in str(e) or "remote=[" not in self.last_failure:  # the last that names a peer
+                    self.last_failure = str(e)  # what a group cut apart from its peers says as it leaves
                 self.log.emit("reduce", step=step, replica=self.role.group, epoch=epoch, ok=False, error=str(e), **tag)
                 return rec.ReduceFailed(epoch, str(e))
             results.append(result.tensor)
