@@ -59,12 +59,7 @@ def sweep() -> list[str]:
         owner = name.split("-")[1] if name.count("-") >= 2 else ""
         if owner.isdigit() and Path(f"/proc/{owner}").exists():
             continue  # a live run's (another xdist worker's)
-        for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        sh("ip", "netns", "del", name, check=False)
+        remove_netns(name)
         gone.append(name)
     return gone
 
@@ -90,6 +85,16 @@ ip link set lo up
 echo ready
 exec sleep infinity
 """
+
+
+def remove_netns(name: str) -> None:
+    """Kill every process left in network namespace `name`, then delete it (either may be gone already)."""
+    for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    sh("ip", "netns", "del", name, check=False)
 
 
 @dataclass
@@ -226,12 +231,7 @@ class Cluster:
                         pass
             h.init.kill()
         for name in reversed(self._made):
-            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            sh("ip", "netns", "del", name, check=False)
+            remove_netns(name)
         self._made.clear()
 
     def __enter__(self) -> Cluster:
